@@ -1,0 +1,35 @@
+"""mergekit-ram: Reinforced Agent Merging (RAM, RAM+) for mergekit.
+
+Importing this package is cheap (no torch, no mergekit); the heavy parts load on use.
+"""
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "merge_state_dicts": "mergekit_ram.inmemory",
+    "RamStatistics": "mergekit_ram.stats",
+    "TensorCounts": "mergekit_ram.stats",
+    "ParameterError": "mergekit_ram.parameters",
+}
+
+
+def register() -> None:
+    """Register ``ram`` and ``ram_plus`` with mergekit and hook its planner (idempotent).
+
+    Only needed where the automatic registration is off (``MERGEKIT_RAM_AUTOLOAD=0``) or
+    unavailable; it imports mergekit.
+    """
+    from mergekit_ram.integration import register as _register
+
+    _register()
+
+
+def __getattr__(name: str) -> object:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'mergekit_ram' has no attribute {name!r}")
+
+
+__all__ = ["__version__", "register", *_LAZY]

@@ -1,0 +1,237 @@
+"""Everything that touches mergekit's private parts, in one place.
+
+- the registry's table (to replace mergekit's built-in ``ram``, which has no public API);
+- ``MergePlanner.plan_to_disk`` / ``plan_in_memory`` (recipe check, pre-pass, statistics);
+- ``mergekit.merge.run_merge`` (the model card section);
+- ``mergekit.scripts.merge_raw_pytorch.plan_flat_merge`` (``mergekit-pytorch``).
+
+Each patch is idempotent and checks that the internals it relies on are still there,
+failing with the mergekit version in the message if they moved.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import json
+import logging
+import os
+import sys
+from types import ModuleType
+from typing import Any, Callable, Iterator, Optional
+
+from pydantic import BaseModel
+
+from mergekit_ram.parameters import ParameterError, check_parameter, parameter_info
+
+LOG = logging.getLogger(__name__)
+
+TESTED_MERGEKIT = ("0.1.5",)
+RAM_METHODS = ("ram", "ram_plus")
+_MARK = "__mergekit_ram_wrapped__"
+
+
+class MergekitMovedError(RuntimeError):
+    """A mergekit internal this plugin relies on is not where mergekit 0.1.5 had it."""
+
+
+def mergekit_version() -> str:
+    try:
+        return importlib.metadata.version("mergekit")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def register() -> None:
+    """Register ``ram`` and ``ram_plus`` with mergekit and hook its planner; idempotent."""
+    version = mergekit_version()
+    if version not in TESTED_MERGEKIT:
+        LOG.warning(
+            "mergekit-ram is tested with mergekit %s; found %s. Its internals may have moved.",
+            ", ".join(TESTED_MERGEKIT),
+            version,
+        )
+    import mergekit.merge
+    import mergekit.merge_methods
+    import mergekit.plan
+    import mergekit.scripts.merge_raw_pytorch
+
+    register_methods(mergekit.merge_methods)
+    patch_planner(mergekit.plan)
+    patch_run_merge(mergekit.merge)
+    patch_raw_pytorch(mergekit.scripts.merge_raw_pytorch)
+
+
+def _require(module: ModuleType, name: str) -> Any:
+    if not hasattr(module, name):
+        raise MergekitMovedError(
+            f"mergekit-ram cannot find {module.__name__}.{name} in mergekit {mergekit_version()}; "
+            f"it supports mergekit {', '.join(TESTED_MERGEKIT)}"
+        )
+    return getattr(module, name)
+
+
+def register_methods(merge_methods: ModuleType) -> None:
+    """Add ``ram_plus``; replace the built-in ``ram`` (and only that one) with ours."""
+    from mergekit.merge_methods import ram as builtin_ram
+    from mergekit.merge_methods import registry
+
+    from mergekit_ram.methods import METHODS
+
+    table = _require(registry, "_METHODS")
+    for name, method in METHODS.items():
+        current = table.get(name)
+        if current is method:
+            continue
+        if current is None:
+            registry.register(method)
+        elif name == "ram" and current is getattr(builtin_ram, "ram_merge", None):
+            table[name] = method
+            LOG.info("mergekit-ram: replaced mergekit's built-in 'ram' (checkpoint-dtype arithmetic) with float32 RAM")
+        else:
+            LOG.warning("mergekit-ram: merge method %r is already registered by someone else; leaving it", name)
+
+
+def _wrap(owner: Any, name: str, make: Callable[[Callable], Callable]) -> None:
+    original = _require(owner, name) if isinstance(owner, ModuleType) else getattr(owner, name, None)
+    if original is None:
+        raise MergekitMovedError(f"mergekit-ram cannot find {owner.__name__}.{name} in mergekit {mergekit_version()}")
+    if getattr(original, _MARK, False):
+        return
+    wrapper = functools.wraps(original)(make(original))
+    setattr(wrapper, _MARK, True)
+    setattr(owner, name, wrapper)
+
+
+def _is_ours(method_name: str) -> bool:
+    from mergekit import merge_methods
+
+    from mergekit_ram.methods import METHODS
+
+    if method_name not in METHODS:
+        return False
+    try:
+        return merge_methods.get(method_name) is METHODS[method_name]
+    except RuntimeError:
+        return False
+
+
+def patch_planner(plan: ModuleType) -> None:
+    """Check RAM recipes before planning; run the pre-pass and add statistics after."""
+    from mergekit_ram.prepass import attach_ram_plan
+
+    planner = _require(plan, "MergePlanner")
+
+    def make(original: Callable, to_disk: bool) -> Callable:
+        def planned(self: Any, *args: Any, **kwargs: Any) -> Any:
+            method = self.config.merge_method
+            if not _is_ours(method):
+                return original(self, *args, **kwargs)
+            check_recipe(method, self.config)
+            targets = original(self, *args, **kwargs)
+            out_path = (args[0] if args else kwargs["out_path"]) if to_disk else None
+            return attach_ram_plan(targets, self.options, out_path)
+
+        return planned
+
+    _wrap(planner, "plan_to_disk", lambda original: make(original, True))
+    _wrap(planner, "plan_in_memory", lambda original: make(original, False))
+
+
+def patch_run_merge(merge: ModuleType) -> None:
+    """Append the RAM statistics to the model card mergekit writes."""
+
+    def make(original: Callable) -> Callable:
+        def run_merge(merge_config: Any, out_path: str, options: Any, config_source: Optional[str] = None) -> Any:
+            result = original(merge_config, out_path, options=options, config_source=config_source)
+            if _is_ours(merge_config.merge_method) and options.write_model_card:
+                append_card_section(out_path)
+            return result
+
+        return run_merge
+
+    _wrap(merge, "run_merge", make)
+    patched = merge.run_merge
+    for name in ("mergekit.scripts.run_yaml", "mergekit.scripts.multimerge"):
+        module = sys.modules.get(name)
+        if module is not None and getattr(module, "run_merge", None) is not patched:
+            module.run_merge = patched
+
+
+def patch_raw_pytorch(raw: ModuleType) -> None:
+    """``mergekit-pytorch`` plans its own flat merge: give it the same pre-pass."""
+    from mergekit_ram.prepass import attach_ram_plan
+
+    def make(original: Callable) -> Callable:
+        def plan_flat_merge(
+            config: Any, out_path: str, tensor_union: bool, tensor_intersection: bool, options: Any
+        ) -> Any:
+            if not _is_ours(config.merge_method):
+                return original(config, out_path, tensor_union, tensor_intersection, options)
+            check_recipe(config.merge_method, config)
+            targets = original(config, out_path, tensor_union, tensor_intersection, options)
+            return attach_ram_plan(targets, options, out_path)
+
+        return plan_flat_merge
+
+    _wrap(raw, "plan_flat_merge", make)
+
+
+def append_card_section(out_path: str) -> None:
+    from mergekit_ram.stats import STATISTICS_FILE, RamStatistics
+
+    card = os.path.join(out_path, "README.md")
+    statistics_path = os.path.join(out_path, STATISTICS_FILE)
+    if not (os.path.exists(card) and os.path.exists(statistics_path)):
+        return
+    with open(statistics_path, encoding="utf-8") as handle:
+        statistics = RamStatistics.from_dict(json.load(handle))
+    with open(card, "a", encoding="utf-8") as handle:
+        handle.write("\n" + statistics.markdown())
+
+
+# Recipe checks ------------------------------------------------------------------
+
+
+def check_recipe(method: str, config: BaseModel) -> None:
+    """Refuse unknown names and invalid values in every ``parameters`` block of a recipe.
+
+    mergekit silently drops parameters a method does not declare; for RAM a typo such
+    as ``apha`` would quietly merge with the default, so it is an error here.
+    """
+    for where, name, value in _parameter_settings(config):
+        parameter_info(method, name, where)
+        for scalar in _scalars(value):
+            check_parameter(method, name, scalar, where)
+
+
+def _parameter_settings(node: Any, where: str = "") -> Iterator[tuple[str, str, Any]]:
+    if isinstance(node, BaseModel):
+        for field_name in type(node).model_fields:
+            value = getattr(node, field_name)
+            location = f"{where}.{field_name}" if where else field_name
+            if field_name == "parameters" and isinstance(value, dict):
+                for name, setting in value.items():
+                    yield location, name, setting
+            elif field_name != "parameters":
+                yield from _parameter_settings(value, location)
+    elif isinstance(node, (list, tuple)):
+        for index, item in enumerate(node):
+            yield from _parameter_settings(item, f"{where}[{index}]")
+    elif isinstance(node, dict):
+        for key, item in node.items():
+            yield from _parameter_settings(item, f"{where}.{key}")
+
+
+def _scalars(setting: Any) -> Iterator[Any]:
+    """The scalar values inside a setting: plain, gradient list, or filtered values."""
+    if isinstance(setting, list):
+        for item in setting:
+            yield from _scalars(item)
+    elif isinstance(setting, BaseModel) and hasattr(setting, "value"):
+        yield from _scalars(setting.value)
+    else:
+        yield setting
+
+
+__all__ = ["ParameterError", "register", "check_recipe"]

@@ -1,0 +1,287 @@
+"""RAM statistics: per-tensor counts summed per model, rho and lambda, and their renderings.
+
+One ``RamStatistics`` object feeds the log, the JSON file beside a merged model, the
+model card section and the command line, so every rendering shows the same figures.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Literal, Mapping, Optional
+
+from mergekit_ram.kernel import Rule, overlap_ratio, rescale_factor
+
+LOG = logging.getLogger(__name__)
+
+STATISTICS_FILE = "ram_statistics.json"
+SCHEMA_VERSION = 1
+
+Source = Literal["pre-pass", "merge"]
+Pin = Literal["rho", "lambda"]
+
+
+@dataclass(frozen=True)
+class TensorCounts:
+    """One output tensor's overlap counts, as the kernel saw them.
+
+    ``histograms[t][k - 1]``: elements of this tensor that ``models[t]`` changed and
+    that exactly k models changed.
+    """
+
+    name: str
+    numel: int
+    epsilon: float
+    models: tuple[str, ...]
+    histograms: tuple[tuple[int, ...], ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "numel": self.numel,
+            "epsilon": self.epsilon,
+            "models": list(self.models),
+            "histograms": [list(row) for row in self.histograms],
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> TensorCounts:
+        return cls(
+            name=data["name"],
+            numel=int(data["numel"]),
+            epsilon=float(data["epsilon"]),
+            models=tuple(data["models"]),
+            histograms=tuple(tuple(int(v) for v in row) for row in data["histograms"]),
+        )
+
+
+@dataclass(frozen=True)
+class ModelStatistics:
+    """One fine-tuned model's counts over the whole merge, and the lambda it was given."""
+
+    model: str
+    numel: int
+    histogram: tuple[int, ...]
+    rho: float
+    lambda_: float
+    pinned: Optional[Pin] = None
+
+    @property
+    def active(self) -> int:
+        return sum(self.histogram)
+
+    @property
+    def unique(self) -> int:
+        return self.histogram[0] if self.histogram else 0
+
+    @property
+    def shared(self) -> int:
+        return self.active - self.unique
+
+    @property
+    def density(self) -> float:
+        return self.active / self.numel if self.numel else 0.0
+
+    @property
+    def measured_rho(self) -> float:
+        return overlap_ratio(self.shared, self.unique)
+
+
+@dataclass(frozen=True)
+class RamStatistics:
+    """What a RAM / RAM+ merge computed: per-model counts, rho and lambda."""
+
+    method: str
+    parameters: dict[str, Any]
+    source: Source
+    models: tuple[ModelStatistics, ...]
+    tensors: tuple[TensorCounts, ...]
+    versions: dict[str, str] = field(default_factory=lambda: package_versions())
+
+    @classmethod
+    def build(
+        cls,
+        method: str,
+        tensors: Iterable[TensorCounts],
+        *,
+        r: float = 0.0,
+        alpha: float = 0.0,
+        rule: Rule = "clip",
+        pins: Optional[Mapping[str, tuple[Pin, float]]] = None,
+        source: Source = "pre-pass",
+    ) -> RamStatistics:
+        """Sum per-tensor counts per model, then rho_t and lambda_t (pins override)."""
+        tensors = tuple(tensors)
+        numel: dict[str, int] = {}
+        histograms: dict[str, list[int]] = {}
+        for counts in tensors:
+            for model, row in zip(counts.models, counts.histograms):
+                numel[model] = numel.get(model, 0) + counts.numel
+                total = histograms.setdefault(model, [])
+                total.extend([0] * (len(row) - len(total)))
+                for index, value in enumerate(row):
+                    total[index] += value
+        pins = dict(pins or {})
+        models = []
+        for model in list(numel) + [m for m in pins if m not in numel]:
+            histogram = tuple(histograms.get(model, ()))
+            unique = histogram[0] if histogram else 0
+            rho = overlap_ratio(sum(histogram) - unique, unique)
+            pin = pins.get(model)
+            if pin is not None and pin[0] == "rho":
+                rho = pin[1]
+            lambda_ = pin[1] if pin is not None and pin[0] == "lambda" else rescale_factor(rho, r, alpha, rule)
+            models.append(
+                ModelStatistics(
+                    model=model,
+                    numel=numel.get(model, 0),
+                    histogram=histogram,
+                    rho=rho,
+                    lambda_=lambda_,
+                    pinned=pin[0] if pin is not None else None,
+                )
+            )
+        epsilons = sorted({counts.epsilon for counts in tensors})
+        parameters: dict[str, Any] = {"epsilon": epsilons[0] if len(epsilons) == 1 else epsilons}
+        if method != "ram":
+            parameters.update(r=r, alpha=alpha, rule=rule)
+        return cls(method=method, parameters=parameters, source=source, models=tuple(models), tensors=tensors)
+
+    def lambdas(self) -> dict[str, float]:
+        return {stats.model: stats.lambda_ for stats in self.models}
+
+    # Renderings -----------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema": SCHEMA_VERSION,
+            "method": self.method,
+            "parameters": self.parameters,
+            "source": self.source,
+            "versions": self.versions,
+            "models": [
+                {
+                    "model": stats.model,
+                    "parameters": stats.numel,
+                    "changed": stats.active,
+                    "density": stats.density,
+                    "unique": stats.unique,
+                    "shared": stats.shared,
+                    "overlap_histogram": {str(k + 1): v for k, v in enumerate(stats.histogram)},
+                    "rho": _finite_or_none(stats.rho),
+                    "measured_rho": _finite_or_none(stats.measured_rho),
+                    "lambda": stats.lambda_,
+                    "pinned": stats.pinned,
+                }
+                for stats in self.models
+            ],
+            "tensors": [counts.to_dict() for counts in self.tensors],
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, allow_nan=False) + "\n"
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> RamStatistics:
+        models = tuple(
+            ModelStatistics(
+                model=entry["model"],
+                numel=int(entry["parameters"]),
+                histogram=tuple(
+                    int(entry["overlap_histogram"][str(k + 1)]) for k in range(len(entry["overlap_histogram"]))
+                ),
+                rho=math.inf if entry["rho"] is None else float(entry["rho"]),
+                lambda_=float(entry["lambda"]),
+                pinned=entry["pinned"],
+            )
+            for entry in data["models"]
+        )
+        return cls(
+            method=data["method"],
+            parameters=dict(data["parameters"]),
+            source=data["source"],
+            models=models,
+            tensors=tuple(TensorCounts.from_dict(entry) for entry in data["tensors"]),
+            versions=dict(data["versions"]),
+        )
+
+    def table(self) -> str:
+        """A fixed-width table: model, density, shared, unique, rho, lambda."""
+        rows = [("model", "density", "changed", "shared", "unique", "rho", "lambda")]
+        for stats in self.models:
+            rows.append(
+                (
+                    stats.model,
+                    f"{100 * stats.density:.2f}%",
+                    f"{stats.active:,}",
+                    f"{stats.shared:,}",
+                    f"{stats.unique:,}",
+                    _format_rho(stats.rho) + (" (pinned)" if stats.pinned == "rho" else ""),
+                    f"{stats.lambda_:.4f}" + (" (pinned)" if stats.pinned == "lambda" else ""),
+                )
+            )
+        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+        lines = [
+            "  ".join(
+                cell.ljust(width) if i == 0 else cell.rjust(width) for i, (cell, width) in enumerate(zip(row, widths))
+            )
+            for row in rows
+        ]
+        lines.insert(1, "  ".join("-" * width for width in widths))
+        return "\n".join(lines)
+
+    def markdown(self) -> str:
+        """The "RAM statistics" section of a model card."""
+        settings = ", ".join(f"`{key}` = {value}" for key, value in self.parameters.items())
+        lines = [
+            "## RAM statistics",
+            "",
+            f"Merged with `{self.method}` ({settings}); counts from the {self.source}, "
+            f"mergekit-ram {self.versions.get('mergekit-ram', '?')}, mergekit {self.versions.get('mergekit', '?')}.",
+            "",
+            "| model | density | changed | shared | unique | rho | lambda |",
+            "|---|---:|---:|---:|---:|---:|---:|",
+        ]
+        for stats in self.models:
+            pin = f" ({stats.pinned} pinned)" if stats.pinned else ""
+            lines.append(
+                f"| {stats.model} | {100 * stats.density:.2f}% | {stats.active:,} | {stats.shared:,} | "
+                f"{stats.unique:,} | {_format_rho(stats.rho)} | {stats.lambda_:.4f}{pin} |"
+            )
+        lines += ["", f"Full counts per tensor: `{STATISTICS_FILE}`.", ""]
+        return "\n".join(lines)
+
+    def log(self, logger: logging.Logger = LOG) -> None:
+        for stats in self.models:
+            logger.info(
+                "%s: %s: density %.2f%%, shared %d, unique %d, rho %s, lambda %.4f%s",
+                self.method,
+                stats.model,
+                100 * stats.density,
+                stats.shared,
+                stats.unique,
+                _format_rho(stats.rho),
+                stats.lambda_,
+                f" ({stats.pinned} pinned)" if stats.pinned else "",
+            )
+
+
+def package_versions() -> dict[str, str]:
+    versions = {}
+    for name in ("mergekit-ram", "mergekit", "torch"):
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = "not installed"
+    return versions
+
+
+def _finite_or_none(value: float) -> Optional[float]:
+    return value if math.isfinite(value) else None
+
+
+def _format_rho(rho: float) -> str:
+    return "inf" if math.isinf(rho) else f"{rho:.4f}"
