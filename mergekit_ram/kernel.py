@@ -25,7 +25,8 @@ import torch
 Rule = Literal["clip", "soft"]
 
 #: Histograms are gathered from a bit pattern per element (bit t set when model t is
-#: active); up to this many models fit a bincount over 2**N bins.
+#: active): int16 patterns up to 15 models, a bincount over 2**N bins up to 20.
+_INT16_MAX_MODELS = 15
 _BINCOUNT_MAX_MODELS = 20
 _PATTERN_MAX_MODELS = 62
 
@@ -112,7 +113,7 @@ def ram_merge(
         # 1 + index of the last active model: where c == 1, the only one.
         owner = torch.zeros(base.shape, dtype=torch.uint8, device=base.device) if scale_unique else None
     if count:
-        pattern_dtype = torch.int32 if n <= _BINCOUNT_MAX_MODELS else torch.int64
+        pattern_dtype = torch.int16 if n <= _INT16_MAX_MODELS else torch.int64
         pattern = torch.zeros(base.shape, dtype=pattern_dtype, device=base.device)
 
     for index, finetune in enumerate(finetunes):

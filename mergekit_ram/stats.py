@@ -10,6 +10,7 @@ import importlib.metadata
 import json
 import logging
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Literal, Mapping, Optional
 
@@ -209,12 +210,16 @@ class RamStatistics:
         )
 
     def table(self) -> str:
-        """A fixed-width table: model, density, shared, unique, rho, lambda."""
+        """A fixed-width table: model, density, changed, shared, unique, rho, lambda.
+
+        Local paths show as their last component when that is unambiguous.
+        """
+        names = _display_names([stats.model for stats in self.models])
         rows = [("model", "density", "changed", "shared", "unique", "rho", "lambda")]
         for stats in self.models:
             rows.append(
                 (
-                    stats.model,
+                    names[stats.model],
                     f"{100 * stats.density:.2f}%",
                     f"{stats.active:,}",
                     f"{stats.shared:,}",
@@ -277,6 +282,11 @@ def package_versions() -> dict[str, str]:
         except importlib.metadata.PackageNotFoundError:
             versions[name] = "not installed"
     return versions
+
+
+def _display_names(models: list[str]) -> dict[str, str]:
+    short = {model: os.path.basename(model.rstrip(os.sep)) if os.path.isabs(model) else model for model in models}
+    return short if len(set(short.values())) == len(models) else {model: model for model in models}
 
 
 def _finite_or_none(value: float) -> Optional[float]:

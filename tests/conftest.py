@@ -1,0 +1,86 @@
+"""Shared fixtures: tiny models on disk, recipes, and the real mergekit console scripts."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from mergekit_ram.synthetic import PAPER_AGENTS, PAPER_OVERLAP, Agents, build_agents, tiny_config
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+
+def script(name: str) -> str:
+    """The console script installed beside this interpreter (the real mergekit-yaml, ...)."""
+    return os.path.join(os.path.dirname(sys.executable), name)
+
+
+def run_script(
+    name: str, *args: str, env: Optional[dict[str, str]] = None, check: bool = True
+) -> subprocess.CompletedProcess:
+    environment = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
+    completed = subprocess.run([script(name), *args], env=environment, capture_output=True, text=True)
+    if check and completed.returncode != 0:
+        raise AssertionError(f"{name} {' '.join(args)} failed ({completed.returncode}):\n{completed.stderr[-6000:]}")
+    return completed
+
+
+def write_recipe(path: str, recipe: dict[str, Any]) -> str:
+    with open(path, "w", encoding="utf-8") as handle:
+        yaml.safe_dump(recipe, handle, sort_keys=False)
+    return path
+
+
+def load_weights(path: str) -> dict[str, torch.Tensor]:
+    weights: dict[str, torch.Tensor] = {}
+    for file in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+        weights.update(load_file(file))
+    return weights
+
+
+def load_statistics(path: str) -> dict[str, Any]:
+    with open(os.path.join(path, "ram_statistics.json"), encoding="utf-8") as handle:
+        return json.load(handle)
+
+
+@dataclass(frozen=True)
+class ModelSet:
+    """A base and fine-tunes on disk, with the masks they were built from."""
+
+    base: str
+    agents: list[str]
+    design: Agents
+
+    def recipe(self, method: str, **extra: Any) -> dict[str, Any]:
+        return {
+            "merge_method": method,
+            "base_model": self.base,
+            "models": [{"model": path} for path in self.agents],
+            **extra,
+        }
+
+
+def _build(directory: str, dtype: torch.dtype, architecture: str = "llama") -> ModelSet:
+    config = tiny_config(architecture, hidden_size=32, intermediate_size=48, num_layers=2, vocab_size=64)
+    base, agents, design = build_agents(directory, config, PAPER_OVERLAP, PAPER_AGENTS, dtype=dtype, seed=3)
+    return ModelSet(base=base, agents=agents, design=design)
+
+
+@pytest.fixture(scope="session")
+def bf16_models(tmp_path_factory: pytest.TempPathFactory) -> ModelSet:
+    return _build(str(tmp_path_factory.mktemp("bf16")), torch.bfloat16)
+
+
+@pytest.fixture(scope="session")
+def fp32_models(tmp_path_factory: pytest.TempPathFactory) -> ModelSet:
+    return _build(str(tmp_path_factory.mktemp("fp32")), torch.float32)

@@ -1,0 +1,198 @@
+"""The tensor math against the independent reference, on active sets built per element."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from mergekit_ram.kernel import NonFiniteInputError, overlap_ratio, ram_merge, rescale_factor
+from tests import reference
+
+EPSILON = 1e-5
+
+
+def designed_group(
+    n: int, shape: tuple[int, ...] = (64, 48), dtype: torch.dtype = torch.float32, seed: int = 0
+) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+    """A base and n fine-tunes whose active sets are drawn per element; returns the masks too.
+
+    Changes are at least 1e-3 (far above epsilon) and sub-threshold noise (below epsilon)
+    is added to some inactive elements, so the threshold itself is exercised.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    base = torch.randn(shape, generator=generator).to(dtype)
+    active = torch.rand((n, *shape), generator=generator) < torch.linspace(0.05, 0.6, n).view(n, *[1] * len(shape))
+    finetunes = []
+    for index in range(n):
+        delta = (torch.rand(shape, generator=generator) * 0.05 + 1e-3) * torch.sign(
+            torch.randn(shape, generator=generator)
+        )
+        changed = (base.float() + delta).to(dtype)
+        finetune = torch.where(active[index], changed, base)
+        if dtype == torch.float32:
+            noise = (torch.rand(shape, generator=generator) - 0.5) * EPSILON  # |noise| <= eps / 2
+            finetune = torch.where(active[index], finetune, base + noise)
+        finetunes.append(finetune)
+    return base, finetunes, active
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5])
+@pytest.mark.parametrize("lambdas_kind", ["ram", "ram_plus"])
+def test_float32_merge_equals_reference(n: int, lambdas_kind: str) -> None:
+    base, finetunes, _ = designed_group(n)
+    lambdas = [1.0] * n if lambdas_kind == "ram" else [1.0 + 0.07 * (i + 1) for i in range(n)]
+    result = ram_merge(base, finetunes, EPSILON, lambdas)
+    expected = reference.merge(base, finetunes, EPSILON, lambdas)
+    assert result.merged.dtype == torch.float32
+    torch.testing.assert_close(result.merged, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_output_is_reference_rounded(dtype: torch.dtype) -> None:
+    base, finetunes, _ = designed_group(3, dtype=dtype)
+    lambdas = [1.2, 1.145, 1.11]
+    result = ram_merge(base, finetunes, EPSILON, lambdas)
+    expected = reference.merge(base, finetunes, EPSILON, lambdas).to(dtype)
+    assert result.merged.dtype == dtype
+    assert torch.equal(result.merged, expected)
+
+
+def test_counts_match_design_and_reference() -> None:
+    base, finetunes, active = designed_group(4)
+    result = ram_merge(base, finetunes, EPSILON, merge=False, count=True)
+    assert result.merged is None
+    ref = reference.counts(base, finetunes, EPSILON)
+    assert [list(row) for row in result.histograms] == ref.histograms
+    overlap = active.sum(0)
+    for index in range(4):
+        assert sum(result.histograms[index]) == int(active[index].sum())  # the design, exactly
+        assert result.histograms[index][0] == int((active[index] & (overlap == 1)).sum())
+
+
+def test_merge_and_count_agree_with_count_only() -> None:
+    base, finetunes, _ = designed_group(3, dtype=torch.bfloat16)
+    both = ram_merge(base, finetunes, EPSILON, [1.1, 1.2, 1.3], count=True)
+    merged_only = ram_merge(base, finetunes, EPSILON, [1.1, 1.2, 1.3])
+    counted_only = ram_merge(base, finetunes, EPSILON, merge=False, count=True)
+    assert torch.equal(both.merged, merged_only.merged)
+    assert both.histograms == counted_only.histograms
+
+
+def test_many_models_use_the_general_pattern_path() -> None:
+    base, finetunes, _ = designed_group(22, shape=(40, 30))
+    result = ram_merge(base, finetunes, EPSILON, merge=False, count=True)
+    assert [list(row) for row in result.histograms] == reference.counts(base, finetunes, EPSILON).histograms
+
+
+def test_epsilon_is_strict_and_compared_in_float32() -> None:
+    base = torch.zeros(4)
+    finetune = torch.tensor([1e-5, 2e-5, -1e-5, -3e-5])
+    result = ram_merge(base, [finetune], 1e-5, count=True)
+    assert result.histograms == ((2,),)
+    assert torch.equal(result.merged, torch.tensor([0.0, 2e-5, 0.0, -3e-5]))
+
+
+def test_epsilon_zero_counts_every_change() -> None:
+    base, finetunes, _ = designed_group(2)
+    result = ram_merge(base, finetunes, 0.0, count=True)
+    assert [sum(row) for row in result.histograms] == [int((f != base).sum()) for f in finetunes]
+    torch.testing.assert_close(result.merged, reference.merge(base, finetunes, 0.0, [1.0, 1.0]), rtol=0, atol=0)
+
+
+def test_finetune_equal_to_base_changes_nothing() -> None:
+    base, finetunes, _ = designed_group(2)
+    result = ram_merge(base, [base.clone(), finetunes[1]], EPSILON, [1.2, 1.2], count=True)
+    assert result.histograms[0] == (0, 0)
+    assert not torch.isnan(result.merged).any()
+    torch.testing.assert_close(
+        result.merged, reference.merge(base, [base, finetunes[1]], EPSILON, [1.2, 1.2]), rtol=0, atol=0
+    )
+
+
+def test_identical_finetunes_average_to_themselves_without_nan() -> None:
+    base, finetunes, _ = designed_group(1)
+    result = ram_merge(base, [finetunes[0], finetunes[0].clone()], EPSILON, [1.2, 1.2], count=True)
+    assert result.histograms[0][0] == 0  # nothing unique
+    assert not torch.isnan(result.merged).any()
+    changed = (finetunes[0] - base).abs() > EPSILON
+    assert torch.equal(result.merged[changed], finetunes[0][changed])
+
+
+def test_single_model_resets_subthreshold_changes() -> None:
+    base, finetunes, active = designed_group(1)
+    result = ram_merge(base, finetunes, EPSILON, [1.0])
+    assert torch.equal(result.merged[active[0]], finetunes[0][active[0]])
+    assert torch.equal(result.merged[~active[0]], base[~active[0]])
+
+
+def test_no_finetunes_returns_the_base() -> None:
+    base = torch.randn(5, 3)
+    result = ram_merge(base, [], EPSILON, count=True)
+    assert torch.equal(result.merged, base)
+    assert result.histograms == ()
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_non_finite_inputs_are_named(bad: float) -> None:
+    base, finetunes, _ = designed_group(3)
+    finetunes[2] = finetunes[2].clone()
+    finetunes[2][3, 4] = bad
+    with pytest.raises(NonFiniteInputError) as error:
+        ram_merge(base, finetunes, EPSILON)
+    assert error.value.index == 2
+    poisoned = base.clone()
+    poisoned[0, 0] = bad
+    with pytest.raises(NonFiniteInputError) as error:
+        ram_merge(poisoned, finetunes[:2], EPSILON, merge=False, count=True)
+    assert error.value.index is None
+
+
+def test_large_finite_values_are_not_mistaken_for_inf() -> None:
+    base = torch.full((1000,), 3e35)
+    finetune = base.clone()
+    finetune[:500] = -3e35  # |tau| = 6e35; the sum of magnitudes overflows float32
+    result = ram_merge(base, [finetune], EPSILON)
+    assert torch.isfinite(result.merged).all()
+
+
+def test_rho_and_lambda_follow_the_paper() -> None:
+    assert overlap_ratio(30, 2) == reference.rho(30, 2) == 15.0
+    assert overlap_ratio(0, 0) == 0.0
+    assert math.isinf(overlap_ratio(5, 0))
+    for rho in (0.0, 0.5, 1.11, 1.45, 2.0, 14.9, math.inf):
+        assert rescale_factor(rho, 0.1, 2.0, "clip") == reference.lambda_clip(rho, 0.1, 2.0)
+        assert rescale_factor(rho, 0.1, 2.0, "soft") == reference.lambda_soft(rho, 0.1)
+    assert rescale_factor(14.9, 0.1, 2.0, "clip") == pytest.approx(1.2)
+    assert rescale_factor(1.45, 0.1, 2.0, "clip") == pytest.approx(1.145)
+    assert rescale_factor(3.0, 0.1, 2.0, "soft") == pytest.approx(1.075)
+    with pytest.raises(ValueError, match="rule"):
+        rescale_factor(1.0, 0.1, 2.0, "tanh")  # type: ignore[arg-type]
+
+
+def peak_scratch_bytes(function) -> int:
+    """Peak bytes torch allocated while ``function`` ran (allocations minus frees, in order)."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        function()
+    events = sorted(
+        (event.time_range.start, event.cpu_memory_usage if event.name == "[memory]" else event.self_cpu_memory_usage)
+        for event in prof.events()
+    )
+    current = peak = 0
+    for _, delta in events:
+        current += delta
+        peak = max(peak, current)
+    return peak
+
+
+def test_scratch_memory_is_independent_of_n() -> None:
+    """At most 24 bytes per element (output included) for bfloat16, whatever N."""
+    numel = 200_000
+    peaks = {}
+    for n in (2, 3, 5):
+        base, finetunes, _ = designed_group(n, shape=(numel,), dtype=torch.bfloat16)
+        peaks[n] = peak_scratch_bytes(lambda b=base, f=finetunes, n=n: ram_merge(b, f, EPSILON, [1.1] * n, count=True))
+    assert len(set(peaks.values())) == 1, peaks
+    assert peaks[3] / numel <= 24, peaks

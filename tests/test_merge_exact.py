@@ -1,0 +1,159 @@
+"""ram / ram_plus through the real mergekit-yaml, against the independent reference."""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import pytest
+import torch
+
+from mergekit_ram.synthetic import build_base, sparse_agents, tiny_config, write_checkpoint
+from tests import reference
+from tests.conftest import ModelSet, load_statistics, load_weights, run_script, write_recipe
+
+EPSILON = 1e-5
+
+
+def reference_merge(models: ModelSet, epsilon: float, lambda_of) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Global counts over every tensor, lambdas from them, then the per-element rule."""
+    base = load_weights(models.base)
+    finetunes = [load_weights(path) for path in models.agents]
+    shared = [0] * len(finetunes)
+    unique = [0] * len(finetunes)
+    for name in base:
+        counts = reference.counts(base[name], [ft[name] for ft in finetunes], epsilon)
+        shared = [a + b for a, b in zip(shared, counts.shared)]
+        unique = [a + b for a, b in zip(unique, counts.unique)]
+    lambdas = [lambda_of(reference.rho(s, u)) for s, u in zip(shared, unique)]
+    merged = {
+        name: reference.merge(tensor, [ft[name] for ft in finetunes], epsilon, lambdas).to(tensor.dtype)
+        for name, tensor in base.items()
+    }
+    return merged, {"shared": shared, "unique": unique, "lambdas": lambdas}
+
+
+def designed_counts(models: ModelSet) -> tuple[list[int], list[int]]:
+    """Shared and unique counts straight from the masks the agents were built from."""
+    shared = [0] * len(models.agents)
+    unique = [0] * len(models.agents)
+    for mask in models.design.masks.values():
+        overlap = mask.sum(0)
+        for index in range(len(models.agents)):
+            shared[index] += int((mask[index] & (overlap >= 2)).sum())
+            unique[index] += int((mask[index] & (overlap == 1)).sum())
+    return shared, unique
+
+
+def assert_same_weights(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    assert set(actual) == set(expected)
+    for name, tensor in expected.items():
+        assert actual[name].dtype == tensor.dtype, name
+        assert torch.equal(actual[name], tensor), f"{name}: {(actual[name] != tensor).sum()} elements differ"
+
+
+@pytest.mark.parametrize("dtype_fixture", ["fp32_models", "bf16_models"])
+@pytest.mark.parametrize("rule", ["clip", "soft"])
+def test_ram_plus_equals_reference(dtype_fixture: str, rule: str, request: pytest.FixtureRequest, tmp_path) -> None:
+    models: ModelSet = request.getfixturevalue(dtype_fixture)
+    recipe = models.recipe("ram_plus", parameters={"r": 0.1, "alpha": 2.0, "epsilon": EPSILON, "rule": rule})
+    out = str(tmp_path / "out")
+    run_script("mergekit-yaml", write_recipe(str(tmp_path / "r.yml"), recipe), out)
+
+    if rule == "clip":
+        expected, figures = reference_merge(models, EPSILON, lambda rho: reference.lambda_clip(rho, 0.1, 2.0))
+    else:
+        expected, figures = reference_merge(models, EPSILON, lambda rho: reference.lambda_soft(rho, 0.1))
+    assert_same_weights(load_weights(out), expected)
+
+    statistics = load_statistics(out)
+    assert statistics["source"] == "pre-pass"
+    assert [m["shared"] for m in statistics["models"]] == figures["shared"] == designed_counts(models)[0]
+    assert [m["unique"] for m in statistics["models"]] == figures["unique"] == designed_counts(models)[1]
+    assert [m["lambda"] for m in statistics["models"]] == figures["lambdas"]
+    if rule == "clip":
+        # The coding agent's rho is far above alpha (about 15): lambda is clipped to 1 + r * alpha.
+        assert figures["lambdas"][0] == 1.2
+        assert all(1.1 < lam < 1.2 for lam in figures["lambdas"][1:])
+
+
+@pytest.mark.parametrize("dtype_fixture", ["fp32_models", "bf16_models"])
+def test_ram_equals_reference(dtype_fixture: str, request: pytest.FixtureRequest, tmp_path) -> None:
+    models: ModelSet = request.getfixturevalue(dtype_fixture)
+    out = str(tmp_path / "out")
+    run_script("mergekit-yaml", write_recipe(str(tmp_path / "r.yml"), models.recipe("ram")), out)
+    expected, figures = reference_merge(models, EPSILON, lambda rho: 1.0)
+    assert_same_weights(load_weights(out), expected)
+    statistics = load_statistics(out)
+    assert statistics["source"] == "merge"  # counted during the merge: no pre-pass for RAM
+    assert [m["unique"] for m in statistics["models"]] == figures["unique"]
+    assert [m["lambda"] for m in statistics["models"]] == [1.0, 1.0, 1.0]
+
+
+def test_global_rho_differs_from_tensor_local(tmp_path) -> None:
+    """Agent 0's changes are all shared in MLP weights and all unique elsewhere.
+
+    Per tensor its rho is inf or 0 (ramplus_tl's view); over the whole model it is about
+    1. ram_plus must scale agent 0's unique updates by the global lambda everywhere.
+    """
+    config = tiny_config("llama", hidden_size=32, intermediate_size=48, num_layers=2, vocab_size=64)
+    base = build_base(str(tmp_path / "base"), config, dtype=torch.float32, seed=5)
+    mlp = {name: t for name, t in base.items() if ".mlp." in name}
+    rest = {name: t for name, t in base.items() if ".mlp." not in name}
+    shared_part = sparse_agents(mlp, {(0, 1): 0.3, (1,): 0.2}, seed=6)  # agent 0 only shared here
+    unique_part = sparse_agents(rest, {(0,): 0.3 * 21 / 36, (1,): 0.2}, seed=7)  # agent 0 only unique here
+    paths = []
+    for index in range(2):
+        path = str(tmp_path / f"agent{index}")
+        write_checkpoint(
+            path, {**shared_part.states[index], **unique_part.states[index]}, config_source=str(tmp_path / "base")
+        )
+        paths.append(path)
+    recipe = {
+        "merge_method": "ram_plus",
+        "base_model": str(tmp_path / "base"),
+        "models": [{"model": p} for p in paths],
+        "parameters": {"r": 0.2, "alpha": 5.0},
+    }
+    out = str(tmp_path / "out")
+    run_script("mergekit-yaml", write_recipe(str(tmp_path / "r.yml"), recipe), out)
+    statistics = load_statistics(out)
+    agent0 = statistics["models"][0]
+    global_lambda = reference.lambda_clip(reference.rho(agent0["shared"], agent0["unique"]), 0.2, 5.0)
+    assert 0.5 < agent0["shared"] / agent0["unique"] < 2.0
+    assert agent0["lambda"] == global_lambda
+
+    merged = load_weights(out)
+    name = "model.layers.0.self_attn.q_proj.weight"  # agent 0 is all unique here: local rho = 0
+    base_t, ft0, ft1 = base[name], load_weights(paths[0])[name], load_weights(paths[1])[name]
+    only0 = ((ft0 - base_t).abs() > EPSILON) & ((ft1 - base_t).abs() <= EPSILON)
+    assert only0.sum() > 50
+    tau = ft0 - base_t
+    expected = base_t + torch.tensor(global_lambda, dtype=torch.float32) * tau
+    assert torch.equal(merged[name][only0], expected[only0])
+    tensor_local = base_t + tau  # lambda = 1 + r * clip(0, 0, alpha) = 1
+    assert not torch.equal(merged[name][only0], tensor_local[only0])
+
+
+def test_plugin_ram_matches_builtin_ram_in_float32(bf16_models: ModelSet, tmp_path) -> None:
+    """Parity with mergekit's built-in ram run with dtype: float32; in bfloat16 the built-in is off."""
+    recipe32 = bf16_models.recipe("ram", dtype="float32")
+    ours = str(tmp_path / "ours")
+    builtin = str(tmp_path / "builtin")
+    builtin_bf16 = str(tmp_path / "builtin_bf16")
+    run_script("mergekit-yaml", write_recipe(str(tmp_path / "r32.yml"), recipe32), ours)
+    off = {"MERGEKIT_RAM_AUTOLOAD": "0"}
+    run_script("mergekit-yaml", write_recipe(str(tmp_path / "r32b.yml"), recipe32), builtin, env=off)
+    assert not os.path.exists(os.path.join(builtin, "ram_statistics.json"))  # really the built-in
+    ours_w, builtin_w = load_weights(ours), load_weights(builtin)
+    for name, tensor in builtin_w.items():
+        torch.testing.assert_close(ours_w[name], tensor, rtol=2e-7, atol=1e-7)
+
+    recipe_bf16 = bf16_models.recipe("ram")
+    run_script("mergekit-yaml", write_recipe(str(tmp_path / "rb.yml"), recipe_bf16), builtin_bf16, env=off)
+    expected, _ = reference_merge(bf16_models, EPSILON, lambda rho: 1.0)
+    wrong = sum(int((load_weights(builtin_bf16)[n].to(torch.bfloat16) != t).sum()) for n, t in expected.items())
+    total = sum(t.numel() for t in expected.values())
+    assert wrong > 0, "the built-in ram computes in bfloat16 and should differ from the exact result"
+    assert math.isfinite(wrong / total)
