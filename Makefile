@@ -1,0 +1,31 @@
+# Two commands set everything up on a fresh machine:
+#   make demo   # builds .venv, installs mergekit-ram, runs the demo merge (no download)
+#   make test   # same install, runs the test suite
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# The install pins torch for this environment only (the package itself accepts torch>=2.2):
+# torch 2.13.0 resolves to the local CPU wheel here. Elsewhere: make demo TORCH=torch
+TORCH ?= torch==2.13.0
+DEMO_DIR ?= out/demo
+
+.PHONY: install demo test lint bench clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml hatch_build.py
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --disable-pip-version-check "$(TORCH)" -e ".[dev,plot]"
+	touch $@
+
+demo: install
+	HF_HUB_OFFLINE=1 $(BIN)/mergekit-ram demo $(DEMO_DIR)
+
+test: install
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest
+
+lint: install
+	$(BIN)/ruff check . && $(BIN)/ruff format --check .
+
+clean:
+	rm -rf $(VENV) out .pytest_cache

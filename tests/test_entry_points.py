@@ -1,0 +1,132 @@
+"""How users reach the methods: the automatic registration, its opt-out, register(), the
+fallback console script, mergekit-multi, mergekit-pytorch and the demo."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import torch
+import yaml
+
+from tests.conftest import ModelSet, load_statistics, load_weights, run_script, write_recipe
+
+OFF = {"MERGEKIT_RAM_AUTOLOAD": "0"}
+
+
+def python(code: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", code], env={**os.environ, **(env or {})}, capture_output=True, text=True, check=False
+    )
+
+
+def test_methods_are_found_without_an_import() -> None:
+    completed = python(
+        "import mergekit.merge_methods as m; print(m.get('ram_plus').spec.name, type(m.get('ram')).__module__)"
+    )
+    assert completed.returncode == 0, completed.stderr
+    assert completed.stdout.split() == ["ram_plus", "mergekit_ram.methods"]
+
+
+def test_startup_hook_imports_nothing_heavy() -> None:
+    heavy = "torch mergekit pydantic numpy transformers typing".split()
+    completed = python(f"import sys; print(sorted(m for m in sys.modules if m.split('.')[0] in {heavy!r}))")
+    assert completed.stdout.strip() == "[]", completed.stdout
+    assert python("import sys; print('mergekit_ram._autoload' in sys.modules)").stdout.strip() == "True"
+
+
+def test_opt_out_leaves_mergekit_untouched_and_register_restores() -> None:
+    completed = python(
+        "import mergekit.merge_methods as m\n"
+        "print('ram_plus' in [x.spec.name for x in m.registered_methods()], type(m.get('ram')).__module__)\n"
+        "import mergekit_ram; mergekit_ram.register()\n"
+        "print('ram_plus' in [x.spec.name for x in m.registered_methods()], type(m.get('ram')).__module__)",
+        env=OFF,
+    )
+    assert completed.returncode == 0, completed.stderr
+    assert completed.stdout.split() == [
+        "False",
+        "mergekit.merge_methods.base",
+        "True",
+        "mergekit_ram.methods",
+    ]
+
+
+def test_opt_out_mergekit_yaml_does_not_know_ram_plus(bf16_models: ModelSet, tmp_path) -> None:
+    recipe = write_recipe(str(tmp_path / "r.yml"), bf16_models.recipe("ram_plus"))
+    completed = run_script("mergekit-yaml", recipe, str(tmp_path / "out"), env=OFF, check=False)
+    assert completed.returncode != 0
+    assert "Unimplemented merge method ram_plus" in completed.stderr
+
+
+def test_fallback_console_script(bf16_models: ModelSet, tmp_path) -> None:
+    recipe = write_recipe(str(tmp_path / "r.yml"), bf16_models.recipe("ram_plus"))
+    reference_out = str(tmp_path / "reference")
+    run_script("mergekit-yaml", recipe, reference_out)
+    out = str(tmp_path / "out")
+    run_script("mergekit-ram", "yaml", recipe, out, "--quiet", env=OFF)
+    assert load_statistics(out)["models"] == load_statistics(reference_out)["models"]
+    expected = load_weights(reference_out)
+    assert all(torch.equal(tensor, expected[name]) for name, tensor in load_weights(out).items())
+
+
+def test_mergekit_multi_with_a_ram_stage(bf16_models: ModelSet, tmp_path) -> None:
+    stages = [
+        {"name": "agents", **bf16_models.recipe("ram_plus", parameters={"r": 0.1})},
+        {
+            "merge_method": "linear",
+            "models": [
+                {"model": "agents", "parameters": {"weight": 0.5}},
+                {"model": bf16_models.base, "parameters": {"weight": 0.5}},
+            ],
+            "dtype": "bfloat16",
+        },
+    ]
+    config = str(tmp_path / "multi.yml")
+    with open(config, "w", encoding="utf-8") as handle:
+        yaml.safe_dump_all(stages, handle, sort_keys=False)
+    intermediate = str(tmp_path / "stages")
+    final = str(tmp_path / "final")
+    run_script("mergekit-multi", config, "--intermediate-dir", intermediate, "--out-path", final)
+    statistics = load_statistics(os.path.join(intermediate, "agents"))
+    assert statistics["method"] == "ram_plus" and statistics["source"] == "pre-pass"
+    assert "## RAM statistics" in open(os.path.join(intermediate, "agents", "README.md"), encoding="utf-8").read()
+    ram_weights = load_weights(os.path.join(intermediate, "agents"))
+    base = load_weights(bf16_models.base)
+    name = "model.layers.0.mlp.up_proj.weight"
+    expected = (0.5 * ram_weights[name].float() + 0.5 * base[name].float()).to(torch.bfloat16)
+    torch.testing.assert_close(load_weights(final)[name], expected, rtol=0.01, atol=1e-3)
+
+
+def test_mergekit_pytorch_uses_global_rho(bf16_models: ModelSet, tmp_path) -> None:
+    yaml_out = str(tmp_path / "yaml")
+    run_script("mergekit-yaml", write_recipe(str(tmp_path / "r.yml"), bf16_models.recipe("ram_plus")), yaml_out)
+    raw_recipe = {
+        "merge_method": "ram_plus",
+        "base_model": os.path.join(bf16_models.base, "model.safetensors"),
+        "models": [{"model": os.path.join(path, "model.safetensors")} for path in bf16_models.agents],
+    }
+    raw_out = str(tmp_path / "raw")
+    run_script("mergekit-pytorch", write_recipe(str(tmp_path / "raw.yml"), raw_recipe), raw_out)
+    raw_lambdas = [m["lambda"] for m in load_statistics(raw_out)["models"]]
+    assert raw_lambdas == [m["lambda"] for m in load_statistics(yaml_out)["models"]]
+    expected = load_weights(yaml_out)
+    actual = load_weights(raw_out)
+    assert set(actual) == set(expected)
+    assert all(torch.equal(actual[name], expected[name]) for name in expected)
+
+
+def test_demo(tmp_path) -> None:
+    completed = run_script("mergekit-ram", "demo", str(tmp_path / "demo"))
+    lines = completed.stdout.splitlines()
+    rows = {line.split()[0]: line.split() for line in lines if line.split() and line.split()[0].endswith("-agent")}
+    assert set(rows) == {"coding-agent", "tool-agent", "memory-agent"}
+    densities = {name: float(row[1].rstrip("%")) for name, row in rows.items()}
+    assert abs(densities["coding-agent"] - 3.2) < 0.3
+    assert abs(densities["tool-agent"] - 46.2) < 1.0
+    assert abs(densities["memory-agent"] - 54.3) < 1.0
+    assert rows["coding-agent"][-1] == "1.2000"  # rho about 15 > alpha: clipped
+    statistics = load_statistics(str(tmp_path / "demo" / "merged"))
+    order = ("coding-agent", "tool-agent", "memory-agent")
+    assert [round(m["lambda"], 4) for m in statistics["models"]] == [float(rows[name][-1]) for name in order]
