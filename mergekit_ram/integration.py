@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import sys
+from contextvars import ContextVar
 from types import ModuleType
 from typing import Any, Callable, Iterator, Optional
 
@@ -116,6 +117,18 @@ def _is_ours(method_name: str) -> bool:
         return False
 
 
+#: The output folder of the run_merge call in progress; its planner leaves publishing to it.
+_RUN_MERGE_OUT: ContextVar[Optional[str]] = ContextVar("mergekit_ram_run_merge_out", default=None)
+
+
+def check_config(method: str, config: Any) -> None:
+    """Parameters, base model and model paths of a RAM recipe, before anything is read."""
+    from mergekit_ram.checks import check_models
+
+    check_recipe(method, config)
+    check_models(config)
+
+
 def patch_planner(plan: ModuleType) -> None:
     """Check RAM recipes before planning; run the pre-pass and add statistics after."""
     from mergekit_ram.prepass import attach_ram_plan
@@ -127,10 +140,13 @@ def patch_planner(plan: ModuleType) -> None:
             method = self.config.merge_method
             if not _is_ours(method):
                 return original(self, *args, **kwargs)
-            check_recipe(method, self.config)
+            check_config(method, self.config)
             targets = original(self, *args, **kwargs)
-            out_path = (args[0] if args else kwargs["out_path"]) if to_disk else None
-            return attach_ram_plan(targets, self.options, out_path)
+            if not to_disk:
+                return attach_ram_plan(targets, self.options, None)
+            out_path = args[0] if args else kwargs["out_path"]
+            publish_in_graph = _RUN_MERGE_OUT.get() != out_path
+            return attach_ram_plan(targets, self.options, out_path, publish_in_graph=publish_in_graph)
 
         return planned
 
@@ -139,12 +155,25 @@ def patch_planner(plan: ModuleType) -> None:
 
 
 def patch_run_merge(merge: ModuleType) -> None:
-    """Append the RAM statistics to the model card mergekit writes."""
+    """Checks first; weights published only when the whole merge succeeded; card section."""
+    from mergekit_ram import staging
 
     def make(original: Callable) -> Callable:
         def run_merge(merge_config: Any, out_path: str, options: Any, config_source: Optional[str] = None) -> Any:
-            result = original(merge_config, out_path, options=options, config_source=config_source)
-            if _is_ours(merge_config.merge_method) and options.write_model_card:
+            if not _is_ours(merge_config.merge_method):
+                return original(merge_config, out_path, options=options, config_source=config_source)
+            check_config(merge_config.merge_method, merge_config)
+            created = staging.begin(out_path)
+            token = _RUN_MERGE_OUT.set(out_path)
+            try:
+                result = original(merge_config, out_path, options=options, config_source=config_source)
+                staging.publish(out_path)
+            except BaseException:
+                staging.abandon(out_path, created)
+                raise
+            finally:
+                _RUN_MERGE_OUT.reset(token)
+            if options.write_model_card:
                 append_card_section(out_path)
             return result
 
@@ -159,7 +188,8 @@ def patch_run_merge(merge: ModuleType) -> None:
 
 
 def patch_raw_pytorch(raw: ModuleType) -> None:
-    """``mergekit-pytorch`` plans its own flat merge: give it the same pre-pass."""
+    """``mergekit-pytorch`` plans its own flat merge: give it the same checks and pre-pass."""
+    from mergekit_ram import staging
     from mergekit_ram.prepass import attach_ram_plan
 
     def make(original: Callable) -> Callable:
@@ -168,9 +198,11 @@ def patch_raw_pytorch(raw: ModuleType) -> None:
         ) -> Any:
             if not _is_ours(config.merge_method):
                 return original(config, out_path, tensor_union, tensor_intersection, options)
-            check_recipe(config.merge_method, config)
+            check_config(config.merge_method, config)
             targets = original(config, out_path, tensor_union, tensor_intersection, options)
-            return attach_ram_plan(targets, options, out_path)
+            targets = attach_ram_plan(targets, options, out_path, publish_in_graph=True)
+            staging.begin(out_path)
+            return targets
 
         return plan_flat_merge
 

@@ -11,7 +11,9 @@ For one tensor with base ``theta_pre`` and fine-tunes ``theta_t``, ``t = 1..N``:
     theta_merged = theta_pre + tau_merged
 
 All arithmetic is float32 whatever the input dtype; the result has the base's dtype.
-Scratch memory is about 19 bytes per element for bfloat16 inputs, independent of N.
+The work runs over chunks of CHUNK_ELEMENTS elements: scratch is at most 24 bytes per
+element of one chunk (about 6 MiB), independent of N and of the tensor's size; beyond it
+only the output is allocated.
 """
 
 from __future__ import annotations
@@ -76,6 +78,11 @@ class KernelResult:
     histograms: Optional[tuple[tuple[int, ...], ...]]
 
 
+#: Elements per step: the scratch buffers (at most 24 bytes each) stay in the CPU caches and
+#: are independent of the tensor's size.
+CHUNK_ELEMENTS = 1 << 18
+
+
 def ram_merge(
     base: torch.Tensor,
     finetunes: Sequence[torch.Tensor],
@@ -84,11 +91,13 @@ def ram_merge(
     *,
     merge: bool = True,
     count: bool = False,
+    chunk_elements: int = CHUNK_ELEMENTS,
 ) -> KernelResult:
     """Merge one tensor group with the RAM rule, and/or count its overlap histograms.
 
     ``lambdas`` scales each model's unique updates (None or all ones: plain RAM).
     ``merge=False, count=True`` is the statistics pre-pass: same masks, no merge.
+    The work runs over ``chunk_elements`` elements at a time.
     """
     n = len(finetunes)
     if lambdas is not None and len(lambdas) != n:
@@ -101,77 +110,130 @@ def ram_merge(
     if count and n > _PATTERN_MAX_MODELS:
         raise ValueError(f"overlap statistics support at most {_PATTERN_MAX_MODELS} fine-tuned models, got {n}")
 
-    base32 = base.float()
-    tau = torch.empty_like(base32)
-    magnitude = torch.empty_like(base32)
-    active = torch.empty(base.shape, dtype=torch.bool, device=base.device)
+    flat_base = base.reshape(-1)
+    flat_finetunes = [finetune.reshape(-1) for finetune in finetunes]
+    numel = flat_base.numel()
+    scale = list(lambdas) if merge and lambdas is not None and any(lam != 1.0 for lam in lambdas) else None
+    scratch = _Scratch(min(chunk_elements, max(numel, 1)), n, flat_base, merge=merge, count=count, scale=scale)
+    merged = torch.empty_like(flat_base) if merge else None
+    patterns = _PatternCounts(n, base.device) if count else None
+    for start in range(0, numel, chunk_elements):
+        stop = min(start + chunk_elements, numel)
+        try:
+            pattern = scratch.run(
+                flat_base[start:stop],
+                [finetune[start:stop] for finetune in flat_finetunes],
+                epsilon,
+                merged[start:stop] if merged is not None else None,
+            )
+        except NonFiniteInputError:
+            _raise_non_finite(base, finetunes)
+        if patterns is not None:
+            patterns.add(pattern)
+    return KernelResult(
+        merged=merged.view(base.shape) if merged is not None else None,
+        histograms=patterns.histograms() if patterns is not None else None,
+    )
 
-    scale_unique = merge and lambdas is not None and any(lam != 1.0 for lam in lambdas)
-    if merge:
-        total = torch.zeros_like(base32)  # sum of active deltas
-        counts = torch.zeros(base.shape, dtype=torch.uint8, device=base.device)  # c
-        # 1 + index of the last active model: where c == 1, the only one.
-        owner = torch.zeros(base.shape, dtype=torch.uint8, device=base.device) if scale_unique else None
-    if count:
-        pattern_dtype = torch.int16 if n <= _INT16_MAX_MODELS else torch.int64
-        pattern = torch.zeros(base.shape, dtype=pattern_dtype, device=base.device)
 
-    for index, finetune in enumerate(finetunes):
-        torch.sub(finetune, base32, out=tau)
-        torch.abs(tau, out=magnitude)
-        if not math.isfinite(magnitude.sum().item()):
-            _raise_non_finite(base, finetunes, index)
-        torch.gt(magnitude, epsilon, out=active)
+class _Scratch:
+    """Buffers for one chunk, reused across chunks; ``run`` applies the rule to one chunk."""
+
+    def __init__(
+        self, size: int, n: int, like: torch.Tensor, *, merge: bool, count: bool, scale: Optional[list[float]]
+    ) -> None:
+        device = like.device
+        self.n, self.merge, self.count, self.scale = n, merge, count, scale
+        self.base32 = None if like.dtype == torch.float32 else torch.empty(size, device=device)
+        self.tau = torch.empty(size, device=device)
+        self.magnitude = torch.empty(size, device=device)
+        self.active = torch.empty(size, dtype=torch.bool, device=device)
         if merge:
-            tau.mul_(active)
-            total.add_(tau)
-            counts.add_(active)
-            if owner is not None:
-                owner.masked_fill_(active, index + 1)
+            self.total = torch.empty(size, device=device)  # sum of active deltas
+            self.counts = torch.empty(size, dtype=torch.uint8, device=device)  # c
+            # sum of lambda_t * active delta: where c == 1, the scaled unique update
+            self.scaled = torch.empty(size, device=device) if scale else None
         if count:
-            pattern.add_(active, alpha=1 << index)
+            dtype = torch.int16 if n <= _INT16_MAX_MODELS else torch.int64
+            self.pattern = torch.empty(size, dtype=dtype, device=device)
 
-    histograms = _histograms(pattern, n) if count else None
-    if not merge:
-        return KernelResult(merged=None, histograms=histograms)
+    def run(
+        self, base: torch.Tensor, finetunes: Sequence[torch.Tensor], epsilon: float, out: Optional[torch.Tensor]
+    ) -> Optional[torch.Tensor]:
+        length = base.numel()
+        if self.base32 is None:
+            base32 = base
+        else:
+            base32 = self.base32[:length]
+            base32.copy_(base)
+        tau, magnitude, active = self.tau[:length], self.magnitude[:length], self.active[:length]
+        if self.merge:
+            total, counts = self.total[:length].zero_(), self.counts[:length].zero_()
+            scaled = self.scaled[:length].zero_() if self.scaled is not None else None
+        pattern = self.pattern[:length].zero_() if self.count else None
 
-    # Mean over active models; c == 1 divides by one, c == 0 leaves total at zero.
-    total.div_(counts.clamp_(min=1))
-    if owner is not None:
-        torch.ne(counts, 1, out=active)
-        owner.masked_fill_(active, 0)
-        factor = magnitude.fill_(1.0)
-        for index, lam in enumerate(lambdas or ()):
-            if lam != 1.0:
-                torch.eq(owner, index + 1, out=active)
-                factor.masked_fill_(active, lam)
-        total.mul_(factor)
-    total.add_(base32)
-    merged = total if base.dtype == torch.float32 else total.to(base.dtype)
-    return KernelResult(merged=merged, histograms=histograms)
+        for index, finetune in enumerate(finetunes):
+            torch.sub(finetune, base32, out=tau)
+            torch.abs(tau, out=magnitude)
+            if not math.isfinite(magnitude.sum().item()):
+                raise NonFiniteInputError(index)
+            torch.gt(magnitude, epsilon, out=active)
+            if self.merge:
+                tau.mul_(active)
+                total.add_(tau)
+                counts.add_(active)
+                if scaled is not None:
+                    scaled.add_(tau, alpha=self.scale[index])
+            if pattern is not None:
+                pattern.add_(active, alpha=1 << index)
+
+        if self.merge:
+            # Mean over active models; c == 1 divides by one, c == 0 leaves total at zero.
+            total.div_(counts.clamp_(min=1))
+            if scaled is not None:
+                torch.eq(counts, 1, out=active)
+                torch.where(active, scaled, total, out=total)
+            if out.dtype == torch.float32:
+                torch.add(total, base32, out=out)
+            else:
+                out.copy_(total.add_(base32))
+        return pattern
 
 
-def _raise_non_finite(base: torch.Tensor, finetunes: Sequence[torch.Tensor], index: int) -> None:
+class _PatternCounts:
+    """How many elements have each activity pattern (bit t: model t changed it)."""
+
+    def __init__(self, n: int, device: torch.device) -> None:
+        self.n = n
+        self.dense = torch.zeros(1 << n, dtype=torch.int64, device=device) if n <= _BINCOUNT_MAX_MODELS else None
+        self.sparse: dict[int, int] = {}
+
+    def add(self, pattern: torch.Tensor) -> None:
+        if self.dense is not None:
+            self.dense += torch.bincount(pattern, minlength=1 << self.n)
+        else:
+            codes, frequencies = torch.unique(pattern, return_counts=True)
+            for code, frequency in zip(codes.tolist(), frequencies.tolist()):
+                self.sparse[code] = self.sparse.get(code, 0) + frequency
+
+    def histograms(self) -> tuple[tuple[int, ...], ...]:
+        """Per-model histograms by overlap count."""
+        items = enumerate(self.dense.tolist()) if self.dense is not None else self.sparse.items()
+        histograms = [[0] * self.n for _ in range(self.n)]
+        for code, frequency in items:
+            if not code or not frequency:
+                continue
+            overlap = code.bit_count()
+            for index in range(self.n):
+                if code >> index & 1:
+                    histograms[index][overlap - 1] += frequency
+        return tuple(tuple(row) for row in histograms)
+
+
+def _raise_non_finite(base: torch.Tensor, finetunes: Sequence[torch.Tensor]) -> None:
     """Name the offending input; a finite overflow of the magnitude sum is not an error."""
     if not bool(torch.isfinite(base).all()):
         raise NonFiniteInputError(None)
-    if not bool(torch.isfinite(finetunes[index]).all()):
-        raise NonFiniteInputError(index)
-
-
-def _histograms(pattern: torch.Tensor, n: int) -> tuple[tuple[int, ...], ...]:
-    """Per-model histograms by overlap count, from one bit pattern per element."""
-    flat = pattern.reshape(-1)
-    if n <= _BINCOUNT_MAX_MODELS:
-        frequencies = torch.bincount(flat, minlength=1 << n).tolist()
-        items = ((code, freq) for code, freq in enumerate(frequencies) if freq and code)
-    else:
-        codes, freqs = torch.unique(flat, return_counts=True)
-        items = ((code, freq) for code, freq in zip(codes.tolist(), freqs.tolist()) if code)
-    histograms = [[0] * n for _ in range(n)]
-    for code, freq in items:
-        overlap = code.bit_count()
-        for index in range(n):
-            if code >> index & 1:
-                histograms[index][overlap - 1] += freq
-    return tuple(tuple(row) for row in histograms)
+    for index, finetune in enumerate(finetunes):
+        if not bool(torch.isfinite(finetune).all()):
+            raise NonFiniteInputError(index)

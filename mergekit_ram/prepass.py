@@ -24,6 +24,8 @@ from mergekit.merge_methods.task_adapter import ExecuteMergeMethodTask
 from mergekit.options import MergeOptions
 from pydantic import BaseModel
 
+from mergekit_ram import cache, staging
+from mergekit_ram.checks import check_tensors
 from mergekit_ram.methods import METHODS, count_request
 from mergekit_ram.parameters import ALPHA, RULE, ParameterError, R
 from mergekit_ram.stats import STATISTICS_FILE, Pin, RamStatistics, TensorCounts
@@ -105,6 +107,7 @@ class StatisticsContext(BaseModel, frozen=True):
     alpha: float = 0.0
     rule: str = "clip"
     pins: tuple[tuple[str, Pin, float], ...] = ()
+    checkpoint_dtypes: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
     def build(self, tensors: Iterable[TensorCounts], source: str) -> RamStatistics:
         return RamStatistics.build(
@@ -115,6 +118,7 @@ class StatisticsContext(BaseModel, frozen=True):
             rule=self.rule,  # type: ignore[arg-type]
             pins={model: (kind, value) for model, kind, value in self.pins},
             source=source,  # type: ignore[arg-type]
+            checkpoint_dtypes=dict(self.checkpoint_dtypes),
         )
 
 
@@ -171,9 +175,12 @@ class RamPlan:
 
 
 def plan_ram(merge_tasks: Sequence[ExecuteMergeMethodTask], options: MergeOptions) -> RamPlan:
-    """Compute global statistics if lambdas need them, and give every merge task its rho."""
+    """Check every input, compute global statistics if lambdas need them, give each task its rho."""
     method = merge_tasks[0].method_name if merge_tasks else "ram"
-    context = _statistics_context(method, merge_tasks)
+    facts = check_tensors(merge_tasks)
+    context = _statistics_context(method, merge_tasks).model_copy(
+        update={"checkpoint_dtypes": tuple((model, tuple(sorted(d))) for model, d in sorted(facts.dtypes.items()))}
+    )
     pinned = {model for model, _, _ in context.pins}
     finetunes = {model for task in merge_tasks for model in _finetunes(task)}
     needs_prepass = method == "ram_plus" and context.r > 0 and any(str(m) not in pinned for m in finetunes)
@@ -188,10 +195,7 @@ def plan_ram(merge_tasks: Sequence[ExecuteMergeMethodTask], options: MergeOption
             counts=tuple(TakeCounts(source=task) for task in wrapped),
         )
 
-    started = time.perf_counter()
-    LOG.info("ram_plus pre-pass: counting changed parameters over %d tensors", len(merge_tasks))
-    statistics = context.build(run_prepass(merge_tasks, options), source="pre-pass")
-    LOG.info("ram_plus pre-pass done in %.1f s", time.perf_counter() - started)
+    statistics = context.build(counted_prepass(merge_tasks, options), source="pre-pass")
     statistics.log()
     rho = {stats.model: stats.rho for stats in statistics.models}
     tasks: list[Task] = [
@@ -210,6 +214,20 @@ def plan_ram(merge_tasks: Sequence[ExecuteMergeMethodTask], options: MergeOption
         for task in merge_tasks
     ]
     return RamPlan(tasks=tasks, context=context, statistics=statistics, counts=())
+
+
+def counted_prepass(merge_tasks: Sequence[ExecuteMergeMethodTask], options: MergeOptions) -> list[TensorCounts]:
+    """The pre-pass counts, from the cache when nothing they depend on changed."""
+    key = cache.cache_key(merge_tasks) if cache.mode() != "off" else None
+    counts = cache.load(key) if key is not None else None
+    if counts is None:
+        started = time.perf_counter()
+        LOG.info("ram_plus pre-pass: counting changed parameters over %d tensors", len(merge_tasks))
+        counts = run_prepass(merge_tasks, options)
+        LOG.info("ram_plus pre-pass done in %.1f s", time.perf_counter() - started)
+        if key is not None:
+            cache.store(key, counts)
+    return counts
 
 
 def run_prepass(merge_tasks: Sequence[ExecuteMergeMethodTask], options: MergeOptions) -> list[TensorCounts]:
@@ -234,36 +252,44 @@ def run_prepass(merge_tasks: Sequence[ExecuteMergeMethodTask], options: MergeOpt
     return [value for value in counts if value is not None]
 
 
-def attach_ram_plan(targets: list[Task], options: MergeOptions, out_path: Optional[str]) -> list[Task]:
+def attach_ram_plan(
+    targets: list[Task], options: MergeOptions, out_path: Optional[str], publish_in_graph: bool = False
+) -> list[Task]:
     """Rewrite planned targets (SaveTensor or ReturnTensor) for a RAM merge.
 
-    Adds the statistics writer after FinalizeModel when writing to disk.
+    On disk, weights and statistics go to the staging folder (see ``staging``); with
+    ``publish_in_graph`` the graph's last task moves them into ``out_path``.
     """
     outputs = [task for task in targets if isinstance(task, (SaveTensor, ReturnTensor))]
     plan = plan_ram([task.tensor_task for task in outputs], options)
-    replaced = {id(old): old.model_copy(update={"tensor_task": new}) for old, new in zip(outputs, plan.tasks)}
+    staged = staging.staging_path(out_path) if out_path is not None else None
+    replaced: dict[int, Task] = {}
+    for old, new in zip(outputs, plan.tasks):
+        update: dict[str, Any] = {"tensor_task": new}
+        if isinstance(old, SaveTensor):
+            update["writer_task"] = old.writer_task.model_copy(update={"out_path": staged})
+        replaced[id(old)] = old.model_copy(update=update)
     rewritten: list[Task] = []
     finalize: Optional[FinalizeModel] = None
     for task in targets:
         if isinstance(task, FinalizeModel):
-            finalize = task.model_copy(
-                update={"tensor_save_tasks": tuple(replaced.get(id(t), t) for t in task.tensor_save_tasks)}
+            task = finalize = task.model_copy(
+                update={
+                    "tensor_save_tasks": tuple(replaced.get(id(t), t) for t in task.tensor_save_tasks),
+                    "writer_task": task.writer_task.model_copy(update={"out_path": staged}),
+                }
             )
-            task = finalize
         rewritten.append(replaced.get(id(task), task))
-    if out_path is not None:
-        stale = os.path.join(out_path, STATISTICS_FILE)
-        if os.path.exists(stale):
-            os.remove(stale)
-    rewritten.append(
-        WriteRamStatistics(
-            out_path=out_path,
-            context=plan.context,
-            statistics_json=plan.statistics.to_json() if plan.statistics is not None else None,
-            counts=plan.counts,
-            after=finalize,
-        )
+    write = WriteRamStatistics(
+        out_path=staged,
+        context=plan.context,
+        statistics_json=plan.statistics.to_json() if plan.statistics is not None else None,
+        counts=plan.counts,
+        after=finalize,
     )
+    rewritten.append(write)
+    if out_path is not None and publish_in_graph:
+        rewritten.append(staging.PublishOutput(out_path=out_path, after=write))
     return rewritten
 
 

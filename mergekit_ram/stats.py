@@ -100,6 +100,7 @@ class RamStatistics:
     source: Source
     models: tuple[ModelStatistics, ...]
     tensors: tuple[TensorCounts, ...]
+    warnings: tuple[str, ...] = ()
     versions: dict[str, str] = field(default_factory=lambda: package_versions())
 
     @classmethod
@@ -113,8 +114,12 @@ class RamStatistics:
         rule: Rule = "clip",
         pins: Optional[Mapping[str, tuple[Pin, float]]] = None,
         source: Source = "pre-pass",
+        checkpoint_dtypes: Optional[Mapping[str, Iterable[str]]] = None,
     ) -> RamStatistics:
-        """Sum per-tensor counts per model, then rho_t and lambda_t (pins override)."""
+        """Sum per-tensor counts per model, then rho_t and lambda_t (pins override).
+
+        ``checkpoint_dtypes`` (safetensors dtype names per model) only feeds the warnings.
+        """
         tensors = tuple(tensors)
         numel: dict[str, int] = {}
         histograms: dict[str, list[int]] = {}
@@ -149,7 +154,14 @@ class RamStatistics:
         parameters: dict[str, Any] = {"epsilon": epsilons[0] if len(epsilons) == 1 else epsilons}
         if method != "ram":
             parameters.update(r=r, alpha=alpha, rule=rule)
-        return cls(method=method, parameters=parameters, source=source, models=tuple(models), tensors=tensors)
+        return cls(
+            method=method,
+            parameters=parameters,
+            source=source,
+            models=tuple(models),
+            tensors=tensors,
+            warnings=_warnings(models, epsilons, checkpoint_dtypes or {}),
+        )
 
     def lambdas(self) -> dict[str, float]:
         return {stats.model: stats.lambda_ for stats in self.models}
@@ -162,6 +174,7 @@ class RamStatistics:
             "method": self.method,
             "parameters": self.parameters,
             "source": self.source,
+            "warnings": list(self.warnings),
             "versions": self.versions,
             "models": [
                 {
@@ -206,6 +219,7 @@ class RamStatistics:
             source=data["source"],
             models=models,
             tensors=tuple(TensorCounts.from_dict(entry) for entry in data["tensors"]),
+            warnings=tuple(data.get("warnings", ())),
             versions=dict(data["versions"]),
         )
 
@@ -260,6 +274,8 @@ class RamStatistics:
         return "\n".join(lines)
 
     def log(self, logger: logging.Logger = LOG) -> None:
+        for warning in self.warnings:
+            logger.warning("%s", warning)
         for stats in self.models:
             logger.info(
                 "%s: %s: density %.2f%%, shared %d, unique %d, rho %s, lambda %.4f%s",
@@ -272,6 +288,39 @@ class RamStatistics:
                 stats.lambda_,
                 f" ({stats.pinned} pinned)" if stats.pinned else "",
             )
+
+
+#: Above this density for every model, RAM's premise (sparse updates) does not hold.
+DENSE = 0.9
+
+
+def _warnings(
+    models: Iterable[ModelStatistics], epsilons: list[float], checkpoint_dtypes: Mapping[str, Iterable[str]]
+) -> tuple[str, ...]:
+    """The statistics that predict a wasted merge, in words."""
+    models = list(models)
+    found = []
+    half = sorted(model for model, dtypes in checkpoint_dtypes.items() if "F16" in set(dtypes))
+    if half and any(epsilon > 0 for epsilon in epsilons):
+        found.append(
+            f"float16 checkpoints ({', '.join(half)}): a one-ulp change is below epsilon={max(epsilons):g} for "
+            "|w| < about 0.016, so epsilon hides many real float16 updates; consider a smaller epsilon "
+            "(see docs/epsilon.md)"
+        )
+    counted = [stats for stats in models if stats.numel]
+    if counted and all(stats.density >= DENSE for stats in counted):
+        densities = ", ".join(f"{100 * stats.density:.0f}%" for stats in counted)
+        found.append(
+            f"every model changed at least {100 * DENSE:.0f}% of its parameters ({densities}): RAM's premise of "
+            "sparse, mostly disjoint updates does not hold here; TIES or DARE suit dense task vectors better"
+        )
+    for stats in counted:
+        if stats.active == 0:
+            found.append(
+                f"{stats.model} changed no parameter by more than epsilon: is it the base model itself, "
+                "or a wrong path?"
+            )
+    return tuple(found)
 
 
 def package_versions() -> dict[str, str]:
