@@ -5,10 +5,9 @@ Reproduces the tables in docs/epsilon.md:
     python docs/scripts/epsilon_densities.py
 
 Setup (all fixed by the seed):
-- a float32 "base" of 2**20 weights drawn from N(0, 0.02^2), a typical scale for the
-  linear layers of a 3B-7B model;
-- an RL-like update on half of the elements (the true density is 50%), in one of two patterns:
-  "absolute": |delta| log-uniform in [1e-7, 1e-3], independent of the weight (Adam-like steps);
+- a float32 "base" of 2**20 weights drawn from N(0, 0.02^2) (an assumed scale);
+- an RL-like update on a random half of the elements, in one of two patterns:
+  "absolute": |delta| log-uniform in [1e-7, 1e-3], whatever the weight (as with Adam steps);
   "relative": |delta| / |w| log-uniform in [1e-4, 1e-1];
 - the checkpoints as they are usually published: the base is stored in dtype D, the fine-tune
   is trained from that stored base in float32 and saved in D as well;
@@ -74,7 +73,6 @@ def table(header: list[str], rows: list[list[str]]) -> str:
 
 
 def main() -> None:
-    torch.manual_seed(SEED)
     generator = torch.Generator().manual_seed(SEED)
     base32 = torch.randn(SIZE, generator=generator) * 0.02
     updates = make_updates(generator, base32)
