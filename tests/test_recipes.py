@@ -19,7 +19,8 @@ import yaml
 from mergekit import merge_methods
 from mergekit.common import dtype_from_name
 from mergekit.config import MergeConfiguration
-from mergekit.scripts.multimerge import load_config
+from mergekit.options import MergeOptions
+from mergekit.scripts.multimerge import load_config, make_tasks
 
 from mergekit_ram.integration import RAM_METHODS, check_recipe
 from mergekit_ram.parameters import ParameterError
@@ -153,9 +154,10 @@ def check_file(path: Path) -> list[MergeConfiguration]:
     stages = frozenset(name for name in names if name)
     assert len(stages) == len([name for name in names if name]), "duplicate stage names"
     assert names.count(None) <= 1, "mergekit-multi allows one unnamed (final) stage"
-    configs, dependencies = load_config(text, "/nonexistent/intermediate")  # as mergekit-multi reads it
-    for name, used in dependencies.items():
-        assert used <= stages, f"stage {name} depends on unknown stages {used - stages}"
+    # As mergekit-multi reads the file and orders its stages (ValueError on a dependency cycle);
+    # nothing runs.
+    configs, dependencies = load_config(text, "/nonexistent/intermediate")
+    make_tasks(configs, dependencies, MergeOptions(), "/nonexistent/intermediate", "/nonexistent/out", True)
     return [check_document(doc, stages) for doc in docs]
 
 
@@ -240,6 +242,14 @@ def test_multi_file_with_a_typo_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "typo.multi.yaml"
     path.write_text(source.replace("alpha: 2.0", "apha: 2.0"), encoding="utf-8")
     with pytest.raises(ParameterError, match="apha"):
+        check_file(path)
+
+
+def test_multi_file_with_a_cycle_is_refused(tmp_path: Path) -> None:
+    stage = "name: {}\nmerge_method: ram\nbase_model: Qwen/Qwen2.5-7B-Instruct\nmodels:\n  - model: {}\n"
+    path = tmp_path / "cycle.multi.yaml"
+    path.write_text(stage.format("a", "b") + "---\n" + stage.format("b", "a"), encoding="utf-8")
+    with pytest.raises(ValueError, match="Circular"):
         check_file(path)
 
 
