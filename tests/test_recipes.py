@@ -185,6 +185,7 @@ def test_recipe_header(path: Path) -> None:
     text = "\n".join(header)
     missing = [field for field in HEADER_FIELDS if field not in text]
     assert not missing, f"header lacks {missing}"
+    assert str(path.relative_to(ROOT)) in text, "the Run: line names another file"
 
 
 # The checker catches broken recipes ----------------------------------------------
