@@ -21,9 +21,11 @@ import hashlib
 import json
 import logging
 import os
-from typing import Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
+from mergekit.common import ImmutableMap
 from mergekit.merge_methods.task_adapter import ExecuteMergeMethodTask
+from pydantic import BaseModel
 
 from mergekit_ram import __version__
 from mergekit_ram.checks import task_inputs
@@ -67,6 +69,19 @@ def fingerprint(path: str) -> str:
     return f"{real}:{status.st_size}:{status.st_mtime_ns}:{digest.hexdigest()}"
 
 
+def describe(value: Any) -> str:
+    """A canonical text for a planned task graph (pydantic models, mergekit's maps, scalars)."""
+    if isinstance(value, BaseModel):
+        fields = ", ".join(f"{name}={describe(getattr(value, name))}" for name in type(value).model_fields)
+        return f"{type(value).__name__}({fields})"
+    if isinstance(value, (Mapping, ImmutableMap)):
+        items = sorted((describe(key), describe(value[key])) for key in value)
+        return "{" + ", ".join(f"{key}: {item}" for key, item in items) + "}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(describe(item) for item in value) + "]"
+    return repr(value)
+
+
 def cache_key(merge_tasks: Sequence[ExecuteMergeMethodTask]) -> str:
     digest = hashlib.sha256()
     versions = package_versions()
@@ -77,7 +92,7 @@ def cache_key(merge_tasks: Sequence[ExecuteMergeMethodTask]) -> str:
         digest.update(
             repr((task.parameters["epsilon"], [str(m) for m in task.model_order], str(task.base_model))).encode()
         )
-        digest.update(task.gather_tensors.model_dump_json().encode())
+        digest.update(describe(task.gather_tensors).encode())
         files.update(file for _, file, _ in task_inputs(task) if file is not None)
     for file in sorted(files):
         digest.update(fingerprint(file).encode())

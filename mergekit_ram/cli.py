@@ -117,3 +117,76 @@ def demo(out_dir: str, architecture: str, seed: int) -> None:
         "Paper (Qwen2.5-7B agents): density 3.2% / 46.2% / 54.3%, rho ~14.9 / 1.45 / 1.11, lambda ~1.20 / 1.145 / 1.11"
     )
     click.echo(f"Merged model: {merged_path} ({time.perf_counter() - started:.1f} s)")
+
+
+@main.command()
+@click.argument("recipe", type=click.Path(exists=True, dir_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print the statistics as JSON on stdout.")
+@click.option("--by-module", is_flag=True, help="Also split by embeddings, attention, MLP, norms, output head.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Write the paper's Figure 2 as a PNG.")
+@click.option("--refresh", is_flag=True, help="Recompute even if the pre-pass cache has these counts.")
+@click.option("--cuda", is_flag=True, help="Count on the GPU.")
+@click.option("--device", default=None, help="Count on this torch device (cpu, cuda, cuda:1, ...).")
+@click.option("--lora-merge-cache", default=None, help="Where mergekit merges LoRA inputs (as mergekit-yaml).")
+@click.option("--trust-remote-code", is_flag=True, help="As mergekit-yaml.")
+@click.option("-j", "--num-threads", type=int, default=None, help="Torch CPU threads.")
+@click.option("-v", "--verbose", is_flag=True, help="Log the pre-pass.")
+def probe(
+    recipe: str,
+    as_json: bool,
+    by_module: bool,
+    plot_path: str | None,
+    refresh: bool,
+    cuda: bool,
+    device: str | None,
+    lora_merge_cache: str | None,
+    trust_remote_code: bool,
+    num_threads: int | None,
+    verbose: bool,
+) -> None:
+    """Run only the pre-pass of a ram / ram_plus RECIPE and report what RAM sees.
+
+    Per model: parameters changed (count and density), shared and unique counts, the
+    histogram by how many models changed each parameter, rho, and lambda under the
+    recipe's r / alpha / rule. Nothing is merged or written (but the cache and --plot).
+    """
+    from mergekit.options import MergeOptions
+
+    from mergekit_ram import cache
+    from mergekit_ram.probe import histogram_table, module_table, probe_json, probe_recipe
+
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING)
+    if refresh:
+        os.environ[cache.MODE_VARIABLE] = "refresh"
+    options = MergeOptions(
+        cuda=cuda,
+        device=device,
+        lora_merge_cache=lora_merge_cache,
+        trust_remote_code=trust_remote_code,
+        num_threads=num_threads,
+        quiet=as_json or not verbose,
+    )
+    if num_threads is not None:
+        import torch
+
+        torch.set_num_threads(num_threads)
+    statistics = probe_recipe(recipe, options)
+    if plot_path is not None:
+        from mergekit_ram.plot import plot_statistics
+
+        plot_statistics(statistics, plot_path)
+    if as_json:
+        click.echo(json.dumps(probe_json(statistics, by_module), indent=2))
+        return
+    settings = ", ".join(f"{key} = {value}" for key, value in statistics.parameters.items())
+    click.echo(f"{statistics.method} probe of {recipe} ({settings})\n")
+    click.echo(statistics.table())
+    click.echo("\nChanged parameters by how many models changed them (k):\n")
+    click.echo(histogram_table(statistics))
+    if by_module:
+        click.echo("\nBy part of the network (rho local to that part; lambda uses the global rho):\n")
+        click.echo(module_table(statistics))
+    for warning in statistics.warnings:
+        click.echo(f"\nwarning: {warning}", err=True)
+    if plot_path is not None:
+        click.echo(f"\nFigure written to {plot_path}")

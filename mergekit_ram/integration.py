@@ -209,6 +209,29 @@ def patch_raw_pytorch(raw: ModuleType) -> None:
     _wrap(raw, "plan_flat_merge", make)
 
 
+def plan_merge_tasks(config: Any, options: Any) -> list[Any]:
+    """Plan a recipe exactly as ``run_merge`` would, without running it: its merge tasks."""
+    import mergekit.merge
+    from mergekit.architecture import get_architecture_info
+    from mergekit.io.tasks import LoaderCache
+    from mergekit.plan import MergePlanner
+
+    register()
+    check_config(config.merge_method, config)
+    arch_info = get_architecture_info(config, options)
+    loaders = LoaderCache()
+    loaders.setup(options=options)
+    for model in config.referenced_models():
+        loaders.get(model)
+    out_config = _require(mergekit.merge, "_model_out_config")(
+        config, arch_info, trust_remote_code=options.trust_remote_code
+    )
+    planner = MergePlanner(config, arch_info, options=options, out_model_config=out_config)
+    # plan_in_memory would do, but mergekit 0.1.5's ReturnTensor refuses its own merge tasks.
+    _require(planner, "_plan")()
+    return [task for _, task in _require(planner, "_tensors")]
+
+
 def append_card_section(out_path: str) -> None:
     from mergekit_ram.stats import STATISTICS_FILE, RamStatistics
 

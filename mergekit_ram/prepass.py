@@ -174,13 +174,19 @@ class RamPlan:
     counts: tuple[TakeCounts, ...]
 
 
-def plan_ram(merge_tasks: Sequence[ExecuteMergeMethodTask], options: MergeOptions) -> RamPlan:
-    """Check every input, compute global statistics if lambdas need them, give each task its rho."""
+def checked_context(merge_tasks: Sequence[ExecuteMergeMethodTask]) -> StatisticsContext:
+    """Check every input's header, then fix what turns counts into statistics."""
     method = merge_tasks[0].method_name if merge_tasks else "ram"
     facts = check_tensors(merge_tasks)
-    context = _statistics_context(method, merge_tasks).model_copy(
+    return _statistics_context(method, merge_tasks).model_copy(
         update={"checkpoint_dtypes": tuple((model, tuple(sorted(d))) for model, d in sorted(facts.dtypes.items()))}
     )
+
+
+def plan_ram(merge_tasks: Sequence[ExecuteMergeMethodTask], options: MergeOptions) -> RamPlan:
+    """Check every input, compute global statistics if lambdas need them, give each task its rho."""
+    context = checked_context(merge_tasks)
+    method = context.method
     pinned = {model for model, _, _ in context.pins}
     finetunes = {model for task in merge_tasks for model in _finetunes(task)}
     needs_prepass = method == "ram_plus" and context.r > 0 and any(str(m) not in pinned for m in finetunes)

@@ -12,7 +12,7 @@ import logging
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Literal, Mapping, Optional
+from typing import Any, Iterable, Literal, Mapping, Optional, Sequence
 
 from mergekit_ram.kernel import Rule, overlap_ratio, rescale_factor
 
@@ -121,15 +121,7 @@ class RamStatistics:
         ``checkpoint_dtypes`` (safetensors dtype names per model) only feeds the warnings.
         """
         tensors = tuple(tensors)
-        numel: dict[str, int] = {}
-        histograms: dict[str, list[int]] = {}
-        for counts in tensors:
-            for model, row in zip(counts.models, counts.histograms):
-                numel[model] = numel.get(model, 0) + counts.numel
-                total = histograms.setdefault(model, [])
-                total.extend([0] * (len(row) - len(total)))
-                for index, value in enumerate(row):
-                    total[index] += value
+        numel, histograms = _aggregate(tensors)
         pins = dict(pins or {})
         models = []
         for model in list(numel) + [m for m in pins if m not in numel]:
@@ -162,6 +154,27 @@ class RamStatistics:
             tensors=tensors,
             warnings=_warnings(models, epsilons, checkpoint_dtypes or {}),
         )
+
+    def by_module(self) -> dict[str, tuple[ModelStatistics, ...]]:
+        """The counts split by part of the network; rho here is local to that part."""
+        groups: dict[str, list[TensorCounts]] = {}
+        for counts in self.tensors:
+            groups.setdefault(module_of(counts.name), []).append(counts)
+        result = {}
+        for module in MODULES:
+            if module in groups:
+                numel, histograms = _aggregate(groups[module])
+                result[module] = tuple(
+                    ModelStatistics(
+                        model=model,
+                        numel=numel[model],
+                        histogram=tuple(histograms[model]),
+                        rho=overlap_ratio(sum(histograms[model]) - histograms[model][0], histograms[model][0]),
+                        lambda_=math.nan,
+                    )
+                    for model in numel
+                )
+        return result
 
     def lambdas(self) -> dict[str, float]:
         return {stats.model: stats.lambda_ for stats in self.models}
@@ -228,7 +241,7 @@ class RamStatistics:
 
         Local paths show as their last component when that is unambiguous.
         """
-        names = _display_names([stats.model for stats in self.models])
+        names = self.display_names()
         rows = [("model", "density", "changed", "shared", "unique", "rho", "lambda")]
         for stats in self.models:
             rows.append(
@@ -242,15 +255,13 @@ class RamStatistics:
                     f"{stats.lambda_:.4f}" + (" (pinned)" if stats.pinned == "lambda" else ""),
                 )
             )
-        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-        lines = [
-            "  ".join(
-                cell.ljust(width) if i == 0 else cell.rjust(width) for i, (cell, width) in enumerate(zip(row, widths))
-            )
-            for row in rows
-        ]
-        lines.insert(1, "  ".join("-" * width for width in widths))
-        return "\n".join(lines)
+        return format_table(rows)
+
+    def display_names(self) -> dict[str, str]:
+        """Local paths as their last component when that is unambiguous."""
+        models = [stats.model for stats in self.models]
+        short = {model: os.path.basename(model.rstrip(os.sep)) if os.path.isabs(model) else model for model in models}
+        return short if len(set(short.values())) == len(models) else {model: model for model in models}
 
     def markdown(self) -> str:
         """The "RAM statistics" section of a model card."""
@@ -290,6 +301,39 @@ class RamStatistics:
             )
 
 
+MODULES = ("embeddings", "attention", "mlp", "norms", "output head", "other")
+
+
+def module_of(name: str) -> str:
+    """The part of a transformer a tensor belongs to, from its name."""
+    lowered = name.lower()
+    if "lm_head" in lowered or lowered.startswith("output.") or "embed_out" in lowered:
+        return "output head"
+    if "embed" in lowered or ".wte." in lowered or ".wpe." in lowered:
+        return "embeddings"
+    if "norm" in lowered or ".ln_" in lowered or "layernorm" in lowered:
+        return "norms"
+    if "attn" in lowered or "attention" in lowered:
+        return "attention"
+    if "mlp" in lowered or "feed_forward" in lowered or "experts" in lowered or ".ffn" in lowered:
+        return "mlp"
+    return "other"
+
+
+def _aggregate(tensors: Iterable[TensorCounts]) -> tuple[dict[str, int], dict[str, list[int]]]:
+    """Per model: elements considered, and the histogram by overlap count, summed over tensors."""
+    numel: dict[str, int] = {}
+    histograms: dict[str, list[int]] = {}
+    for counts in tensors:
+        for model, row in zip(counts.models, counts.histograms):
+            numel[model] = numel.get(model, 0) + counts.numel
+            total = histograms.setdefault(model, [])
+            total.extend([0] * (len(row) - len(total)))
+            for index, value in enumerate(row):
+                total[index] += value
+    return numel, histograms
+
+
 #: Above this density for every model, RAM's premise (sparse updates) does not hold.
 DENSE = 0.9
 
@@ -306,6 +350,13 @@ def _warnings(
             f"float16 checkpoints ({', '.join(half)}): a one-ulp change is below epsilon={max(epsilons):g} for "
             "|w| < about 0.016, so epsilon hides many real float16 updates; consider a smaller epsilon "
             "(see docs/epsilon.md)"
+        )
+    mixed = {model: sorted(set(dtypes)) for model, dtypes in checkpoint_dtypes.items()}
+    if len({tuple(dtypes) for dtypes in mixed.values()}) > 1:
+        listing = ", ".join(f"{model}: {'/'.join(dtypes)}" for model, dtypes in sorted(mixed.items()))
+        found.append(
+            f"the checkpoints are stored in different dtypes ({listing}): rounding alone makes elements look "
+            "changed, so densities and overlaps are inflated; convert them to one dtype first"
         )
     counted = [stats for stats in models if stats.numel]
     if counted and all(stats.density >= DENSE for stats in counted):
@@ -333,9 +384,15 @@ def package_versions() -> dict[str, str]:
     return versions
 
 
-def _display_names(models: list[str]) -> dict[str, str]:
-    short = {model: os.path.basename(model.rstrip(os.sep)) if os.path.isabs(model) else model for model in models}
-    return short if len(set(short.values())) == len(models) else {model: model for model in models}
+def format_table(rows: Sequence[Sequence[str]], left_columns: int = 1) -> str:
+    """Fixed-width columns; the first ``left_columns`` left-aligned, the rest right-aligned."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = [
+        "  ".join(cell.ljust(w) if i < left_columns else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+        for row in rows
+    ]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
 
 
 def _finite_or_none(value: float) -> Optional[float]:
