@@ -7,6 +7,7 @@ truncated file is refused with the model and tensor named, instead of failing ha
 
 from __future__ import annotations
 
+import glob
 import logging
 import os
 from dataclasses import dataclass, field
@@ -39,10 +40,14 @@ def check_models(config: Any) -> None:
                 f"the base model {base_path} is also listed under `models`: list only the fine-tuned models "
                 "(RAM would otherwise merge one agent fewer than you expect)"
             )
+    headers = _Headers()
     for model in [base, *_listed_models(config)]:
         for path in _local_paths(model):
             if not os.path.exists(path):
                 raise InputError(f"model path {path} does not exist")
+            files = [path] if os.path.isfile(path) else sorted(glob.glob(os.path.join(path, "*.safetensors")))
+            for file in files:
+                headers.read(str(model), file)
 
 
 def _listed_models(config: Any) -> list[Any]:
@@ -84,6 +89,9 @@ class _Headers:
     def get(self, model: str, file: str, name: str) -> Optional[TensorHeader]:
         if not file.endswith(".safetensors"):
             return None
+        return self.read(model, file).get(name)
+
+    def read(self, model: str, file: str) -> dict[str, TensorHeader]:
         if file not in self._files:
             try:
                 with safe_open(file, framework="pt") as handle:
@@ -95,7 +103,7 @@ class _Headers:
                     }
             except (SafetensorError, OSError) as error:
                 raise InputError(f"{model}: cannot read {file} ({error}); the file is truncated or corrupt") from None
-        return self._files[file].get(name)
+        return self._files[file]
 
 
 def check_tensors(merge_tasks: Iterable[ExecuteMergeMethodTask]) -> InputFacts:

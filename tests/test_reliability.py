@@ -1,0 +1,357 @@
+"""Bad input fails clearly and writes nothing; faults leave no finished-looking output.
+
+Every case in CASES runs a real merge (mergekit's ``run_merge``, the plugin registered as
+users get it) and checks the message and that no weight file reached the output folder.
+``docs/reliability.md`` shows the same table; ``test_reliability_doc_matches`` fails when
+they drift (``UPDATE_RELIABILITY_DOC=1`` rewrites the doc's table from the cases).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import pytest
+import torch
+from mergekit.config import MergeConfiguration
+from mergekit.merge import run_merge
+from mergekit.options import MergeOptions
+from safetensors.torch import load_file, save_file
+
+from mergekit_ram.staging import MARKER_FILE, STAGING_DIR
+from mergekit_ram.synthetic import build_agents, tiny_config
+from tests.conftest import ModelSet, load_statistics, run_script, script, write_recipe
+
+DOC = os.path.join(os.path.dirname(__file__), os.pardir, "docs", "reliability.md")
+
+
+@dataclass(frozen=True)
+class Case:
+    """A bad input: how to make it from good models, and what the user is told."""
+
+    title: str
+    make: Callable[[ModelSet, str], dict[str, Any]]  # (good models, scratch dir) -> recipe
+    expected: str  # a part of the message that must appear
+    script: str = "run_merge"  # or "mergekit-pytorch", which merges every tensor of the files
+
+
+def _copy(path: str, root: str, name: str) -> str:
+    target = os.path.join(root, name)
+    shutil.copytree(path, target)
+    return target
+
+
+def _rewrite(path: str, change: Callable[[dict[str, torch.Tensor]], None]) -> None:
+    file = os.path.join(path, "model.safetensors")
+    state = load_file(file)
+    change(state)
+    save_file(state, file, metadata={"format": "pt"})
+
+
+def _no_base(models: ModelSet, root: str) -> dict[str, Any]:
+    recipe = models.recipe("ram_plus")
+    del recipe["base_model"]
+    return recipe
+
+
+def _base_as_finetune(models: ModelSet, root: str) -> dict[str, Any]:
+    recipe = models.recipe("ram_plus")
+    recipe["models"].insert(0, {"model": models.base})
+    return recipe
+
+
+def _vocabulary_mismatch(models: ModelSet, root: str) -> dict[str, Any]:
+    agent = _copy(models.agents[1], root, "tool-agent-big-vocab")
+
+    def grow(state: dict[str, torch.Tensor]) -> None:
+        for name in ("model.embed_tokens.weight", "lm_head.weight"):
+            state[name] = torch.cat([state[name], state[name][:4]])
+
+    _rewrite(agent, grow)
+    recipe = models.recipe("ram_plus")
+    recipe["models"][1] = {"model": agent}
+    return recipe
+
+
+def _missing_tensor(models: ModelSet, root: str) -> dict[str, Any]:
+    agent = _copy(models.agents[2], root, "memory-agent-pruned")
+    _rewrite(agent, lambda state: state.pop("model.layers.1.mlp.down_proj.weight"))
+    recipe = models.recipe("ram")
+    recipe["models"][2] = {"model": agent}
+    return recipe
+
+
+def _poison(method: str, value: float) -> Callable[[ModelSet, str], dict[str, Any]]:
+    def make(models: ModelSet, root: str) -> dict[str, Any]:
+        agent = _copy(models.agents[0], root, "coding-agent-poisoned")
+
+        def poison(state: dict[str, torch.Tensor]) -> None:
+            state["model.layers.1.self_attn.v_proj.weight"][3, 5] = value
+
+        _rewrite(agent, poison)
+        recipe = models.recipe(method)
+        recipe["models"][0] = {"model": agent}
+        return recipe
+
+    return make
+
+
+def _with_parameters(**parameters: Any) -> Callable[[ModelSet, str], dict[str, Any]]:
+    return lambda models, root: models.recipe("ram_plus", parameters=parameters)
+
+
+def _missing_path(models: ModelSet, root: str) -> dict[str, Any]:
+    recipe = models.recipe("ram_plus")
+    recipe["models"][1] = {"model": os.path.join(root, "no-such-agent")}
+    return recipe
+
+
+def _truncated(models: ModelSet, root: str) -> dict[str, Any]:
+    agent = _copy(models.agents[1], root, "tool-agent-truncated")
+    file = os.path.join(agent, "model.safetensors")
+    with open(file, "rb") as handle:
+        data = handle.read()
+    with open(file, "wb") as handle:
+        handle.write(data[: len(data) // 2])
+    recipe = models.recipe("ram")
+    recipe["models"][1] = {"model": agent}
+    return recipe
+
+
+def _integer_buffers(differ: bool) -> Callable[[ModelSet, str], dict[str, Any]]:
+    def make(models: ModelSet, root: str) -> dict[str, Any]:
+        paths = []
+        for index, path in enumerate([models.base, *models.agents]):
+            copy = _copy(path, root, f"buffered-{index}")
+            value = 7 + (index if differ else 0)
+            _rewrite(copy, lambda state, v=value: state.update({"model.step_counter": torch.tensor([v, 1, 2])}))
+            paths.append(copy)
+        return {
+            "merge_method": "ram_plus",
+            "base_model": paths[0],
+            "models": [{"model": path} for path in paths[1:]],
+        }
+
+    return make
+
+
+CASES = [
+    Case("no `base_model`", _no_base, "ram_plus needs `base_model`"),
+    Case("the base also listed as a fine-tune", _base_as_finetune, "is also listed under `models`"),
+    Case(
+        "a tensor's shape differs (vocabularies differ, no `tokenizer_source`)",
+        _vocabulary_mismatch,
+        "set `tokenizer_source`",
+    ),
+    Case("a tensor missing from one model", _missing_tensor, "has no tensor for model.layers.1.mlp.down_proj.weight"),
+    Case("NaN in an input tensor (`ram_plus`: found by the pre-pass)", _poison("ram_plus", float("nan")), "NaN or Inf"),
+    Case("Inf in an input tensor (`ram`: found during the merge)", _poison("ram", float("inf")), "NaN or Inf"),
+    Case("a negative parameter", _with_parameters(alpha=-1), "parameter 'alpha' in parameters must be"),
+    Case("an unknown rescaling rule", _with_parameters(rule="tanh"), "parameter 'rule' in parameters must be"),
+    Case("a misspelled parameter name", _with_parameters(apha=2.0), "unknown parameter 'apha'"),
+    Case("a model path that does not exist", _missing_path, "does not exist"),
+    Case("a truncated safetensors file", _truncated, "the file is truncated or corrupt"),
+    Case(
+        "integer buffers that differ between models (`mergekit-pytorch`, which merges every tensor)",
+        _integer_buffers(differ=True),
+        "Non-floating buffer 'model.step_counter' differs between inputs",
+        script="mergekit-pytorch",
+    ),
+]
+
+
+def _merge(recipe: dict[str, Any], out: str) -> None:
+    run_merge(MergeConfiguration.model_validate(recipe), out, options=MergeOptions(quiet=True))
+
+
+_OUTCOMES: dict[str, tuple[str, list[str]]] = {}
+
+
+def _outcome(title: str, models: ModelSet, root: str) -> tuple[str, list[str]]:
+    """The message a user gets for a case, and what the output folder holds afterwards (run once)."""
+    if title not in _OUTCOMES:
+        _OUTCOMES[title] = _run_case(title, models, root)
+    return _OUTCOMES[title]
+
+
+def _run_case(title: str, models: ModelSet, root: str) -> tuple[str, list[str]]:
+    case = next(case for case in CASES if case.title == title)
+    scratch = os.path.join(root, re.sub(r"\W+", "-", title))
+    os.makedirs(scratch)
+    out = os.path.join(scratch, "out")
+    recipe = case.make(models, scratch)
+    if case.script == "mergekit-pytorch":
+        message = _pytorch_error(recipe, scratch, out)
+    else:
+        try:
+            _merge(recipe, out)
+        except Exception as error:  # the point: every case raises
+            message = str(error).splitlines()[0]
+        else:
+            raise AssertionError(f"{title}: the merge succeeded")
+    left = sorted(os.listdir(out)) if os.path.exists(out) else []
+    return message.replace(scratch, "<dir>").replace(os.path.dirname(models.base), "<models>"), left
+
+
+def _pytorch_error(recipe: dict[str, Any], scratch: str, out: str) -> str:
+    """mergekit-pytorch reads files: point the recipe at them; return the error line it prints."""
+    recipe = {
+        **recipe,
+        "base_model": os.path.join(recipe["base_model"], "model.safetensors"),
+        "models": [{"model": os.path.join(entry["model"], "model.safetensors")} for entry in recipe["models"]],
+    }
+    completed = run_script("mergekit-pytorch", write_recipe(os.path.join(scratch, "r.yml"), recipe), out, check=False)
+    assert completed.returncode != 0, "the merge succeeded"
+    return completed.stderr.strip().splitlines()[-1].split(": ", 1)[1]
+
+
+@pytest.fixture(scope="module")
+def scratch_root(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(tmp_path_factory.mktemp("reliability"))
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case.title for case in CASES])
+def test_bad_input_is_refused_and_nothing_is_written(case: Case, bf16_models: ModelSet, scratch_root: str) -> None:
+    message, left = _outcome(case.title, bf16_models, scratch_root)
+    assert case.expected in message
+    assert left == [], f"the output folder should not exist after a failed merge; it holds {left}"
+
+
+def _table(models: ModelSet, root: str) -> str:
+    rows = ["| bad input | what the user gets |", "|---|---|"]
+    for case in CASES:
+        message, _ = _outcome(case.title, models, root)
+        rows.append(f"| {case.title} | `` {message} `` |")
+    return "\n".join(rows)
+
+
+def test_reliability_doc_matches(bf16_models: ModelSet, scratch_root: str) -> None:
+    table = _table(bf16_models, scratch_root)
+    with open(DOC, encoding="utf-8") as handle:
+        doc = handle.read()
+    start = doc.index("<!-- cases:start -->\n") + len("<!-- cases:start -->\n")
+    end = doc.index("\n<!-- cases:end -->")
+    current = doc[start:end]
+    if os.environ.get("UPDATE_RELIABILITY_DOC"):
+        with open(DOC, "w", encoding="utf-8") as handle:
+            handle.write(doc[:start] + table + doc[end:])
+        return
+    assert current == table, "docs/reliability.md is out of date: rerun with UPDATE_RELIABILITY_DOC=1"
+
+
+def test_identical_integer_buffers_are_copied(bf16_models: ModelSet, tmp_path) -> None:
+    recipe = _integer_buffers(differ=False)(bf16_models, str(tmp_path))
+    recipe["base_model"] = os.path.join(recipe["base_model"], "model.safetensors")
+    recipe["models"] = [{"model": os.path.join(entry["model"], "model.safetensors")} for entry in recipe["models"]]
+    out = str(tmp_path / "out")
+    run_script("mergekit-pytorch", write_recipe(str(tmp_path / "r.yml"), recipe), out)
+    merged = load_file(os.path.join(out, "model.safetensors"))
+    assert torch.equal(merged["model.step_counter"], torch.tensor([7, 1, 2]))
+
+
+@pytest.mark.parametrize("kind", ["one equal to the base", "all identical"])
+def test_degenerate_finetunes_merge_without_nan(bf16_models: ModelSet, tmp_path, kind: str) -> None:
+    agents = [bf16_models.base, *bf16_models.agents[1:]] if kind == "one equal to the base" else [bf16_models.agents[1]]
+    if kind == "all identical":
+        agents = agents + [_copy(bf16_models.agents[1], str(tmp_path), "twin")]
+    recipe = {"merge_method": "ram_plus", "base_model": _copy(bf16_models.base, str(tmp_path), "base")}
+    recipe["models"] = [{"model": path} for path in agents]
+    out = str(tmp_path / "out")
+    _merge(recipe, out)
+    merged = load_file(os.path.join(out, "model.safetensors"))
+    assert all(not torch.isnan(tensor).any() for tensor in merged.values())
+    statistics = load_statistics(out)
+    if kind == "all identical":
+        twin = load_file(os.path.join(bf16_models.agents[1], "model.safetensors"))
+        assert all(torch.equal(merged[name], tensor) for name, tensor in twin.items())
+        assert [m["rho"] for m in statistics["models"]] == [None, None]  # nothing unique: rho = inf
+        assert [m["lambda"] for m in statistics["models"]] == [1.2, 1.2]  # defined, never used
+    else:
+        assert statistics["models"][0]["changed"] == 0 and statistics["models"][0]["lambda"] == 1.0
+        assert any("changed no parameter" in warning for warning in statistics["warnings"])
+
+
+def test_interrupted_merge_leaves_nothing_that_looks_finished(tmp_path) -> None:
+    """Kill mergekit-yaml while it writes shards: no weights, no config in the output folder."""
+    config = tiny_config("llama", hidden_size=256, intermediate_size=768, num_layers=6, vocab_size=4096)
+    base, agents, _ = build_agents(str(tmp_path / "models"), config, {(0,): 0.1, (1,): 0.1, (0, 1): 0.1}, ["a", "b"])
+    recipe = write_recipe(
+        str(tmp_path / "r.yml"),
+        {"merge_method": "ram_plus", "base_model": base, "models": [{"model": p} for p in agents]},
+    )
+    out = tmp_path / "out"
+    process = subprocess.Popen(
+        [script("mergekit-yaml"), recipe, str(out), "--out-shard-size", "200K"],
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    staged = out / STAGING_DIR
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and process.poll() is None:
+        if staged.exists() and len(os.listdir(staged)) >= 2:
+            break
+        time.sleep(0.005)
+    assert process.poll() is None, "the merge finished before it could be interrupted"
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    left = sorted(os.listdir(out))
+    assert MARKER_FILE in left
+    assert not glob.glob(str(out / "*.safetensors")) and "config.json" not in left, left
+    assert glob.glob(str(staged / "*.safetensors"))  # the partial shards are where the marker says
+
+
+def test_same_inputs_give_byte_identical_files(bf16_models: ModelSet, tmp_path) -> None:
+    recipe = write_recipe(str(tmp_path / "r.yml"), bf16_models.recipe("ram_plus"))
+    outputs = {}
+    for name, extra in {
+        "first": [],
+        "again": [],
+        "one thread": ["--num-threads", "1"],
+        "two threads": ["--num-threads", "2"],
+    }.items():
+        out = str(tmp_path / name.replace(" ", "-"))
+        run_script("mergekit-yaml", recipe, out, *extra)
+        with open(os.path.join(out, "model.safetensors"), "rb") as handle:
+            outputs[name] = handle.read()
+    assert len(set(outputs.values())) == 1
+
+    sharded = str(tmp_path / "sharded")
+    run_script("mergekit-yaml", recipe, sharded, "--out-shard-size", "8K")
+    shards = sorted(glob.glob(os.path.join(sharded, "*.safetensors")))
+    assert len(shards) > 3
+    tensors: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        tensors.update(load_file(shard))
+    whole = load_file(os.path.join(str(tmp_path / "first"), "model.safetensors"))
+    assert set(tensors) == set(whole)
+    assert all(torch.equal(tensors[name], tensor) for name, tensor in whole.items())
+
+
+@pytest.mark.parametrize(
+    ("method", "parameters"),
+    [("linear", {"weight": 0.25}), ("task_arithmetic", {"weight": 0.5}), ("ties", {"weight": 1.0, "density": 0.5})],
+)
+def test_other_methods_are_unchanged_by_the_plugin(
+    bf16_models: ModelSet, tmp_path, method: str, parameters: dict[str, Any]
+) -> None:
+    recipe = bf16_models.recipe(method, dtype="bfloat16")
+    recipe["models"] = [{**entry, "parameters": parameters} for entry in recipe["models"]]
+    if method == "linear":
+        del recipe["base_model"]
+    path = write_recipe(str(tmp_path / "r.yml"), recipe)
+    files = []
+    for name, env in (("on", {}), ("off", {"MERGEKIT_RAM_AUTOLOAD": "0"})):
+        out = str(tmp_path / name)
+        run_script("mergekit-yaml", path, out, env=env)
+        assert not os.path.exists(os.path.join(out, "ram_statistics.json"))
+        with open(os.path.join(out, "model.safetensors"), "rb") as handle:
+            files.append(handle.read())
+    assert files[0] == files[1]
