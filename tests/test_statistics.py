@@ -1,0 +1,202 @@
+"""What RAM sees: the probe, the statistics every merge leaves, the pre-pass cache, warnings."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Any
+
+import pytest
+import torch
+from mergekit.config import MergeConfiguration
+from mergekit.options import MergeOptions
+from safetensors.torch import load_file, save_file
+
+from mergekit_ram import cache
+from mergekit_ram.integration import plan_merge_tasks
+from mergekit_ram.stats import module_of
+from mergekit_ram.synthetic import build_agents, independent_overlap, tiny_config
+from tests import reference
+from tests.conftest import ModelSet, load_statistics, load_weights, run_script, write_recipe
+
+
+def independent_figures(models: ModelSet, epsilon: float = 1e-5) -> dict[str, Any]:
+    """Totals and per-module totals from the reference, straight from the files."""
+    base = load_weights(models.base)
+    finetunes = [load_weights(path) for path in models.agents]
+    totals: dict[str, Any] = {"histograms": [[0, 0, 0] for _ in finetunes], "numel": 0, "modules": {}}
+    for name, tensor in base.items():
+        counts = reference.counts(tensor, [ft[name] for ft in finetunes], epsilon)
+        module = totals["modules"].setdefault(module_of(name), [[0, 0, 0] for _ in finetunes])
+        for index, row in enumerate(counts.histograms):
+            for k, value in enumerate(row):
+                totals["histograms"][index][k] += value
+                module[index][k] += value
+        totals["numel"] += tensor.numel()
+    return totals
+
+
+def test_probe_figures_equal_an_independent_computation(bf16_models: ModelSet, tmp_path) -> None:
+    recipe = write_recipe(str(tmp_path / "r.yml"), bf16_models.recipe("ram_plus", parameters={"r": 0.15, "alpha": 1.5}))
+    png = str(tmp_path / "figure2.png")
+    completed = run_script("mergekit-ram", "probe", recipe, "--json", "--by-module", "--plot", png)
+    probe = json.loads(completed.stdout)
+    expected = independent_figures(bf16_models)
+
+    for index, model in enumerate(probe["models"]):
+        histogram = expected["histograms"][index]
+        assert [model["overlap_histogram"][str(k)] for k in (1, 2, 3)] == histogram
+        assert model["changed"] == sum(histogram)
+        assert model["unique"] == histogram[0] and model["shared"] == sum(histogram[1:])
+        assert model["density"] == sum(histogram) / expected["numel"]
+        rho = reference.rho(sum(histogram[1:]), histogram[0])
+        assert model["rho"] == rho
+        assert model["lambda"] == reference.lambda_clip(rho, 0.15, 1.5)
+    assert set(probe["by_module"]) == set(expected["modules"])
+    for module, rows in probe["by_module"].items():
+        for index, row in enumerate(rows):
+            assert [row["overlap_histogram"][str(k)] for k in (1, 2, 3)] == expected["modules"][module][index]
+    with open(png, "rb") as handle:
+        assert handle.read(8) == b"\x89PNG\r\n\x1a\n"
+    assert os.path.getsize(png) > 20_000
+
+    # The probe and the merge agree: same tensors, same counts.
+    out = str(tmp_path / "out")
+    run_script("mergekit-yaml", recipe, out)
+    assert load_statistics(out)["tensors"] == probe["tensors"]
+
+
+def test_probe_text_output(bf16_models: ModelSet, tmp_path) -> None:
+    recipe = write_recipe(str(tmp_path / "r.yml"), bf16_models.recipe("ram"))
+    completed = run_script("mergekit-ram", "probe", recipe, "--by-module")
+    assert "ram probe of" in completed.stdout
+    assert "k=1" in completed.stdout and "k=3" in completed.stdout
+    assert "attention" in completed.stdout and "output head" in completed.stdout
+    refused = run_script(
+        "mergekit-ram", "probe", write_recipe(str(tmp_path / "t.yml"), bf16_models.recipe("ties")), check=False
+    )
+    assert refused.returncode != 0 and "probe reads ram and ram_plus recipes" in refused.stderr
+
+
+def test_every_merge_leaves_its_statistics(bf16_models: ModelSet, tmp_path) -> None:
+    out = str(tmp_path / "out")
+    run_script("mergekit-yaml", write_recipe(str(tmp_path / "r.yml"), bf16_models.recipe("ram_plus")), out)
+    statistics = load_statistics(out)
+    assert statistics["method"] == "ram_plus"
+    assert statistics["parameters"] == {"epsilon": 1e-05, "r": 0.1, "alpha": 2.0, "rule": "clip"}
+    assert set(statistics["versions"]) >= {"mergekit-ram", "mergekit"}
+    assert statistics["versions"]["mergekit"] == "0.1.5"
+    assert [m["model"] for m in statistics["models"]] == bf16_models.agents
+    card = open(os.path.join(out, "README.md"), encoding="utf-8").read()
+    assert "## RAM statistics" in card
+    for model in statistics["models"]:
+        assert f"| {model['model']} | {100 * model['density']:.2f}% | {model['changed']:,} |" in card
+        assert f"{model['lambda']:.4f}" in card
+
+
+def _planned_key(recipe: dict[str, Any]) -> str:
+    return cache.cache_key(plan_merge_tasks(MergeConfiguration.model_validate(recipe), MergeOptions(quiet=True)))
+
+
+def test_cache_key_changes_when_it_must_and_only_then(bf16_models: ModelSet, tmp_path) -> None:
+    models = ModelSet(
+        base=shutil.copytree(bf16_models.base, str(tmp_path / "base")),
+        agents=[shutil.copytree(path, str(tmp_path / os.path.basename(path))) for path in bf16_models.agents],
+        design=bf16_models.design,
+    )
+    recipe = models.recipe("ram_plus")
+    key = _planned_key(recipe)
+    # Settings that only turn counts into lambda: the same counts.
+    for parameters in ({"r": 0.2}, {"alpha": 0.5}, {"rule": "soft"}):
+        assert _planned_key({**recipe, "parameters": parameters}) == key, parameters
+    pinned = models.recipe("ram_plus")
+    pinned["models"][0]["parameters"] = {"lambda": 1.3}
+    assert _planned_key(pinned) == key
+
+    # Anything the counts depend on: new counts.
+    changed = {
+        "epsilon": {**recipe, "parameters": {"epsilon": 1e-4}},
+        "epsilon filter": {**recipe, "parameters": {"epsilon": [{"filter": "mlp", "value": 1e-3}, {"value": 1e-5}]}},
+        "dtype": {**recipe, "dtype": "float32"},
+        "slices": {
+            "merge_method": "ram_plus",
+            "base_model": models.base,
+            "slices": [
+                {"sources": [{"model": m, "layer_range": [0, 1]} for m in [*models.agents, models.base]]},
+                {"sources": [{"model": m, "layer_range": [0, 1]} for m in [*models.agents, models.base]]},
+            ],
+        },
+        "model order": {**recipe, "models": list(reversed(recipe["models"]))},
+    }
+    keys = {name: _planned_key(variant) for name, variant in changed.items()}
+    assert key not in keys.values()
+    assert len(set(keys.values())) == len(keys)
+
+    # A model file rewritten with one element changed (same size).
+    file = os.path.join(models.agents[1], "model.safetensors")
+    state = load_file(file)
+    state["model.norm.weight"][0] += 1.0
+    save_file(state, file, metadata={"format": "pt"})
+    assert _planned_key(recipe) != key
+
+
+def test_cache_is_used_for_sweeps_and_never_stale(bf16_models: ModelSet, tmp_path, monkeypatch) -> None:
+    agent = shutil.copytree(bf16_models.agents[0], str(tmp_path / "agent"))
+    models = ModelSet(bf16_models.base, [agent, *bf16_models.agents[1:]], bf16_models.design)
+    env = {"MERGEKIT_RAM_CACHE": "on", "MERGEKIT_RAM_CACHE_DIR": str(tmp_path / "cache")}
+
+    def merge(name: str, parameters: dict[str, Any], **extra: str) -> tuple[str, dict[str, Any]]:
+        recipe = write_recipe(str(tmp_path / f"{name}.yml"), models.recipe("ram_plus", parameters=parameters))
+        out = str(tmp_path / name)
+        completed = run_script("mergekit-yaml", recipe, out, "-v", env={**env, **extra})
+        return completed.stderr, load_statistics(out)
+
+    log, first = merge("first", {"r": 0.1})
+    assert "pre-pass done" in log and "counts cached in" in log
+    log, second = merge("second", {"r": 0.2, "rule": "soft"})
+    assert "using cached counts" in log and "pre-pass done" not in log
+    assert second["tensors"] == first["tensors"]
+    assert [m["lambda"] for m in second["models"]] == [
+        reference.lambda_soft(reference.rho(m["shared"], m["unique"]), 0.2) for m in first["models"]
+    ]
+    log, _ = merge("refreshed", {"r": 0.2}, MERGEKIT_RAM_CACHE="refresh")
+    assert "pre-pass done" in log and "using cached counts" not in log
+    log, _ = merge("epsilon", {"epsilon": 1e-3})
+    assert "pre-pass done" in log
+
+    file = os.path.join(agent, "model.safetensors")
+    state = load_file(file)
+    state["model.layers.0.mlp.up_proj.weight"] = state["model.layers.0.mlp.up_proj.weight"] * 2
+    save_file(state, file, metadata={"format": "pt"})
+    log, modified = merge("modified", {"r": 0.1})
+    assert "pre-pass done" in log and "using cached counts" not in log
+    assert modified["tensors"] != first["tensors"]
+
+
+@pytest.mark.parametrize(
+    ("case", "expected"),
+    [
+        ("float16", "float16 checkpoints"),
+        ("dense", "RAM's premise of sparse, mostly disjoint updates does not hold"),
+        ("unchanged", "changed no parameter by more than epsilon"),
+        ("mixed dtypes", "stored in different dtypes"),
+    ],
+)
+def test_warnings_that_save_a_wasted_merge(tmp_path, case: str, expected: str) -> None:
+    config = tiny_config("llama", hidden_size=32, intermediate_size=48, num_layers=1, vocab_size=64)
+    overlap = independent_overlap([0.95, 0.97]) if case == "dense" else {(0,): 0.1, (1,): 0.1}
+    dtype = torch.float16 if case == "float16" else torch.bfloat16
+    base, agents, _ = build_agents(str(tmp_path / "models"), config, overlap, ["a", "b"], dtype=dtype)
+    if case == "unchanged":
+        agents[1] = shutil.copytree(base, str(tmp_path / "base-copy"))
+    if case == "mixed dtypes":
+        state = load_file(os.path.join(agents[1], "model.safetensors"))
+        save_file({k: v.float() for k, v in state.items()}, os.path.join(agents[1], "model.safetensors"))
+    recipe = {"merge_method": "ram_plus", "base_model": base, "models": [{"model": p} for p in agents]}
+    out = str(tmp_path / "out")
+    completed = run_script("mergekit-yaml", write_recipe(str(tmp_path / "r.yml"), recipe), out)
+    assert expected in completed.stderr  # logged as a warning even without -v
+    assert any(expected in warning for warning in load_statistics(out)["warnings"])
+    quiet = run_script("mergekit-ram", "probe", str(tmp_path / "r.yml"))
+    assert expected in quiet.stderr
