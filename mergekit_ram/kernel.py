@@ -119,15 +119,12 @@ def ram_merge(
     patterns = _PatternCounts(n, base.device) if count else None
     for start in range(0, numel, chunk_elements):
         stop = min(start + chunk_elements, numel)
-        try:
-            pattern = scratch.run(
-                flat_base[start:stop],
-                [finetune[start:stop] for finetune in flat_finetunes],
-                epsilon,
-                merged[start:stop] if merged is not None else None,
-            )
-        except NonFiniteInputError:
-            _raise_non_finite(base, finetunes)
+        pattern = scratch.run(
+            flat_base[start:stop],
+            [finetune[start:stop] for finetune in flat_finetunes],
+            epsilon,
+            merged[start:stop] if merged is not None else None,
+        )
         if patterns is not None:
             patterns.add(pattern)
     return KernelResult(
@@ -168,26 +165,45 @@ class _Scratch:
             base32.copy_(base)
         tau, magnitude, active = self.tau[:length], self.magnitude[:length], self.active[:length]
         if self.merge:
-            total, counts = self.total[:length].zero_(), self.counts[:length].zero_()
-            scaled = self.scaled[:length].zero_() if self.scaled is not None else None
-        pattern = self.pattern[:length].zero_() if self.count else None
+            total, counts = self.total[:length], self.counts[:length]
+            scaled = self.scaled[:length] if self.scaled is not None else None
+        pattern = self.pattern[:length] if self.count else None
+        if pattern is not None and not finetunes:
+            pattern.zero_()
 
         for index, finetune in enumerate(finetunes):
             torch.sub(finetune, base32, out=tau)
             torch.abs(tau, out=magnitude)
-            if not math.isfinite(magnitude.sum().item()):
-                raise NonFiniteInputError(index)
+            if not self.merge and not math.isfinite(magnitude.sum().item()):
+                _check_finite(base, finetunes)
             torch.gt(magnitude, epsilon, out=active)
+            first = index == 0  # the first model initialises the accumulators
             if self.merge:
-                tau.mul_(active)
-                total.add_(tau)
-                counts.add_(active)
+                # NaN * 0 is NaN: masking keeps a non-finite input visible in the total.
+                if first:
+                    torch.mul(tau, active, out=total)
+                    counts.copy_(active)
+                else:
+                    tau.mul_(active)
+                    total.add_(tau)
+                    counts.add_(active)
                 if scaled is not None:
-                    scaled.add_(tau, alpha=self.scale[index])
+                    if first:
+                        torch.mul(total, self.scale[index], out=scaled)
+                    else:
+                        scaled.add_(tau, alpha=self.scale[index])
             if pattern is not None:
-                pattern.add_(active, alpha=1 << index)
+                if first:
+                    pattern.copy_(active)
+                else:
+                    pattern.add_(active, alpha=1 << index)
 
         if self.merge:
+            if finetunes and not math.isfinite(total.sum().item()):
+                _check_finite(base, finetunes)
+            if not finetunes:
+                total.zero_()
+                counts.zero_()
             # Mean over active models; c == 1 divides by one, c == 0 leaves total at zero.
             total.div_(counts.clamp_(min=1))
             if scaled is not None:
@@ -230,8 +246,8 @@ class _PatternCounts:
         return tuple(tuple(row) for row in histograms)
 
 
-def _raise_non_finite(base: torch.Tensor, finetunes: Sequence[torch.Tensor]) -> None:
-    """Name the offending input; a finite overflow of the magnitude sum is not an error."""
+def _check_finite(base: torch.Tensor, finetunes: Sequence[torch.Tensor]) -> None:
+    """Name the input holding NaN or Inf; a finite sum that overflowed is not an error."""
     if not bool(torch.isfinite(base).all()):
         raise NonFiniteInputError(None)
     for index, finetune in enumerate(finetunes):
