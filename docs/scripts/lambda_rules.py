@@ -1,0 +1,65 @@
+"""lambda for the paper's three Qwen2.5-7B agents under each rescaling rule.
+
+    python docs/scripts/lambda_rules.py [--r 0.1]
+
+Backs the lambda rows of docs/comparison.md (``tests/test_comparison.py`` checks the same
+figures). rho comes from the paper's unique shares (section 3, Figure 2): an agent whose
+changed parameters are a share ``u`` unique has ``rho = shared / unique = (1 - u) / u``.
+
+Rules, all with ``r = 0.1`` unless ``--r`` says otherwise:
+- ``ram_plus`` clip (paper eq. 4, this plugin's default): ``1 + r * clip(rho, 0, 2.0)``;
+- ``ram_plus`` soft (RAM+s, appendix E): ``1 + r * rho / (1 + rho)``;
+- mergekit 0.1.5 ``ramplus_tl`` with its default ``alpha = 0.2``: ``1 + r * clip(rho, 0, 0.2)``,
+  evaluated here on the whole-model rho (``ramplus_tl`` itself uses each tensor's rho);
+- the authors' release, as described in /work/shared/method.md (no code of it is used):
+  ``1 + (R - 1) * min(1, rho)`` with ``R - 1 = r``: the clip bound is 1, not alpha.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from mergekit_ram.kernel import rescale_factor
+
+#: Share of each agent's changed parameters that no other agent changed (paper, Figure 2).
+PAPER_UNIQUE_SHARES = {"coding (CURE)": 0.063, "tool use (ToolRL)": 0.408, "memory (MemAgent)": 0.475}
+RAMPLUS_TL_ALPHA = 0.2  # mergekit 0.1.5's default for ramplus_tl
+PAPER_ALPHA = 2.0
+
+
+def rho_from_unique_share(unique_share: float) -> float:
+    return (1.0 - unique_share) / unique_share
+
+
+def authors_lambda(rho: float, r: float) -> float:
+    """The authors' rule as method.md states it: 1 + (R - 1) * min(1, rho), R - 1 = r."""
+    return 1.0 + r * min(1.0, rho)
+
+
+def rules(r: float) -> dict[str, object]:
+    return {
+        f"ram_plus clip (alpha {PAPER_ALPHA:g})": lambda rho: rescale_factor(rho, r, PAPER_ALPHA, "clip"),
+        "ram_plus soft (RAM+s)": lambda rho: rescale_factor(rho, r, PAPER_ALPHA, "soft"),
+        f"ramplus_tl default (alpha {RAMPLUS_TL_ALPHA:g})": lambda rho: rescale_factor(
+            rho, r, RAMPLUS_TL_ALPHA, "clip"
+        ),
+        "authors' script (bound 1)": lambda rho: authors_lambda(rho, r),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--r", type=float, default=0.1)
+    arguments = parser.parse_args()
+    table = rules(arguments.r)
+    print(f"r = {arguments.r:g}\n")
+    print("| agent | unique share | rho | " + " | ".join(table) + " |")
+    print("|---|---:|---:|" + "---:|" * len(table))
+    for agent, share in PAPER_UNIQUE_SHARES.items():
+        rho = rho_from_unique_share(share)
+        cells = [f"{rule(rho):.4f}" for rule in table.values()]
+        print(f"| {agent} | {share:.1%} | {rho:.3f} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()

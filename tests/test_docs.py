@@ -1,0 +1,210 @@
+"""The documentation cannot drift from the code it describes.
+
+- Every message the package can raise, warn or log (its fixed text) is quoted in
+  docs/troubleshooting.md: adding a ``raise`` without documenting it fails here.
+- Every test, script and module a page names exists; every relative link resolves.
+- docs/contributing.md has a line for every module; docs/changelog.md an entry for the version.
+- docs/scripts/check_merged.py (docs/publishing.md) tells a finished merge from an unfinished one.
+"""
+
+from __future__ import annotations
+
+import ast
+import glob
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import pytest
+
+from mergekit_ram import __version__
+from tests.conftest import ModelSet, run_script, write_recipe
+
+ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
+PACKAGE = os.path.join(ROOT, "mergekit_ram")
+DOCS = os.path.join(ROOT, "docs")
+PAGES = ("prepass.md", "comparison.md", "publishing.md", "troubleshooting.md", "changelog.md", "contributing.md")
+#: Pages other developers are writing; links to them may not resolve yet.
+PENDING = {"performance.md", "quality.md"}
+_LOGGING = {"warning", "error", "critical", "exception"}
+_PRINTF = re.compile(r"%[-#0 +]*\d*(?:\.\d+)?[sdrifgxX]")
+
+
+@dataclass(frozen=True)
+class Message:
+    where: str  # file:line
+    kind: str
+    fragments: tuple[str, ...]  # the fixed parts a reader would search for
+
+
+def _pieces(node: ast.AST) -> list[str] | None:
+    """The fixed text of a string expression, split where values are interpolated."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return [node.value]
+    if isinstance(node, ast.JoinedStr):
+        parts, current = [], ""
+        for value in node.values:
+            if isinstance(value, ast.Constant):
+                current += value.value
+            else:
+                parts.append(current)
+                current = ""
+        return [*parts, current]
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+        left, right = _pieces(node.left), _pieces(node.right)
+        if left is None or right is None:
+            return None
+        return [*left[:-1], left[-1] + right[0], *right[1:]]
+    return None
+
+
+def _fragments(pieces: list[str]) -> tuple[str, ...]:
+    """Fixed parts with at least four letters or digits, whitespace-trimmed, one per line."""
+    found = []
+    for piece in pieces:
+        for part in _PRINTF.split(piece):
+            for line in part.splitlines():
+                line = line.strip()
+                if sum(character.isalnum() for character in line) >= 4:
+                    found.append(line)
+    return tuple(found)
+
+
+def _message_call(node: ast.AST, function: str | None, klass: str | None) -> tuple[str, ast.Call] | None:
+    """(kind, call) when ``node`` produces a message a user can see."""
+    if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call):
+        return f"raise {ast.unparse(node.exc.func)}", node.exc
+    if not isinstance(node, ast.Call):
+        return None
+    name = ast.unparse(node.func)
+    if name == "warnings.warn":
+        return name, node
+    if isinstance(node.func, ast.Attribute) and node.func.attr in _LOGGING and name.split(".")[0] in ("LOG", "logger"):
+        return name, node
+    if function == "_warnings" and name == "found.append":  # the statistics warnings
+        return "statistics warning", node
+    if name == "super().__init__" and klass is not None and klass.endswith("Error"):
+        return f"{klass} message", node
+    return None
+
+
+def collect_messages(source: str, filename: str) -> list[Message]:
+    messages = []
+
+    def visit(node: ast.AST, function: str | None, klass: str | None) -> None:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            function = node.name
+        elif isinstance(node, ast.ClassDef):
+            klass = node.name
+        found = _message_call(node, function, klass)
+        if found is not None and found[1].args:
+            pieces = _pieces(found[1].args[0])
+            if pieces is not None:
+                messages.append(Message(f"{filename}:{node.lineno}", found[0], _fragments(pieces)))
+        for child in ast.iter_child_nodes(node):
+            visit(child, function, klass)
+
+    visit(ast.parse(source), None, None)
+    return messages
+
+
+def package_messages() -> list[Message]:
+    messages = []
+    for path in sorted(glob.glob(os.path.join(PACKAGE, "*.py"))):
+        with open(path, encoding="utf-8") as handle:
+            messages += collect_messages(handle.read(), os.path.relpath(path, ROOT))
+    return messages
+
+
+def read(page: str) -> str:
+    with open(os.path.join(DOCS, page), encoding="utf-8") as handle:
+        return handle.read()
+
+
+def undocumented(messages: list[Message], doc: str) -> list[str]:
+    doc = doc.replace("\\|", "|")  # pipes escaped inside Markdown tables
+    return [f"{m.where} ({m.kind}): {fragment!r}" for m in messages for fragment in m.fragments if fragment not in doc]
+
+
+def test_every_message_of_the_package_is_in_troubleshooting() -> None:
+    messages = package_messages()
+    assert len([m for m in messages if m.fragments]) >= 40, "the collector finds too few messages"
+    missing = undocumented(messages, read("troubleshooting.md"))
+    assert not missing, "docs/troubleshooting.md does not quote:\n" + "\n".join(missing)
+
+
+def test_a_new_undocumented_raise_is_caught() -> None:
+    source = (
+        "import logging\nLOG = logging.getLogger(__name__)\n"
+        "def f(x):\n"
+        "    LOG.warning('mergekit-ram: %s looks odd today', x)\n"
+        "    raise ValueError(f'a brand new failure {x} nobody wrote down')\n"
+    )
+    missing = undocumented(collect_messages(source, "new.py"), read("troubleshooting.md"))
+    assert missing == [
+        "new.py:4 (LOG.warning): 'looks odd today'",
+        "new.py:5 (raise ValueError): 'a brand new failure'",
+        "new.py:5 (raise ValueError): 'nobody wrote down'",
+    ]
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor for a Markdown heading."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_links_and_references_resolve(page: str) -> None:
+    text = read(page)
+    problems = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if re.match(r"[a-z]+://", target):
+            continue
+        path, _, anchor = target.partition("#")
+        resolved = os.path.normpath(os.path.join(DOCS, path)) if path else os.path.join(DOCS, page)
+        if not os.path.exists(resolved):
+            if os.path.basename(path) not in PENDING:
+                problems.append(f"link {target}: no such file")
+            continue
+        if anchor and resolved.endswith(".md"):
+            with open(resolved, encoding="utf-8") as handle:
+                headings = re.findall(r"^#+ (.+)$", handle.read(), flags=re.MULTILINE)
+            if anchor not in {_anchor(heading) for heading in headings}:
+                problems.append(f"link {target}: no such heading")
+    for file, name in re.findall(r"(tests/\w+\.py)::(\w+)", text):
+        with open(os.path.join(ROOT, file), encoding="utf-8") as handle:
+            if not re.search(rf"^def {name}\(", handle.read(), flags=re.MULTILINE):
+                problems.append(f"{file}::{name}: no such test")
+    for file in set(re.findall(r"\b((?:docs/scripts|mergekit_ram|tests|benchmarks)/\w+\.py)\b", text)):
+        if not os.path.exists(os.path.join(ROOT, file)):
+            problems.append(f"{file}: no such file")
+    assert not problems, f"docs/{page}:\n" + "\n".join(problems)
+
+
+def test_contributing_describes_every_module() -> None:
+    text = read("contributing.md")
+    modules = sorted(os.path.basename(path) for path in glob.glob(os.path.join(PACKAGE, "*.py")))
+    missing = [module for module in modules if f"`{module}`" not in text]
+    assert not missing, f"docs/contributing.md has no line for {missing}"
+
+
+def test_changelog_has_an_entry_for_this_version() -> None:
+    assert re.search(rf"^## {re.escape(__version__)}\b", read("changelog.md"), flags=re.MULTILINE)
+
+
+def test_check_merged_script(bf16_models: ModelSet, tmp_path) -> None:
+    """docs/scripts/check_merged.py passes a finished merge and refuses an unfinished one."""
+    out = str(tmp_path / "out")
+    run_script("mergekit-yaml", write_recipe(str(tmp_path / "r.yml"), bf16_models.recipe("ram_plus")), out)
+    script = [sys.executable, os.path.join(DOCS, "scripts", "check_merged.py"), out]
+    passed = subprocess.run([*script, "--finite"], capture_output=True, text=True)
+    assert passed.returncode == 0, passed.stdout
+    assert "note: the card names local paths" in passed.stdout and "ready to upload" in passed.stdout
+    with open(os.path.join(out, "MERGE_INCOMPLETE"), "w", encoding="utf-8") as handle:
+        handle.write("interrupted\n")
+    refused = subprocess.run(script, capture_output=True, text=True)
+    assert refused.returncode == 1
+    assert "problem: MERGE_INCOMPLETE is present" in refused.stdout
