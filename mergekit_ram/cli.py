@@ -170,7 +170,10 @@ def probe(
         import torch
 
         torch.set_num_threads(num_threads)
-    statistics = probe_recipe(recipe, options)
+    try:
+        statistics = probe_recipe(recipe, options)
+    except ValueError as error:  # ParameterError, InputError, NaN: the message says it all
+        raise click.ClickException(str(error)) from None
     if plot_path is not None:
         from mergekit_ram.plot import plot_statistics
 

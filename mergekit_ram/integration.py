@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import sys
+import warnings
 from contextvars import ContextVar
 from types import ModuleType
 from typing import Any, Callable, Iterator, Optional
@@ -45,13 +46,6 @@ def mergekit_version() -> str:
 
 def register() -> None:
     """Register ``ram`` and ``ram_plus`` with mergekit and hook its planner; idempotent."""
-    version = mergekit_version()
-    if version not in TESTED_MERGEKIT:
-        LOG.warning(
-            "mergekit-ram is tested with mergekit %s; found %s. Its internals may have moved.",
-            ", ".join(TESTED_MERGEKIT),
-            version,
-        )
     import mergekit.merge
     import mergekit.merge_methods
     import mergekit.plan
@@ -63,17 +57,26 @@ def register() -> None:
     patch_raw_pytorch(mergekit.scripts.merge_raw_pytorch)
 
 
-def _require(module: ModuleType, name: str) -> Any:
-    if not hasattr(module, name):
+def _require(owner: Any, name: str) -> Any:
+    """``owner.name``, or an error naming the mergekit version if it moved."""
+    if not hasattr(owner, name):
+        where = getattr(owner, "__name__", type(owner).__name__)
         raise MergekitMovedError(
-            f"mergekit-ram cannot find {module.__name__}.{name} in mergekit {mergekit_version()}; "
+            f"mergekit-ram cannot find {where}.{name} in mergekit {mergekit_version()}; "
             f"it supports mergekit {', '.join(TESTED_MERGEKIT)}"
         )
-    return getattr(module, name)
+    return getattr(owner, name)
 
 
 def register_methods(merge_methods: ModuleType) -> None:
     """Add ``ram_plus``; replace the built-in ``ram`` (and only that one) with ours."""
+    version = mergekit_version()
+    if version not in TESTED_MERGEKIT:
+        warnings.warn(
+            f"mergekit-ram is tested with mergekit {', '.join(TESTED_MERGEKIT)}; found {version}. "
+            "Its internals may have moved.",
+            stacklevel=2,
+        )
     from mergekit.merge_methods import ram as builtin_ram
     from mergekit.merge_methods import registry
 
@@ -94,9 +97,7 @@ def register_methods(merge_methods: ModuleType) -> None:
 
 
 def _wrap(owner: Any, name: str, make: Callable[[Callable], Callable]) -> None:
-    original = _require(owner, name) if isinstance(owner, ModuleType) else getattr(owner, name, None)
-    if original is None:
-        raise MergekitMovedError(f"mergekit-ram cannot find {owner.__name__}.{name} in mergekit {mergekit_version()}")
+    original = _require(owner, name)
     if getattr(original, _MARK, False):
         return
     wrapper = functools.wraps(original)(make(original))
@@ -187,12 +188,20 @@ def patch_run_merge(merge: ModuleType) -> None:
             module.run_merge = patched
 
 
+#: The staged output of the mergekit-pytorch run in progress: (out_path, created).
+_RAW_OUT: ContextVar[Optional[tuple[str, bool]]] = ContextVar("mergekit_ram_raw_out", default=None)
+
+
 def patch_raw_pytorch(raw: ModuleType) -> None:
-    """``mergekit-pytorch`` plans its own flat merge: give it the same checks and pre-pass."""
+    """``mergekit-pytorch`` plans its own flat merge: give it the same checks and pre-pass.
+
+    Its weights are published by the graph's last task; its command is wrapped so that a
+    failure during the merge removes what was staged.
+    """
     from mergekit_ram import staging
     from mergekit_ram.prepass import attach_ram_plan
 
-    def make(original: Callable) -> Callable:
+    def make_plan(original: Callable) -> Callable:
         def plan_flat_merge(
             config: Any, out_path: str, tensor_union: bool, tensor_intersection: bool, options: Any
         ) -> Any:
@@ -201,12 +210,28 @@ def patch_raw_pytorch(raw: ModuleType) -> None:
             check_config(config.merge_method, config)
             targets = original(config, out_path, tensor_union, tensor_intersection, options)
             targets = attach_ram_plan(targets, options, out_path, publish_in_graph=True)
-            staging.begin(out_path)
+            _RAW_OUT.set((out_path, staging.begin(out_path)))
             return targets
 
         return plan_flat_merge
 
-    _wrap(raw, "plan_flat_merge", make)
+    def make_command(original: Callable) -> Callable:
+        def command(*args: Any, **kwargs: Any) -> Any:
+            token = _RAW_OUT.set(None)
+            try:
+                return original(*args, **kwargs)
+            except BaseException:
+                staged = _RAW_OUT.get()
+                if staged is not None:
+                    staging.abandon(*staged)
+                raise
+            finally:
+                _RAW_OUT.reset(token)
+
+        return command
+
+    _wrap(raw, "plan_flat_merge", make_plan)
+    _wrap(_require(raw, "main"), "callback", make_command)
 
 
 def plan_merge_tasks(config: Any, options: Any) -> list[Any]:

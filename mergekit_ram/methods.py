@@ -113,8 +113,8 @@ class RamMergeMethod(GroupMergeMethod):
         return base if result.merged is None else result.merged
 
     def lambdas(self, group: TensorGroup, parameters: dict[str, Any]) -> Optional[list[float]]:
-        """lambda_t per fine-tune: pinned, else from its global rho; None for plain RAM."""
-        if self.spec.name == "ram" or parameters["r"] == 0:
+        """lambda_t per fine-tune: pinned, else from its global rho (1 when r = 0); None for RAM."""
+        if self.spec.name == "ram":
             return None
         values = []
         for entry in group.non_base:
@@ -124,6 +124,8 @@ class RamMergeMethod(GroupMergeMethod):
                 values.append(pinned)
             elif rho is not None:
                 values.append(rescale_factor(rho, parameters["r"], parameters["alpha"], parameters["rule"]))
+            elif parameters["r"] == 0:
+                values.append(1.0)
             else:
                 raise MissingStatisticsError(
                     f"ram_plus has no global rho for {entry.id} while merging {group.metadata.name}: "

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from mergekit_ram.synthetic import PAPER_AGENTS, PAPER_OVERLAP, Agents, build_agents, tiny_config
 
 os.environ["HF_HUB_OFFLINE"] = "1"
-# The pre-pass cache is tested on its own (test_cache.py); elsewhere every pre-pass really runs.
+# The pre-pass cache is tested on its own (test_statistics.py); elsewhere every pre-pass really runs.
 os.environ["MERGEKIT_RAM_CACHE"] = "off"
 
 

@@ -14,6 +14,7 @@ from mergekit.options import MergeOptions
 
 from mergekit_ram import merge_state_dicts
 from mergekit_ram.parameters import ParameterError
+from tests import reference
 from tests.conftest import ModelSet, load_statistics, load_weights, run_script, write_recipe
 
 
@@ -95,3 +96,22 @@ def test_in_memory_api_refuses_bad_values(bf16_models: ModelSet) -> None:
         merge_state_dicts(base, [base], alpha=-1.0)
     with pytest.raises(ParameterError, match="rho pinned for unknown model 'coder'"):
         merge_state_dicts(base, {"coding": base}, rho={"coder": 1.0})
+
+
+def test_pinned_lambda_applies_with_r_zero_on_every_path(bf16_models: ModelSet, tmp_path) -> None:
+    """r = 0 makes unpinned lambdas 1; a pinned lambda still applies, in files and in memory."""
+    recipe = bf16_models.recipe("ram_plus", parameters={"r": 0.0})
+    recipe["models"][0]["parameters"] = {"lambda": 1.3}
+    out = str(tmp_path / "out")
+    merge(recipe, out)
+    assert [m["lambda"] for m in load_statistics(out)["models"]] == [1.3, 1.0, 1.0]
+    base = load_weights(bf16_models.base)
+    finetunes = [load_weights(path) for path in bf16_models.agents]
+    merged = load_weights(out)
+    for name in ("model.layers.0.self_attn.q_proj.weight", "lm_head.weight"):
+        expected = reference.merge(base[name], [ft[name] for ft in finetunes], 1e-5, [1.3, 1.0, 1.0])
+        assert torch.equal(merged[name], expected.to(torch.bfloat16)), name
+    in_memory, _ = merge_state_dicts(
+        base, dict(zip(bf16_models.agents, finetunes)), r=0.0, lambda_={bf16_models.agents[0]: 1.3}
+    )
+    assert all(torch.equal(in_memory[name], merged[name]) for name in merged)

@@ -153,6 +153,12 @@ CASES = [
     Case("a tensor missing from one model", _missing_tensor, "has no tensor for model.layers.1.mlp.down_proj.weight"),
     Case("NaN in an input tensor (`ram_plus`: found by the pre-pass)", _poison("ram_plus", float("nan")), "NaN or Inf"),
     Case("Inf in an input tensor (`ram`: found during the merge)", _poison("ram", float("inf")), "NaN or Inf"),
+    Case(
+        "NaN found during a `mergekit-pytorch` merge (`ram`)",
+        _poison("ram", float("nan")),
+        "NaN or Inf",
+        script="mergekit-pytorch",
+    ),
     Case("a negative parameter", _with_parameters(alpha=-1), "parameter 'alpha' in parameters must be"),
     Case("an unknown rescaling rule", _with_parameters(rule="tanh"), "parameter 'rule' in parameters must be"),
     Case("a misspelled parameter name", _with_parameters(apha=2.0), "unknown parameter 'apha'"),
