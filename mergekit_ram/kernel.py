@@ -12,8 +12,9 @@ For one tensor with base ``theta_pre`` and fine-tunes ``theta_t``, ``t = 1..N``:
 
 All arithmetic is float32 whatever the input dtype; the result has the base's dtype.
 The work runs over chunks of CHUNK_ELEMENTS elements: scratch is at most 24 bytes per
-element of one chunk (about 6 MiB), independent of N and of the tensor's size; beyond it
-only the output is allocated.
+element of one chunk (about 6 MiB), independent of the tensor's size and, up to 15 models,
+of N (beyond, the statistics pattern widens to 8 bytes); beyond it only the output is
+allocated.
 """
 
 from __future__ import annotations
