@@ -12,16 +12,19 @@ For one tensor with base ``theta_pre`` and fine-tunes ``theta_t``, ``t = 1..N``:
 
 All arithmetic is float32 whatever the input dtype; the result has the base's dtype.
 The work runs over chunks of CHUNK_ELEMENTS elements: scratch is at most 24 bytes per
-element of one chunk (about 6 MiB), independent of the tensor's size and, up to 15 models,
-of N (beyond, the statistics pattern widens to 8 bytes); beyond it only the output is
-allocated.
+element of one chunk (about 6 MiB per worker thread), independent of the tensor's size and,
+up to 15 models, of N (beyond, the statistics pattern widens to 8 bytes); beyond it only the
+output is allocated.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import math
+import threading
 from dataclasses import dataclass
-from typing import Literal, Optional, Sequence
+from typing import Callable, Iterator, Literal, Optional, Sequence
 
 import torch
 
@@ -82,6 +85,8 @@ class KernelResult:
 #: Elements per step: the scratch buffers (at most 24 bytes each) stay in the CPU caches and
 #: are independent of the tensor's size.
 CHUNK_ELEMENTS = 1 << 18
+#: On an accelerator each op is a kernel launch: larger chunks, still bounded scratch.
+DEVICE_CHUNK_ELEMENTS = 1 << 24
 
 
 def ram_merge(
@@ -111,27 +116,93 @@ def ram_merge(
     if count and n > _PATTERN_MAX_MODELS:
         raise ValueError(f"overlap statistics support at most {_PATTERN_MAX_MODELS} fine-tuned models, got {n}")
 
+    if base.device.type != "cpu":
+        chunk_elements = max(chunk_elements, DEVICE_CHUNK_ELEMENTS)
     flat_base = base.reshape(-1)
     flat_finetunes = [finetune.reshape(-1) for finetune in finetunes]
     numel = flat_base.numel()
     scale = list(lambdas) if merge and lambdas is not None and any(lam != 1.0 for lam in lambdas) else None
-    scratch = _Scratch(min(chunk_elements, max(numel, 1)), n, flat_base, merge=merge, count=count, scale=scale)
     merged = torch.empty_like(flat_base) if merge else None
-    patterns = _PatternCounts(n, base.device) if count else None
-    for start in range(0, numel, chunk_elements):
+    size = min(chunk_elements, max(numel, 1))
+
+    def worker() -> tuple[_Scratch, Optional[_PatternCounts]]:
+        scratch = _Scratch(size, n, flat_base, merge=merge, count=count, scale=scale)
+        return scratch, _PatternCounts(n, base.device) if count else None
+
+    def run(start: int, state: tuple[_Scratch, Optional[_PatternCounts]]) -> None:
         stop = min(start + chunk_elements, numel)
-        pattern = scratch.run(
+        pattern = state[0].run(
             flat_base[start:stop],
             [finetune[start:stop] for finetune in flat_finetunes],
             epsilon,
             merged[start:stop] if merged is not None else None,
         )
-        if patterns is not None:
-            patterns.add(pattern)
+        if state[1] is not None:
+            state[1].add(pattern)
+
+    starts = range(0, numel, chunk_elements)
+    with _chunk_workers(base.device, len(starts)) as workers:
+        states = _map_chunks(run, worker, starts, workers)
+    patterns = [counts for _, counts in states if counts is not None]
     return KernelResult(
         merged=merged.view(base.shape) if merged is not None else None,
-        histograms=patterns.histograms() if patterns is not None else None,
+        histograms=_PatternCounts.combined(patterns).histograms() if count else None,
     )
+
+
+_THREADS_LOCK = threading.Lock()
+_THREADS_HELD = 0
+_THREADS_SAVED = 1
+
+
+@contextlib.contextmanager
+def _chunk_workers(device: torch.device, chunks: int) -> Iterator[int]:
+    """How many threads should take chunks; torch's own intra-op threads are off meanwhile.
+
+    Each chunk is a few dozen small elementwise ops. Under torch's intra-op parallelism
+    every op is a fork and a join; on a busy machine a descheduled thread stalls each of
+    them (measured 3-6x slower than one thread). So the kernel runs torch single-threaded
+    and hands whole chunks to as many threads as torch was allowed (``--num-threads``).
+    """
+    global _THREADS_HELD, _THREADS_SAVED
+    if device.type != "cpu" or chunks < 2:
+        yield 1
+        return
+    with _THREADS_LOCK:
+        if _THREADS_HELD == 0:
+            _THREADS_SAVED = torch.get_num_threads()
+            torch.set_num_threads(1)
+        _THREADS_HELD += 1
+        workers = _THREADS_SAVED
+    try:
+        yield min(workers, chunks)
+    finally:
+        with _THREADS_LOCK:
+            _THREADS_HELD -= 1
+            if _THREADS_HELD == 0:
+                torch.set_num_threads(_THREADS_SAVED)
+
+
+def _map_chunks(run: Callable, make_state: Callable, starts: Sequence[int], workers: int) -> list:
+    """Run every chunk, each worker thread with its own scratch; the per-worker states."""
+    if workers <= 1:
+        state = make_state()
+        for start in starts:
+            run(start, state)
+        return [state]
+    local = threading.local()
+    states = []
+
+    def task(start: int) -> None:
+        if not hasattr(local, "state"):
+            local.state = make_state()
+            states.append(local.state)
+        run(start, local.state)
+
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        for future in [pool.submit(task, start) for start in starts]:
+            future.result()
+    return states
 
 
 class _Scratch:
@@ -232,6 +303,16 @@ class _PatternCounts:
             codes, frequencies = torch.unique(pattern, return_counts=True)
             for code, frequency in zip(codes.tolist(), frequencies.tolist()):
                 self.sparse[code] = self.sparse.get(code, 0) + frequency
+
+    @classmethod
+    def combined(cls, parts: Sequence[_PatternCounts]) -> _PatternCounts:
+        total = parts[0]
+        for part in parts[1:]:
+            if total.dense is not None:
+                total.dense += part.dense
+            for code, frequency in part.sparse.items():
+                total.sparse[code] = total.sparse.get(code, 0) + frequency
+        return total
 
     def histograms(self) -> tuple[tuple[int, ...], ...]:
         """Per-model histograms by overlap count."""
