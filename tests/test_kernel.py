@@ -6,9 +6,9 @@ import math
 
 import pytest
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 from mergekit_ram.kernel import CHUNK_ELEMENTS, NonFiniteInputError, overlap_ratio, ram_merge, rescale_factor
+from mergekit_ram.memory import peak_allocated_bytes
 from tests import reference
 
 EPSILON = 1e-5
@@ -173,18 +173,7 @@ def test_rho_and_lambda_follow_the_paper() -> None:
 
 
 def peak_scratch_bytes(function) -> int:
-    """Peak bytes torch allocated while ``function`` ran (allocations minus frees, in order)."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        function()
-    events = sorted(
-        (event.time_range.start, event.cpu_memory_usage if event.name == "[memory]" else event.self_cpu_memory_usage)
-        for event in prof.events()
-    )
-    current = peak = 0
-    for _, delta in events:
-        current += delta
-        peak = max(peak, current)
-    return peak
+    return peak_allocated_bytes(function)[0]
 
 
 def test_scratch_memory_is_bounded_and_independent_of_n() -> None:

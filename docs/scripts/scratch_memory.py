@@ -2,9 +2,10 @@
 
     python docs/scripts/scratch_memory.py
 
-Backs the memory row of docs/comparison.md. Same technique as
-``tests/test_kernel.py::test_scratch_memory_is_bounded_and_independent_of_n``: the torch
-profiler records every CPU allocation and free while one group is merged; the peak of the
+Backs the memory row of docs/comparison.md. Same measurement as
+``tests/test_kernel.py::test_scratch_memory_is_bounded_and_independent_of_n``
+(``mergekit_ram.memory.peak_allocated_bytes``): the torch profiler records every CPU
+allocation and free while one group is merged; the peak of the
 running sum, minus the bytes of the returned tensor, is the scratch. Inputs are allocated
 before profiling, so they are not counted.
 
@@ -22,27 +23,11 @@ import torch
 from mergekit.merge_methods.base import TensorGroup
 from mergekit.merge_methods.ram import ram_merge as builtin_ram
 from mergekit.merge_methods.ram import ramplus_tl_merge as builtin_ramplus_tl
-from torch.profiler import ProfilerActivity, profile
 
 from mergekit_ram.kernel import CHUNK_ELEMENTS, ram_merge
+from mergekit_ram.memory import peak_allocated_bytes
 
 EPSILON = 1e-5
-
-
-def peak_bytes(function) -> tuple[int, torch.Tensor]:
-    """Peak bytes torch allocated while ``function`` ran, and what it returned."""
-    result = []
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        result.append(function())
-    events = sorted(
-        (event.time_range.start, event.cpu_memory_usage if event.name == "[memory]" else event.self_cpu_memory_usage)
-        for event in prof.events()
-    )
-    current = peak = 0
-    for _, delta in events:
-        current += delta
-        peak = max(peak, current)
-    return peak, result[0]
 
 
 def inputs(numel: int, n: int, dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -69,7 +54,7 @@ def measure(numel: int, n: int, dtype: torch.dtype) -> dict[str, tuple[int, torc
     }
     results = {}
     for name, run in runs.items():
-        peak, output = peak_bytes(run)
+        peak, output = peak_allocated_bytes(run)
         results[name] = (peak - output.numel() * output.element_size(), output.dtype)
     return results
 
