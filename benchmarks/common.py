@@ -63,6 +63,24 @@ def child_env(plugin: Optional[Path] = None, extra: Optional[Mapping[str, str]] 
     return env
 
 
+def use_plugin(module: str, plugin: Optional[Path], argv: Sequence[str]) -> None:
+    """Re-execute ``python -m module argv`` under :func:`child_env` unless this process already uses ``plugin``.
+
+    The start-up hook imports ``mergekit_ram`` before ``python -m`` puts the current directory
+    on ``sys.path``, so an in-process measurement would otherwise time the installed checkout
+    rather than the one next to the benchmarks (or the one asked for).
+    """
+    import mergekit_ram
+
+    wanted = Path(plugin or REPO_ROOT).resolve()
+    if Path(mergekit_ram.__file__).resolve().parent.parent == wanted:
+        return
+    LOG.info("re-running under %s's mergekit_ram (this process has %s)", wanted, mergekit_ram.__file__)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, "-m", module, *argv], child_env(plugin))
+
+
 def venv_script(name: str) -> str:
     """A console script of the running interpreter's environment (``mergekit-yaml``)."""
     candidate = Path(sys.executable).parent / name
