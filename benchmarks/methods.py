@@ -148,8 +148,10 @@ def run_merge(
     extra: Sequence[str] = (),
     tag: str = "",
     data_limit_bytes: Optional[int] = None,
+    keep_output: bool = False,
 ) -> Measurement:
-    """One measured ``mergekit-yaml`` run; the output is checked, its statistics kept, then deleted."""
+    """One measured ``mergekit-yaml`` run into ``workdir/out-METHOD``; the output is checked, its statistics
+    kept, then deleted unless ``keep_output``."""
     recipe = write_recipe(method, models, workdir / f"{method}.yml", out_dtype)
     out = workdir / f"out-{method}"
     shutil.rmtree(out, ignore_errors=True)
@@ -169,7 +171,8 @@ def run_merge(
         statistics = out / "ram_statistics.json"
         if statistics.exists():
             measurement.extra["statistics"] = summarise_statistics(read_json(statistics))
-    shutil.rmtree(out, ignore_errors=True)
+    if not keep_output:
+        shutil.rmtree(out, ignore_errors=True)
     return measurement
 
 
