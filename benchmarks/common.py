@@ -246,20 +246,20 @@ def linear_fit(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
     return mean_y - slope * mean_x, slope
 
 
-def git_state(path: Path) -> dict[str, Any]:
-    """Commit and dirtiness of the checkout holding ``path`` (which code a figure belongs to)."""
+def git_state(checkout: Path, pathspec: str = ".") -> dict[str, Any]:
+    """Commit of ``checkout``, and whether ``pathspec`` in it has uncommitted changes: which code a figure is of."""
 
     def git(*args: str) -> str:
         return subprocess.run(
-            ["git", "-C", str(path), *args], capture_output=True, text=True, check=False
+            ["git", "-C", str(checkout), *args], capture_output=True, text=True, check=False
         ).stdout.strip()
 
     commit = git("rev-parse", "HEAD")
     return {
-        "path": str(path),
+        "path": str(checkout),
         "commit": commit or None,
         "branch": git("rev-parse", "--abbrev-ref", "HEAD") or None,
-        "dirty": bool(git("status", "--porcelain", "--untracked-files=no")) if commit else None,
+        "dirty": bool(git("status", "--porcelain", "--untracked-files=all", "--", pathspec)) if commit else None,
     }
 
 
@@ -305,8 +305,8 @@ def machine_info(env: Optional[Mapping[str, str]] = None) -> dict[str, Any]:
         "torch_threads": torch.get_num_threads(),
         "mergekit": _version("mergekit", getattr(mergekit, "__version__", None)),
         "mergekit_ram": _version("mergekit-ram", None),
-        "plugin": git_state(plugin),
-        "benchmarks": git_state(BENCH_DIR),
+        "plugin": git_state(plugin, "mergekit_ram"),
+        "benchmarks": git_state(REPO_ROOT, "benchmarks"),
         "time": time.strftime("%Y-%m-%d %H:%M:%S %z"),
     }
 

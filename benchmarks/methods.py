@@ -63,6 +63,7 @@ METHOD_PARAMETERS: dict[str, dict[str, float]] = {
     "ram_plus": {},
 }
 METHODS = tuple(METHOD_PARAMETERS)
+METRIC_LABELS = {"wall_s": "wall time", "max_rss_bytes": "peak RSS", "peak_anon_bytes": "peak anon"}
 PREPASS_LINE = re.compile(r"ram_plus pre-pass done in ([0-9.]+) s")
 
 
@@ -77,9 +78,10 @@ class Target:
     at_least: bool = False  # reference / method >= bound (a speed-up) instead of method / reference <= bound
 
     def describe(self) -> str:
+        metric = METRIC_LABELS.get(self.metric, self.metric)
         if self.at_least:
-            return f"{self.reference} / {self.method} {self.metric} >= {self.bound:g}"
-        return f"{self.method} / {self.reference} {self.metric} <= {self.bound:g}"
+            return f"{metric}: `{self.reference}` / `{self.method}` >= {self.bound:g}"
+        return f"{metric}: `{self.method}` / `{self.reference}` <= {self.bound:g}"
 
     def value(self, summary: dict[str, dict[str, Any]]) -> Optional[float]:
         if self.method not in summary or self.reference not in summary:
