@@ -172,18 +172,22 @@ def estimate(results: dict[str, Any], size_name: str = PAPER_SIZE) -> dict[str, 
     estimates: dict[str, dict[str, Any]] = {}
     for method in ESTIMATE_METHODS:
         points = []
+        cpu_points: list[tuple[float, float]] = []
         for result in results["methods"]:
             entry = result["summary"].get(method)
             if entry:
                 shard = parse_size(result["options"]["out_shard_size"])
                 buffered = min(shard, result["models"]["parameters"] * 2)
                 points.append((result["models"], entry["wall_s"], entry["peak_anon_bytes"] - buffered, shard))
+                cpu_points.append((result["models"]["parameters"], entry["cpu_s"]))
         if method == "ram_plus":
             for result in results["outofcore"]:
                 shard = parse_size(result["options"]["out_shard_size"])
                 buffered = min(shard, result["models"]["parameters"] * 2)
                 summary = result["summary"]
                 points.append((result["models"], summary["wall_s"], summary["peak_anon_bytes"] - buffered, shard))
+                if "cpu_s" in summary:
+                    cpu_points.append((result["models"]["parameters"], summary["cpu_s"]))
         sizes = {models["parameters"] for models, *_ in points}
         if len(sizes) < 2:
             continue
@@ -193,6 +197,7 @@ def estimate(results: dict[str, Any], size_name: str = PAPER_SIZE) -> dict[str, 
         estimates[method] = {
             "wall_s": time_fit[0] + time_fit[1] * parameters,
             "seconds_per_billion": time_fit[1] * 1e9,
+            "cpu_seconds_per_billion": linear_fit(cpu_points)[1] * 1e9 if len(cpu_points) >= 2 else None,
             "peak_anon_bytes": memory_fit[0] + memory_fit[1] * largest + min(shard, parameters * 2),
             "bytes_per_largest_element": memory_fit[1],
             "points": len(points),
@@ -210,6 +215,7 @@ def estimate_block(results: dict[str, Any]) -> str:
         [
             f"`{method}`",
             f"{entry['seconds_per_billion']:.1f} s",
+            "n/a" if entry["cpu_seconds_per_billion"] is None else f"{entry['cpu_seconds_per_billion']:.1f} s",
             fmt_seconds(entry["wall_s"]),
             f"{entry['bytes_per_largest_element']:.1f}",
             fmt_bytes(entry["peak_anon_bytes"]),
@@ -217,7 +223,15 @@ def estimate_block(results: dict[str, Any]) -> str:
         ]
         for method, entry in estimates.items()
     ]
-    headers = ["method", "s per 1B parameters", "wall, 7B", "B / element of largest tensor", "peak anon, 7B", "fit on"]
+    headers = [
+        "method",
+        "wall s / 1B parameters",
+        "CPU s / 1B",
+        "wall, 7B",
+        "B / element of largest tensor",
+        "peak anon, 7B",
+        "fit on",
+    ]
     return "\n".join(
         [
             f"Base and three agents of {fmt_count(size.parameters())} parameters, largest tensor "

@@ -91,6 +91,7 @@ def out_of_core(
         "runs": runs,
         "summary": {
             "wall_s": median(run["wall_s"] for run in runs),
+            "cpu_s": median(run["user_s"] + run["sys_s"] for run in runs),
             "max_rss_bytes": median(run["max_rss_bytes"] for run in runs),
             "peak_anon_bytes": median(run["peak_anon_bytes"] for run in runs),
             "prepass_s": median(run["extra"].get("prepass_s", math.nan) for run in runs),
