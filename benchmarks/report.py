@@ -18,6 +18,7 @@ import argparse
 import logging
 import re
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -158,11 +159,51 @@ def scale_block(results: dict[str, Any]) -> str:
     else:
         parts += ["_Out-of-core run not measured yet: `python -m benchmarks.scale outofcore --size scale`._", ""]
     for result in results["inmemory"]:
-        parts += [f"Whole-model-in-memory float32 against ours, size `{result['size']}`:", ""]
+        cap = result["options"].get("cap_bytes")
+        under = f", both under an RLIMIT_DATA cap of {fmt_bytes(cap)}" if cap else ""
+        parts += [f"Whole-model-in-memory float32 against ours, size `{result['size']}`{under}:", ""]
         parts += [inmemory_table(result), "", limit_text(result), ""]
     if not results["inmemory"]:
         parts += ["_Not measured yet: `python -m benchmarks.scale inmemory --size 120m`._"]
     return "\n".join(parts).rstrip()
+
+
+@dataclass(frozen=True)
+class Observation:
+    """One measured merge, reduced to what the extrapolation uses."""
+
+    parameters: int
+    largest_tensor: int
+    wall_s: float
+    cpu_s: Optional[float]
+    merge_anon_bytes: float  # peak anonymous memory less the output mergekit buffered
+    shard_bytes: int
+
+    @classmethod
+    def of(cls, result: dict[str, Any], summary: dict[str, Any]) -> Observation:
+        models = result["models"]
+        shard = parse_size(result["options"]["out_shard_size"])
+        buffered = min(shard, models["parameters"] * 2)
+        return cls(
+            parameters=models["parameters"],
+            largest_tensor=models["largest_tensor"],
+            wall_s=summary["wall_s"],
+            cpu_s=summary.get("cpu_s"),
+            merge_anon_bytes=summary["peak_anon_bytes"] - buffered,
+            shard_bytes=shard,
+        )
+
+
+def observations(results: dict[str, Any], method: str) -> list[Observation]:
+    """Every measurement of ``method``: the methods runs, and for ram_plus the out-of-core runs too."""
+    found = [
+        Observation.of(result, result["summary"][method])
+        for result in results["methods"]
+        if method in result["summary"]
+    ]
+    if method == "ram_plus":
+        found += [Observation.of(result, result["summary"]) for result in results["outofcore"]]
+    return found
 
 
 def estimate(results: dict[str, Any], size_name: str = PAPER_SIZE) -> dict[str, dict[str, Any]]:
@@ -171,29 +212,13 @@ def estimate(results: dict[str, Any], size_name: str = PAPER_SIZE) -> dict[str, 
     parameters, largest = size.parameters(), size.largest_tensor()
     estimates: dict[str, dict[str, Any]] = {}
     for method in ESTIMATE_METHODS:
-        points = []
-        cpu_points: list[tuple[float, float]] = []
-        for result in results["methods"]:
-            entry = result["summary"].get(method)
-            if entry:
-                shard = parse_size(result["options"]["out_shard_size"])
-                buffered = min(shard, result["models"]["parameters"] * 2)
-                points.append((result["models"], entry["wall_s"], entry["peak_anon_bytes"] - buffered, shard))
-                cpu_points.append((result["models"]["parameters"], entry["cpu_s"]))
-        if method == "ram_plus":
-            for result in results["outofcore"]:
-                shard = parse_size(result["options"]["out_shard_size"])
-                buffered = min(shard, result["models"]["parameters"] * 2)
-                summary = result["summary"]
-                points.append((result["models"], summary["wall_s"], summary["peak_anon_bytes"] - buffered, shard))
-                if "cpu_s" in summary:
-                    cpu_points.append((result["models"]["parameters"], summary["cpu_s"]))
-        sizes = {models["parameters"] for models, *_ in points}
-        if len(sizes) < 2:
+        points = observations(results, method)
+        if len({point.parameters for point in points}) < 2:
             continue
-        time_fit = linear_fit([(models["parameters"], wall) for models, wall, _, _ in points])
-        memory_fit = linear_fit([(models["largest_tensor"], anon) for models, _, anon, _ in points])
-        shard = points[-1][3]
+        time_fit = linear_fit([(point.parameters, point.wall_s) for point in points])
+        cpu_points = [(point.parameters, point.cpu_s) for point in points if point.cpu_s is not None]
+        memory_fit = linear_fit([(point.largest_tensor, point.merge_anon_bytes) for point in points])
+        shard = points[-1].shard_bytes
         estimates[method] = {
             "wall_s": time_fit[0] + time_fit[1] * parameters,
             "seconds_per_billion": time_fit[1] * 1e9,
@@ -201,7 +226,7 @@ def estimate(results: dict[str, Any], size_name: str = PAPER_SIZE) -> dict[str, 
             "peak_anon_bytes": memory_fit[0] + memory_fit[1] * largest + min(shard, parameters * 2),
             "bytes_per_largest_element": memory_fit[1],
             "points": len(points),
-            "largest_measured": max(models["parameters"] for models, *_ in points),
+            "largest_measured": max(point.parameters for point in points),
         }
     return estimates
 
