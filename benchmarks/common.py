@@ -34,6 +34,10 @@ CACHE_DIR = BENCH_DIR / ".cache"
 RESULTS_DIR = BENCH_DIR / "results"
 DOC_PATH = REPO_ROOT / "docs" / "performance.md"
 
+#: Environment variables that change how torch's OpenMP threads behave; recorded with every result.
+#: ``OMP_WAIT_POLICY=PASSIVE`` matters on a loaded machine: see docs/performance.md.
+THREAD_ENV_PREFIXES = ("OMP_", "GOMP_", "KMP_", "MKL_")
+
 GIB = 1024**3
 MIB = 1024**2
 
@@ -305,6 +309,7 @@ def machine_info(env: Optional[Mapping[str, str]] = None) -> dict[str, Any]:
         "torch_threads": torch.get_num_threads(),
         "mergekit": _version("mergekit", getattr(mergekit, "__version__", None)),
         "mergekit_ram": _version("mergekit-ram", None),
+        "thread_env": {key: value for key, value in os.environ.items() if key.startswith(THREAD_ENV_PREFIXES)},
         "plugin": git_state(plugin, "mergekit_ram"),
         "benchmarks": git_state(REPO_ROOT, "benchmarks"),
         "time": time.strftime("%Y-%m-%d %H:%M:%S %z"),

@@ -352,6 +352,7 @@ def heading(result: dict[str, Any]) -> str:
         f"largest tensor {fmt_count(models['largest_tensor'])} elements; {options['repeats']} rounds, "
         f"--out-shard-size {options['out_shard_size']}; {machine['cpu_count']} CPUs "
         f"({machine['cpu']}), load average at start {machine['load_average'][0]:.2f}"
+        + "".join(f", {key}={value}" for key, value in machine.get("thread_env", {}).items())
     )
 
 
