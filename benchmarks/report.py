@@ -141,7 +141,9 @@ def kernel_block(results: dict[str, Any]) -> str:
     return "\n".join(
         [
             f"{fmt_count(result['numel'])} bfloat16 elements per tensor, torch threads "
-            f"{result['machine']['torch_threads']}, kernel from `{result['kernel_module']}`.",
+            f"{result['machine']['torch_threads']}"
+            + "".join(f", {key}={value}" for key, value in result["machine"].get("thread_env", {}).items())
+            + f", kernel from `{result['kernel_module']}`.",
             "",
             kernel_table(result["kernel"]),
             "",
@@ -195,14 +197,22 @@ class Observation:
 
 
 def observations(results: dict[str, Any], method: str) -> list[Observation]:
-    """Every measurement of ``method``: the methods runs, and for ram_plus the out-of-core runs too."""
-    found = [
-        Observation.of(result, result["summary"][method])
-        for result in results["methods"]
-        if method in result["summary"]
-    ]
-    if method == "ram_plus":
-        found += [Observation.of(result, result["summary"]) for result in results["outofcore"]]
+    """The latest measurement of ``method`` per size (methods runs; for ram_plus the out-of-core runs too).
+
+    Only the latest per size: older runs (another plugin commit, another thread setting) stay
+    listed on the page but do not feed the extrapolation.
+    """
+    found = []
+    for kind in ("methods", "outofcore") if method == "ram_plus" else ("methods",):
+        latest: dict[str, dict[str, Any]] = {}
+        for result in results[kind]:
+            summary = result["summary"].get(method) if kind == "methods" else result["summary"]
+            if summary and (
+                result["size"] not in latest or result["machine"]["time"] > latest[result["size"]]["machine"]["time"]
+            ):
+                latest[result["size"]] = result
+        for result in latest.values():
+            found.append(Observation.of(result, result["summary"][method] if kind == "methods" else result["summary"]))
     return found
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -59,6 +60,18 @@ def part_commands(args: argparse.Namespace) -> list[list[str]]:
     return commands
 
 
+def warn_about_load() -> None:
+    """On a loaded machine torch's OpenMP threads spin at every barrier: say so before hours of noisy runs."""
+    load, cpus = os.getloadavg()[0], os.cpu_count() or 1
+    if load > 0.5 * cpus and "OMP_WAIT_POLICY" not in os.environ:
+        LOG.warning(
+            "load average %.1f on %d CPUs: with OpenMP's default wait policy every parallel region can wait a "
+            "scheduler time slice; consider OMP_WAIT_POLICY=PASSIVE (see docs/performance.md)",
+            load,
+            cpus,
+        )
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--size", action="append", choices=sorted(SIZES), help="methods sizes (repeatable)")
@@ -76,6 +89,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
     setup_logging(args.verbose)
     env = child_env(args.plugin)
+    warn_about_load()
     for command in part_commands(args):
         LOG.info("running %s", " ".join(command[2:]))
         subprocess.run(command, env=env, cwd=REPO_ROOT, check=True)
