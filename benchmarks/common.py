@@ -263,6 +263,7 @@ def git_state(checkout: Path, pathspec: str = ".") -> dict[str, Any]:
         "path": str(checkout),
         "commit": commit or None,
         "branch": git("rev-parse", "--abbrev-ref", "HEAD") or None,
+        "last_change": git("log", "-1", "--format=%H", "--", pathspec) or None,  # last commit touching pathspec
         "dirty": bool(git("status", "--porcelain", "--untracked-files=all", "--", pathspec)) if commit else None,
     }
 

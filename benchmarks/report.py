@@ -72,7 +72,9 @@ def machine_block(results: dict[str, Any]) -> str:
     for result in everything:
         machine = result["machine"]
         plugin = machine.get("plugin") or {}
-        commit = (plugin.get("commit") or "?")[:10] + (" (modified)" if plugin.get("dirty") else "")
+        commit = (plugin.get("last_change") or plugin.get("commit") or "?")[:10]
+        commit += " (modified)" if plugin.get("dirty") else ""
+        thread_env = ", ".join(f"{key}={value}" for key, value in machine.get("thread_env", {}).items())
         rows.append(
             [
                 f"`{result['_file']}`",
@@ -81,10 +83,11 @@ def machine_block(results: dict[str, Any]) -> str:
                 fmt_bytes(machine["memory_bytes"]),
                 f"{machine['load_average'][0]:.2f}",
                 f"torch {machine['torch']}, mergekit {machine['mergekit']}",
+                thread_env or "default",
                 f"`{plugin.get('path', '?')}` {commit}",
             ]
         )
-    headers = ["results file", "measured", "CPUs", "memory", "load at start", "versions", "mergekit_ram checkout"]
+    headers = ["results file", "measured", "CPUs", "memory", "load at start", "versions", "OpenMP", "mergekit_ram"]
     return markdown_table(headers, rows)
 
 
@@ -179,6 +182,7 @@ class Observation:
     wall_s: float
     cpu_s: Optional[float]
     merge_anon_bytes: float  # peak anonymous memory less the output mergekit buffered
+    merge_rss_bytes: float  # peak RSS (with the mapped input pages) less the output mergekit buffered
     shard_bytes: int
 
     @classmethod
@@ -192,6 +196,7 @@ class Observation:
             wall_s=summary["wall_s"],
             cpu_s=summary.get("cpu_s"),
             merge_anon_bytes=summary["peak_anon_bytes"] - buffered,
+            merge_rss_bytes=summary["max_rss_bytes"] - buffered,
             shard_bytes=shard,
         )
 
@@ -228,12 +233,15 @@ def estimate(results: dict[str, Any], size_name: str = PAPER_SIZE) -> dict[str, 
         time_fit = linear_fit([(point.parameters, point.wall_s) for point in points])
         cpu_points = [(point.parameters, point.cpu_s) for point in points if point.cpu_s is not None]
         memory_fit = linear_fit([(point.largest_tensor, point.merge_anon_bytes) for point in points])
+        rss_fit = linear_fit([(point.largest_tensor, point.merge_rss_bytes) for point in points])
         shard = points[-1].shard_bytes
+        buffered = min(shard, parameters * 2)
         estimates[method] = {
             "wall_s": time_fit[0] + time_fit[1] * parameters,
             "seconds_per_billion": time_fit[1] * 1e9,
             "cpu_seconds_per_billion": linear_fit(cpu_points)[1] * 1e9 if len(cpu_points) >= 2 else None,
-            "peak_anon_bytes": memory_fit[0] + memory_fit[1] * largest + min(shard, parameters * 2),
+            "peak_anon_bytes": memory_fit[0] + memory_fit[1] * largest + buffered,
+            "max_rss_bytes": rss_fit[0] + rss_fit[1] * largest + buffered,
             "bytes_per_largest_element": memory_fit[1],
             "points": len(points),
             "largest_measured": max(point.parameters for point in points),
@@ -254,6 +262,7 @@ def estimate_block(results: dict[str, Any]) -> str:
             fmt_seconds(entry["wall_s"]),
             f"{entry['bytes_per_largest_element']:.1f}",
             fmt_bytes(entry["peak_anon_bytes"]),
+            fmt_bytes(entry["max_rss_bytes"]),
             f"{entry['points']} (up to {fmt_count(entry['largest_measured'])})",
         ]
         for method, entry in estimates.items()
@@ -263,8 +272,9 @@ def estimate_block(results: dict[str, Any]) -> str:
         "wall s / 1B parameters",
         "CPU s / 1B",
         "wall, 7B",
-        "B / element of largest tensor",
+        "anon B / element of largest tensor",
         "peak anon, 7B",
+        "peak RSS, 7B",
         "fit on",
     ]
     return "\n".join(
