@@ -1,0 +1,410 @@
+"""The real ``mergekit-yaml`` command, method against method, as a user runs it.
+
+Each merge is its own ``mergekit-yaml`` process (start-up, planning, the ram_plus pre-pass,
+writing the output: everything a user waits for), methods in turns (A B C A B C ...) so
+that load from other users of a shared machine spreads over all of them. Per method: the
+median wall time, CPU time, peak RSS (kernel high-water mark, which also counts pages of the
+memory-mapped input shards) and peak anonymous memory (polled), the ratio of each to
+``task_arithmetic``, and for ``ram_plus`` the share of the wall time its pre-pass took
+(parsed from the ``-v`` log line ``ram_plus pre-pass done in X s``).
+
+All methods get the same options: ``--out-shard-size`` (default 1B: mergekit holds a whole
+output shard in memory before writing it, 5 GB by default, which would otherwise dominate
+peak memory), ``--no-copy-tokenizer`` (the synthetic models have none), ``-v``, and in the
+recipe ``dtype: bfloat16`` and ``out_dtype: bfloat16`` (``ramplus_tl`` would otherwise write
+float32). ``ties`` and ``dare_ties`` use ``density: 0.5``, every model ``weight: 1.0``;
+``dare_ties`` runs with ``--random-seed 0``. ``ram``, ``ram_plus`` and ``ramplus_tl`` use their
+defaults.
+
+    python -m benchmarks.methods --size 120m --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+import shutil
+import sys
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import yaml
+
+from benchmarks.common import (
+    CACHE_DIR,
+    RESULTS_DIR,
+    Measurement,
+    child_env,
+    fmt_bytes,
+    fmt_count,
+    fmt_seconds,
+    machine_info,
+    markdown_table,
+    median,
+    read_json,
+    run_measured,
+    setup_logging,
+    venv_script,
+    write_json,
+)
+from benchmarks.models import SIZES, ModelSet, ensure_models
+
+LOG = logging.getLogger(__name__)
+
+REFERENCE = "task_arithmetic"
+METHOD_PARAMETERS: dict[str, dict[str, float]] = {
+    "task_arithmetic": {"weight": 1.0},
+    "ties": {"weight": 1.0, "density": 0.5},
+    "dare_ties": {"weight": 1.0, "density": 0.5},
+    "ramplus_tl": {},
+    "ram": {},
+    "ram_plus": {},
+}
+METHODS = tuple(METHOD_PARAMETERS)
+METRIC_LABELS = {
+    "wall_s": "wall time",
+    "cpu_s": "CPU time",
+    "max_rss_bytes": "peak RSS",
+    "peak_anon_bytes": "peak anon",
+}
+PREPASS_LINE = re.compile(r"ram_plus pre-pass done in ([0-9.]+) s")
+
+
+@dataclass(frozen=True)
+class Target:
+    """One of issue 5's targets: ``method``'s ``metric`` over ``reference``'s, at most (or at least) ``bound``."""
+
+    method: str
+    metric: str  # a key of a method summary
+    bound: float
+    reference: str = REFERENCE
+    at_least: bool = False  # reference / method >= bound (a speed-up) instead of method / reference <= bound
+
+    def describe(self) -> str:
+        metric = METRIC_LABELS.get(self.metric, self.metric)
+        if self.at_least:
+            return f"{metric}: `{self.reference}` / `{self.method}` >= {self.bound:g}"
+        return f"{metric}: `{self.method}` / `{self.reference}` <= {self.bound:g}"
+
+    def value(self, summary: dict[str, dict[str, Any]]) -> Optional[float]:
+        if self.method not in summary or self.reference not in summary:
+            return None
+        method, reference = summary[self.method][self.metric], summary[self.reference][self.metric]
+        if not method or not reference:
+            return None
+        return reference / method if self.at_least else method / reference
+
+    def met(self, value: Optional[float]) -> Optional[bool]:
+        if value is None:
+            return None
+        return value >= self.bound if self.at_least else value <= self.bound
+
+
+#: Issue 5: measured as ratios in one run, at about 120M parameters and up.
+TARGETS = (
+    Target("ram", "wall_s", 1.05),
+    Target("ram_plus", "wall_s", 1.35),
+    Target("ram_plus", "max_rss_bytes", 1.10),
+    Target("ram_plus", "wall_s", 3.0, reference="ties", at_least=True),
+)
+TARGET_MIN_PARAMETERS = 100_000_000
+
+
+def write_recipe(method: str, models: ModelSet, path: Path, out_dtype: Optional[str]) -> Path:
+    """The YAML a user would write: absolute local paths, the same options for every method."""
+    entries = []
+    for agent in models.agents:
+        entry: dict[str, Any] = {"model": agent}
+        if METHOD_PARAMETERS[method]:
+            entry["parameters"] = dict(METHOD_PARAMETERS[method])
+        entries.append(entry)
+    recipe: dict[str, Any] = {"merge_method": method, "base_model": models.base, "models": entries, "dtype": "bfloat16"}
+    if out_dtype:
+        recipe["out_dtype"] = out_dtype
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as handle:
+        yaml.safe_dump(recipe, handle, sort_keys=False)
+    return path
+
+
+def mergekit_command(recipe: Path, out: Path, *, out_shard_size: str, extra: Sequence[str] = ()) -> list[str]:
+    return [
+        venv_script("mergekit-yaml"),
+        str(recipe),
+        str(out),
+        "-v",
+        "--out-shard-size",
+        out_shard_size,
+        "--no-copy-tokenizer",
+        "--random-seed",
+        "0",
+        *extra,
+    ]
+
+
+def run_merge(
+    method: str,
+    models: ModelSet,
+    workdir: Path,
+    *,
+    env: dict[str, str],
+    out_shard_size: str,
+    out_dtype: Optional[str],
+    extra: Sequence[str] = (),
+    tag: str = "",
+    data_limit_bytes: Optional[int] = None,
+    keep_output: bool = False,
+) -> Measurement:
+    """One measured ``mergekit-yaml`` run into ``workdir/out-METHOD``; the output is checked, its statistics
+    kept, then deleted unless ``keep_output``."""
+    recipe = write_recipe(method, models, workdir / f"{method}.yml", out_dtype)
+    out = workdir / f"out-{method}"
+    shutil.rmtree(out, ignore_errors=True)
+    measurement = run_measured(
+        mergekit_command(recipe, out, out_shard_size=out_shard_size, extra=extra),
+        env=env,
+        log_path=workdir / "logs" / f"{method}{tag}.log",
+        data_limit_bytes=data_limit_bytes,
+    )
+    if measurement.ok:
+        if not any(out.glob("*.safetensors")):
+            raise RuntimeError(f"{method}: mergekit-yaml succeeded but wrote no weights into {out}")
+        with open(measurement.log_path, encoding="utf-8", errors="replace") as handle:
+            found = PREPASS_LINE.findall(handle.read())
+        if found:
+            measurement.extra["prepass_s"] = float(found[-1])
+        statistics = out / "ram_statistics.json"
+        if statistics.exists():
+            measurement.extra["statistics"] = summarise_statistics(read_json(statistics))
+    if not keep_output:
+        shutil.rmtree(out, ignore_errors=True)
+    return measurement
+
+
+def summarise_statistics(statistics: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """density, rho and lambda per model from ``ram_statistics.json`` (checks the models' sparsity profile)."""
+    result: dict[str, dict[str, Any]] = {}
+    for entry in statistics.get("models", []):
+        result[Path(str(entry.get("model"))).name] = {key: entry.get(key) for key in ("density", "rho", "lambda")}
+    return result
+
+
+def benchmark_methods(
+    models: ModelSet,
+    *,
+    methods: Sequence[str] = METHODS,
+    repeats: int = 3,
+    out_shard_size: str = "1B",
+    out_dtype: Optional[str] = "bfloat16",
+    extra: Sequence[str] = (),
+    plugin: Optional[Path] = None,
+    warmup: bool = True,
+    workdir: Optional[Path] = None,
+) -> dict[str, Any]:
+    """Every method ``repeats`` times in turns; the results as a JSON-ready dictionary."""
+    env = child_env(plugin)
+    workdir = workdir or CACHE_DIR / "runs" / models.size
+    workdir.mkdir(parents=True, exist_ok=True)
+    machine = machine_info(env)
+    options = {
+        "repeats": repeats,
+        "out_shard_size": out_shard_size,
+        "out_dtype": out_dtype,
+        "extra_args": list(extra),
+        "warmup": warmup,
+        "method_parameters": {method: METHOD_PARAMETERS[method] for method in methods},
+    }
+    if warmup:
+        LOG.info("warm-up: one untimed %s run (page cache, bytecode)", methods[0])
+        run_merge(
+            methods[0], models, workdir, env=env, out_shard_size=out_shard_size, out_dtype=out_dtype, tag="-warmup"
+        )
+    runs: dict[str, list[dict[str, Any]]] = {method: [] for method in methods}
+    for round_index in range(repeats):
+        for method in methods:
+            measurement = run_merge(
+                method,
+                models,
+                workdir,
+                env=env,
+                out_shard_size=out_shard_size,
+                out_dtype=out_dtype,
+                extra=extra,
+                tag=f"-{round_index}",
+            )
+            if not measurement.ok:
+                raise RuntimeError(f"{method} failed (exit {measurement.returncode}):\n{measurement.log_tail}")
+            LOG.info(
+                "round %d %-15s %7.2f s  peak RSS %s  anon %s",
+                round_index + 1,
+                method,
+                measurement.wall_s,
+                fmt_bytes(measurement.max_rss_bytes),
+                fmt_bytes(measurement.peak_anon_bytes),
+            )
+            runs[method].append(measurement.to_dict())
+    return {
+        "kind": "methods",
+        "size": models.size,
+        "models": asdict(models),
+        "options": options,
+        "machine": machine,
+        "runs": runs,
+        "summary": summarise(runs),
+    }
+
+
+def summarise(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Medians per method, ratios to the reference method, the ram_plus pre-pass share."""
+    summary: dict[str, dict[str, Any]] = {}
+    for method, measurements in runs.items():
+        entry: dict[str, Any] = {
+            "runs": len(measurements),
+            "wall_s": median(m["wall_s"] for m in measurements),
+            "wall_min_s": min(m["wall_s"] for m in measurements),
+            "cpu_s": median(m["user_s"] + m["sys_s"] for m in measurements),
+            "max_rss_bytes": median(m["max_rss_bytes"] for m in measurements),
+            "peak_anon_bytes": median(m["peak_anon_bytes"] for m in measurements),
+        }
+        prepass = [m["extra"]["prepass_s"] / m["wall_s"] for m in measurements if "prepass_s" in m["extra"]]
+        if prepass:
+            entry["prepass_s"] = median(m["extra"]["prepass_s"] for m in measurements if "prepass_s" in m["extra"])
+            entry["prepass_share"] = median(prepass)
+        statistics = [m["extra"]["statistics"] for m in measurements if "statistics" in m["extra"]]
+        if statistics:
+            entry["statistics"] = statistics[-1]
+        summary[method] = entry
+    reference = summary.get(REFERENCE)
+    if reference:
+        for entry in summary.values():
+            for metric in ("wall_s", "cpu_s", "max_rss_bytes", "peak_anon_bytes"):
+                entry[f"{metric}_ratio"] = entry[metric] / reference[metric] if reference[metric] else None
+    return summary
+
+
+def methods_table(result: dict[str, Any]) -> str:
+    rows = []
+    for method, entry in result["summary"].items():
+        rows.append(
+            [
+                f"`{method}`",
+                fmt_seconds(entry["wall_s"]),
+                _ratio(entry.get("wall_s_ratio")),
+                fmt_seconds(entry["cpu_s"]),
+                _ratio(entry.get("cpu_s_ratio")),
+                fmt_bytes(entry["max_rss_bytes"]),
+                _ratio(entry.get("max_rss_bytes_ratio")),
+                fmt_bytes(entry["peak_anon_bytes"]),
+                _ratio(entry.get("peak_anon_bytes_ratio")),
+                f"{entry['prepass_share']:.0%} ({fmt_seconds(entry['prepass_s'])})" if "prepass_share" in entry else "",
+            ]
+        )
+    headers = [
+        "method",
+        "wall (median)",
+        "x TA",
+        "CPU",
+        "x TA",
+        "peak RSS",
+        "x TA",
+        "peak anon",
+        "x TA",
+        "pre-pass share",
+    ]
+    return markdown_table(headers, rows)
+
+
+def targets_table(result: dict[str, Any]) -> str:
+    """Each target's ratio and verdict, and the same ratio in CPU time (steadier on a loaded machine) or in
+    anonymous memory (without the page cache of mapped inputs)."""
+    rows = []
+    applies = result["models"]["parameters"] >= TARGET_MIN_PARAMETERS
+    for target in TARGETS:
+        value = target.value(result["summary"])
+        met = target.met(value)
+        verdict = "n/a" if met is None else ("met" if met else "missed")
+        if not applies and met is not None:
+            verdict += " (below 100M parameters: not binding)"
+        other = ""
+        counterpart = {"wall_s": "cpu_s", "max_rss_bytes": "peak_anon_bytes"}.get(target.metric)
+        if counterpart:
+            other_target = replace(target, metric=counterpart)
+            other_value = other_target.value(result["summary"])
+            if other_value:
+                verdict_other = "met" if other_target.met(other_value) else "missed"
+                other = f"{METRIC_LABELS[counterpart]} {_ratio(other_value)} ({verdict_other})"
+        rows.append([target.describe(), _ratio(value), verdict, other])
+    return markdown_table(["target", "measured", "verdict", "in CPU time / anonymous memory"], rows)
+
+
+def _ratio(value: Optional[float]) -> str:
+    return "n/a" if value is None else f"{value:.2f}x"
+
+
+def heading(result: dict[str, Any]) -> str:
+    models = result["models"]
+    options = result["options"]
+    machine = result["machine"]
+    return (
+        f"size `{result['size']}`: {fmt_count(models['parameters'])} parameters per model, "
+        f"largest tensor {fmt_count(models['largest_tensor'])} elements; {options['repeats']} rounds, "
+        f"--out-shard-size {options['out_shard_size']}; {machine['cpu_count']} CPUs "
+        f"({machine['cpu']}), load average at start {machine['load_average'][0]:.2f}"
+        + "".join(f", {key}={value}" for key, value in machine.get("thread_env", {}).items())
+    )
+
+
+def results_path(size: str) -> Path:
+    return RESULTS_DIR / f"methods-{size}.json"
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    setup_logging(args.verbose)
+    result = run_from_args(args)
+    print(heading(result))
+    print(methods_table(result))
+    print()
+    print(targets_table(result))
+    return 0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--size", default="120m", choices=sorted(SIZES))
+    parser.add_argument("--repeats", type=int, default=3, help="rounds of all methods (default 3)")
+    parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated, first is the warm-up")
+    parser.add_argument("--out-shard-size", default="1B", help="passed to every mergekit-yaml (default 1B)")
+    parser.add_argument("--out-dtype", default="bfloat16", help="recipe out_dtype for every method; 'none' to omit")
+    parser.add_argument("--mergekit-args", default="", help="extra arguments for every run, e.g. '--cuda' or '-j 2'")
+    parser.add_argument("--plugin", type=Path, help="checkout whose mergekit_ram the merges use (default: this one)")
+    parser.add_argument("--no-warmup", action="store_true")
+    parser.add_argument("--json", type=Path, help="results file (default benchmarks/results/methods-SIZE.json)")
+    parser.add_argument("-v", "--verbose", action="store_true")
+
+
+def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    models = ensure_models(args.size)
+    methods = [method.strip() for method in args.methods.split(",") if method.strip()]
+    unknown = set(methods) - set(METHODS)
+    if unknown:
+        raise SystemExit(f"unknown methods: {sorted(unknown)}")
+    result = benchmark_methods(
+        models,
+        methods=methods,
+        repeats=args.repeats,
+        out_shard_size=args.out_shard_size,
+        out_dtype=None if args.out_dtype.lower() == "none" else args.out_dtype,
+        extra=args.mergekit_args.split(),
+        plugin=args.plugin,
+        warmup=not args.no_warmup,
+    )
+    write_json(args.json or results_path(args.size), result)
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(main())
