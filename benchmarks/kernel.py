@@ -36,7 +36,6 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.common import (
     RESULTS_DIR,
@@ -52,6 +51,7 @@ from benchmarks.common import (
     write_json,
 )
 from benchmarks.models import PAPER_DENSITIES, AgentDraw, base_chunk, overlap_for
+from mergekit_ram.memory import peak_allocated_bytes
 
 LOG = logging.getLogger(__name__)
 
@@ -68,24 +68,6 @@ def kernel_inputs(numel: int, n: int, seed: int = 0) -> tuple[torch.Tensor, list
     base = base_chunk("kernel.weight", numel, generator)
     finetunes, _ = AgentDraw(overlap_for("independent", DENSITIES[:n])).draw(base, generator)
     return base, finetunes
-
-
-def peak_scratch_bytes(function: Callable[[], Any]) -> int:
-    """Peak bytes torch allocated while ``function`` ran (allocations minus frees, in time order).
-
-    The same measurement as the kernel tests' scratch bound, so the figures compare.
-    """
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        function()
-    events = sorted(
-        (event.time_range.start, event.cpu_memory_usage if event.name == "[memory]" else event.self_cpu_memory_usage)
-        for event in prof.events()
-    )
-    current = peak = 0
-    for _, delta in events:
-        current += delta
-        peak = max(peak, current)
-    return peak
 
 
 def median_seconds(function: Callable[[], Any], repeats: int) -> tuple[float, list[float]]:
@@ -127,7 +109,7 @@ def benchmark_kernel(numel: int, ns: Sequence[int] = (2, 3, 5), repeats: int = 5
         base, finetunes = kernel_inputs(numel, n)
         for label, function in variants(base, finetunes).items():
             seconds, times = median_seconds(function, repeats)
-            scratch = peak_scratch_bytes(function)
+            scratch, _ = peak_allocated_bytes(function)
             rows.append(
                 {
                     "n": n,

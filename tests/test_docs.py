@@ -27,7 +27,7 @@ PACKAGE = os.path.join(ROOT, "mergekit_ram")
 DOCS = os.path.join(ROOT, "docs")
 PAGES = ("prepass.md", "comparison.md", "publishing.md", "troubleshooting.md", "changelog.md", "contributing.md")
 #: Pages other developers are writing; links to them may not resolve yet.
-PENDING = {"performance.md", "quality.md"}
+PENDING = {"quality.md"}
 _LOGGING = {"warning", "error", "critical", "exception"}
 _PRINTF = re.compile(r"%[-#0 +]*\d*(?:\.\d+)?[sdrifgxX]")
 
