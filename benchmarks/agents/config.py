@@ -23,7 +23,8 @@ class ExperimentConfig:
     full_grid_on_snapshots: bool = True
     pinned_lambdas: bool = True
     #: Threads of the (single-process) base training; fixed so results do not depend on --workers.
-    pretrain_threads: int = 2
+    #: One: two threads are slower than one as soon as another process wants a core.
+    pretrain_threads: int = 1
     smoke: bool = False
 
     @property
@@ -41,6 +42,5 @@ SMOKE = ExperimentConfig(
     evaluation=EvalConfig(val=12, test=12, batch_size=64),
     full_grid_on_snapshots=False,
     pinned_lambdas=False,
-    pretrain_threads=1,
     smoke=True,
 )

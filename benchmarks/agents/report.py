@@ -36,6 +36,7 @@ class Results:
     checkpoint_scores: dict[str, Any]
     agents: dict[str, Any]
     merges: list[dict[str, Any]]
+    analysis: dict[str, Any]
     main_variant: str
 
     @property

@@ -42,14 +42,19 @@ from benchmarks.agents.tasks import TASKS
 
 LOG = logging.getLogger("benchmarks.agents")
 HERE = os.path.dirname(os.path.abspath(__file__))
-CODE_FILES = ("tasks.py", "tokenizer.py", "model.py", "pretrain.py", "grpo.py", "evaluate.py", "merges.py")
+#: The sources each stage's results depend on (a change re-runs that stage and the ones after it).
+BASE_CODE = ("tasks.py", "tokenizer.py", "model.py", "pretrain.py")
+AGENT_CODE = (*BASE_CODE, "grpo.py")
+EVAL_CODE = ("tasks.py", "tokenizer.py", "model.py", "evaluate.py")
+MERGE_CODE = (*EVAL_CODE, "merges.py")
+ANALYSIS_CODE = (*EVAL_CODE, "analysis.py")
 T = TypeVar("T")
 R = TypeVar("R")
 
 
-def code_version() -> str:
-    """Digest of the sources whose change invalidates cached checkpoints and scores."""
-    return fingerprint([file_digest(os.path.join(HERE, name)) for name in CODE_FILES])
+def code_version(files: tuple[str, ...]) -> str:
+    """Digest of the sources whose change invalidates a stage's cached checkpoints or scores."""
+    return fingerprint([file_digest(os.path.join(HERE, name)) for name in files])
 
 
 def model_digest(path: str) -> str:
@@ -210,7 +215,7 @@ def build_base(config: ExperimentConfig, cache: str) -> str:
     from benchmarks.agents.pretrain import pretrain
 
     path = os.path.join(cache, "base")
-    key = fingerprint("base", config.size, config.pretrain, config.pretrain_threads, code_version())
+    key = fingerprint("base", config.size, config.pretrain, config.pretrain_threads, code_version(BASE_CODE))
     if read_cached(os.path.join(path, "meta.json"), key) is not None:
         LOG.info("base: cached at %s", path)
         return path
@@ -240,7 +245,7 @@ def build_agents(config: ExperimentConfig, cache: str, base: str, workers: Worke
             base,
             os.path.join(cache, "agents", task),
             config,
-            fingerprint("agent", task, base_key, config.grpo, config.snapshots, code_version()),
+            fingerprint("agent", task, base_key, config.grpo, config.snapshots, code_version(AGENT_CODE)),
         )
         for task in sorted(TASKS, key=lambda task: -MAX_NEW_TOKENS[task])  # longest rollouts first
     ]
@@ -259,10 +264,41 @@ def agent_paths(config: ExperimentConfig, cache: str, variant: str) -> dict[str,
 
 def evaluate_checkpoints(paths: dict[str, str], config: ExperimentConfig, workers: Workers) -> dict[str, Any]:
     jobs = [
-        EvalJob(path, config.evaluation, fingerprint("eval", model_digest(path), config.evaluation, code_version()))
+        EvalJob(
+            path, config.evaluation, fingerprint("eval", model_digest(path), config.evaluation, code_version(EVAL_CODE))
+        )
         for path in paths.values()
     ]
     return dict(zip(paths, workers.map(evaluate_job, jobs)))
+
+
+def analyse(config: ExperimentConfig, cache: str, base: str) -> dict[str, Any]:
+    """Per variant: where the agents' updates land, and each agent's dose-response (cached)."""
+    from benchmarks.agents.analysis import dose_response, where_updates_land
+
+    result = {}
+    for variant in variants(config):
+        agents = agent_paths(config, cache, variant)
+        key = fingerprint(
+            "analysis",
+            model_digest(base),
+            [model_digest(p) for p in agents.values()],
+            config.evaluation,
+            code_version(ANALYSIS_CODE),
+        )
+        path = os.path.join(cache, "analysis", f"{variant}.json")
+        cached = read_cached(path, key)
+        if cached is None:
+            cached = {
+                "key": key,
+                "updates": where_updates_land(base, agents),
+                "dose_response": dose_response(
+                    base, agents, eval_sets(config.evaluation), config.evaluation.batch_size
+                ),
+            }
+            write_json(path, cached)
+        result[variant] = {k: v for k, v in cached.items() if k != "key"}
+    return result
 
 
 def merge_settings(config: ExperimentConfig, variant: str) -> list[Setting]:
@@ -282,7 +318,7 @@ def run_merges(config: ExperimentConfig, cache: str, base: str, workers: Workers
         digests = [model_digest(path) for path in agents.values()]
         for index, setting in enumerate(merge_settings(config, variant)):
             seed = 1000 + index
-            key = fingerprint("merge", setting, base_digest, digests, config.evaluation, seed, code_version())
+            key = fingerprint("merge", setting, base_digest, digests, config.evaluation, seed, code_version(MERGE_CODE))
             jobs.append(
                 MergeJob(
                     setting,
@@ -350,6 +386,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         stage = time.perf_counter()
         merges = run_merges(config, cache, base, workers)
         timings["merges and their evaluation"] = time.perf_counter() - stage
+
+    stage = time.perf_counter()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    analysis = analyse(config, cache, base)
+    torch.set_num_threads(threads)
+    timings["analysis"] = time.perf_counter() - stage
     timings["total"] = time.perf_counter() - start
 
     with open(os.path.join(base, "meta.json"), encoding="utf-8") as handle:
@@ -368,6 +411,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             for task, record in agents.items()
         },
         merges=merges,
+        analysis=analysis,
         main_variant=f"step{config.main_snapshot}",
     )
     os.makedirs(args.out, exist_ok=True)
