@@ -7,9 +7,12 @@ part in choosing it.
 
 from __future__ import annotations
 
+import argparse
 import copy
+import json
 import logging
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -97,13 +100,16 @@ def setup_section(results: Results) -> str:
         [
             f"- Command: `{results.command}` ({results.workers} worker processes, one thread each)",
             f"- Machine: {results.machine}",
-            f"- Wall time: {timings}",
+            f"- Wall time of each stage when it ran (a rerun that finds a stage cached keeps its time): {timings}",
             f"- Base: Llama, {results.parameters:,} parameters (hidden {size['hidden_size']}, "
             f"{size['num_layers']} layers, {size['num_heads']} heads / {size['num_kv_heads']} KV heads, "
             f"MLP {size['intermediate_size']}), character tokenizer; {p['steps']} supervised steps of "
-            f"{p['batch_size']} problems (an even task mixture), lr {p['lr']:g}, saved in bfloat16",
+            f"{p['batch_size']} problems (task shares {' / '.join(f'{x:g}' for x in p['mixture'])} for "
+            f"{' / '.join(TASKS)}; {100 * p['canonical_share']:g}% of answers in the canonical convention), "
+            f"AdamW lr {p['lr']:g} with cosine decay, saved in bfloat16",
             f"- Agents: GRPO from the base, {g['steps']} steps x {g['prompts']} prompts x {g['group']} samples, "
-            f"temperature {g['temperature']:g}, AdamW lr {g['lr']:g}, no KL, float32 training, bfloat16 checkpoints "
+            f"temperature {g['temperature']:g}, AdamW lr {g['lr']:g} ({g['warmup']} warm-up steps), no KL, "
+            "float32 training, bfloat16 checkpoints "
             f"(snapshots at steps {', '.join(map(str, c['snapshots']))})",
             f"- Evaluation: greedy exact match; {e['val']} validation and {e['test']} test problems per task, "
             "all held out from training by a hash of the prompt. `±` is one binomial standard error of the average",
@@ -150,12 +156,15 @@ def statistics_section(results: Results, variant: str) -> str:
         changed = max(m["changed"], 1)
         histogram = m["overlap_histogram"]
         rho = "inf" if m["rho"] is None else f"{m['rho']:.2f}"
+        updates = results.analysis.get(variant, {}).get("updates", {}).get("agents", {}).get(task)
+        independent = f"{100 * updates['unique_share_if_independent']:.1f}%" if updates else "-"
         rows.append(
             [
                 f"{TASK_NAMES[task]} agent",
                 f"{100 * m['density']:.1f}%",
                 f"{m['changed']:,}",
                 f"{100 * m['unique'] / changed:.1f}%",
+                independent,
                 " / ".join(f"{100 * histogram.get(str(k), 0) / changed:.0f}" for k in range(1, len(TASKS) + 1)),
                 rho,
                 f"{m.get('lambda_clip', float('nan')):.3f}",
@@ -168,6 +177,7 @@ def statistics_section(results: Results, variant: str) -> str:
             "density",
             "changed",
             "unique share",
+            "unique share if independent",
             "changed by 1 / 2 / 3 agents (%)",
             "rho",
             "lambda RAM+",
@@ -194,6 +204,50 @@ def statistics_section(results: Results, variant: str) -> str:
         f"(epsilon {epsilon}); lambda with r = 0.1, alpha = 2.\n\n"
         f"Density by kind of weight (and the unique share of those changes):\n\n{kind_table}"
     )
+
+
+def binade_section(results: Results) -> str:
+    """Density by binade of |w_base|, per agent and snapshot."""
+    rows = []
+    binades: list[dict[str, Any]] = []
+    for variant in results.variants:
+        updates = results.analysis.get(variant, {}).get("updates")
+        if not updates:
+            continue
+        binades = updates["binades"]
+        for task in TASKS:
+            densities = updates["agents"][task]["density_by_binade"]
+            cells = ["-" if d is None else f"{100 * d:.0f}" for d in densities]
+            rows.append([f"{TASK_NAMES[task]}, {variant.removeprefix('step')} steps", *cells])
+    if not rows:
+        return ""
+    labels = [(f"< 2^{b['exponent'] + 1}" if i == 0 else f"2^{b['exponent']}") for i, b in enumerate(binades)]
+    rows.append(["share of all weights", *[f"{100 * b['share_of_weights']:.0f}" for b in binades]])
+    rows.append(["half a bfloat16 step", *[f"{b['half_step']:.0e}" for b in binades]])
+    return markdown_table(["agent, RL steps; abs(w) in", *labels], rows)
+
+
+def dose_section(results: Results) -> str:
+    """Own-task accuracy of theta_base + lambda * tau_t, one agent at a time."""
+    rows = []
+    doses: list[str] = []
+    for variant in results.variants:
+        response = results.analysis.get(variant, {}).get("dose_response")
+        if not response:
+            continue
+        for task in TASKS:
+            doses = list(response[task])
+            base = results.checkpoint_scores["base"]["test"][task]
+            rows.append(
+                [
+                    f"{TASK_NAMES[task]}, {variant.removeprefix('step')} steps",
+                    pct(base),
+                    *[pct(response[task][dose]) for dose in doses],
+                ]
+            )
+    if not rows:
+        return ""
+    return markdown_table(["agent, RL steps", "lambda = 0 (base)", *[f"lambda = {d}" for d in doses]], rows)
 
 
 def merge_section(results: Results, variant: str) -> str:
@@ -356,6 +410,25 @@ def generated_markdown(results: Results, plot: Optional[str]) -> str:
             variation_section(results),
             "",
         ]
+    binades = binade_section(results)
+    if binades:
+        sections += [
+            "## Where the updates land: share of elements changed (%), by magnitude of the base weight",
+            "",
+            "A bfloat16 checkpoint records a change of a weight in [2^k, 2^(k+1)) only if it exceeds half a "
+            "bfloat16 step there, 2^(k-8); norm weights (about 1) never change.",
+            "",
+            binades,
+            "",
+        ]
+    doses = dose_section(results)
+    if doses:
+        sections += [
+            "## How much of each update is needed: own-task test accuracy of base + lambda * tau, one agent at a time",
+            "",
+            doses,
+            "",
+        ]
     if plot:
         sections += [f"![merge quality]({plot})", ""]
     sections += [
@@ -381,6 +454,21 @@ def write_doc(path: str, generated: str) -> None:
         handle.write(text)
 
 
+def load_results(path: str) -> Results:
+    with open(path, encoding="utf-8") as handle:
+        return Results(**json.load(handle))
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """Re-render the tables, the plot and the doc from a ``results.json`` (no training, no merging)."""
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("results", help="results.json written by benchmarks.agents.run")
+    parser.add_argument("--doc", default=None, help="markdown file whose generated section is rewritten")
+    args = parser.parse_args(argv)
+    print(render(load_results(args.results), os.path.dirname(os.path.abspath(args.results)), args.doc))
+    return 0
+
+
 def render(results: Results, out_dir: str, doc: Optional[str]) -> str:
     """Write ``summary.md``, ``grid.md`` (and the doc and its plot); return the main table."""
     plot_reference = None
@@ -398,3 +486,7 @@ def render(results: Results, out_dir: str, doc: Optional[str]) -> str:
     if doc:
         write_doc(doc, generated)
     return merge_section(results, results.main_variant)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
