@@ -128,7 +128,17 @@ def checkpoint_section(results: Results, variant: str) -> str:
     specialists = {task: results.checkpoint_scores[f"{variant}/{task}"]["test"][task] for task in TASKS}
     specialists["avg"] = sum(specialists.values()) / len(TASKS)
     rows.append(["each agent on its own task", *score_cells(specialists, sizes)])
-    return markdown_table(["model", *[TASK_NAMES[t] for t in TASKS], "avg"], rows)
+    curves = []
+    for task in TASKS:
+        curve = results.agents.get(task, {}).get("reward_curve") or []
+        if len(curve) >= 10:
+            first, last = sum(curve[:5]) / 5, sum(curve[-5:]) / 5
+            seconds = results.agents[task]["seconds"]
+            curves.append(f"{TASK_NAMES[task]} {first:.2f} → {last:.2f} ({seconds:.0f} s)")
+    note = ""
+    if curves:
+        note = "\n\nMean sampled reward during RL, first five → last five steps (training time): " + "; ".join(curves)
+    return markdown_table(["model", *[TASK_NAMES[t] for t in TASKS], "avg"], rows) + note
 
 
 def agent_statistics(results: Results, variant: str) -> Optional[dict[str, Any]]:
