@@ -1,0 +1,46 @@
+"""The experiment's settings: the full run and the smoke-sized one."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from benchmarks.agents.evaluate import EvalConfig
+from benchmarks.agents.grpo import GrpoConfig
+from benchmarks.agents.model import ModelSize
+from benchmarks.agents.pretrain import PretrainConfig
+
+
+@dataclass(frozen=True)
+class ExperimentConfig:
+    size: ModelSize = field(default_factory=ModelSize)
+    pretrain: PretrainConfig = field(default_factory=PretrainConfig)
+    grpo: GrpoConfig = field(default_factory=GrpoConfig)
+    #: RL steps at which agents are saved; the last is the main experiment, earlier ones
+    #: (sparser, less overlapping task vectors) feed the sparsity analysis.
+    snapshots: tuple[int, ...] = (10, 40)
+    evaluation: EvalConfig = field(default_factory=EvalConfig)
+    #: Run the whole merge grid on every snapshot, not only on the last.
+    full_grid_on_snapshots: bool = True
+    pinned_lambdas: bool = True
+    #: Threads of the (single-process) base training; fixed so results do not depend on --workers.
+    #: One: two threads are slower than one as soon as another process wants a core.
+    pretrain_threads: int = 1
+    smoke: bool = False
+
+    @property
+    def main_snapshot(self) -> int:
+        return self.snapshots[-1]
+
+
+FULL = ExperimentConfig()
+
+SMOKE = ExperimentConfig(
+    size=ModelSize(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2),
+    pretrain=replace(PretrainConfig(), steps=40, batch_size=24, lr=3e-3, warmup=5),
+    grpo=replace(GrpoConfig(), steps=4, prompts=4, group=4, lr=1e-3),
+    snapshots=(2, 4),
+    evaluation=EvalConfig(val=12, test=12, batch_size=64),
+    full_grid_on_snapshots=False,
+    pinned_lambdas=False,
+    smoke=True,
+)

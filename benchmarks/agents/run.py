@@ -1,0 +1,458 @@
+"""One command for the whole experiment: base, RL agents, merges, evaluation, report.
+
+    python -m benchmarks.agents.run --out benchmarks/agents/results --doc docs/quality.md
+
+Every stage is cached under ``--cache`` by a key of its inputs (settings, source files,
+checkpoint digests), so rerunning after a change redoes only what the change affects;
+delete the cache to start over. ``--smoke`` runs the same pipeline at tiny sizes.
+Work runs in ``--workers`` processes of one CPU thread each, and the base model trains
+with ``pretrain_threads`` threads, so results do not depend on ``--workers``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import multiprocessing
+import os
+import platform
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from typing import Any, Callable, Iterable, Iterator, Optional, TypeVar
+
+import torch
+
+from benchmarks.agents import report
+from benchmarks.agents.config import FULL, SMOKE, ExperimentConfig
+from benchmarks.agents.evaluate import EvalConfig, eval_sets, evaluate_path
+from benchmarks.agents.grpo import MAX_NEW_TOKENS
+from benchmarks.agents.merges import (
+    Setting,
+    file_digest,
+    fingerprint,
+    merge_grid,
+    ram_statistics_summary,
+    recipe,
+    run_mergekit,
+)
+from benchmarks.agents.tasks import TASKS
+
+LOG = logging.getLogger("benchmarks.agents")
+HERE = os.path.dirname(os.path.abspath(__file__))
+#: The sources each stage's results depend on (a change re-runs that stage and the ones after it).
+BASE_CODE = ("tasks.py", "tokenizer.py", "model.py", "pretrain.py")
+AGENT_CODE = (*BASE_CODE, "grpo.py")
+EVAL_CODE = ("tasks.py", "tokenizer.py", "model.py", "evaluate.py")
+MERGE_CODE = (*EVAL_CODE, "merges.py")
+ANALYSIS_CODE = (*EVAL_CODE, "analysis.py")
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+def code_version(files: tuple[str, ...]) -> str:
+    """Digest of the sources whose change invalidates a stage's cached checkpoints or scores."""
+    return fingerprint([file_digest(os.path.join(HERE, name)) for name in files])
+
+
+def model_digest(path: str) -> str:
+    return file_digest(os.path.join(path, "model.safetensors"))
+
+
+def read_cached(path: str, key: str) -> Optional[dict[str, Any]]:
+    """The JSON record at ``path`` if it was written for ``key``."""
+    if not os.path.exists(path):
+        return None
+    with open(path, encoding="utf-8") as handle:
+        record = json.load(handle)
+    return record if record.get("key") == key else None
+
+
+def write_json(path: str, record: Any) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w", encoding="utf-8") as handle:
+        json.dump(record, handle, indent=1, sort_keys=False)
+        handle.write("\n")
+
+
+class StageTimings:
+    """Wall time of each stage when it last did work, kept in ``<cache>/timings.json``.
+
+    A stage served entirely from the cache keeps the time it took when it ran, so the
+    report shows what building everything from scratch took, not how long a rerun took.
+    """
+
+    def __init__(self, cache: str):
+        self.path = os.path.join(cache, "timings.json")
+        self.timings: dict[str, float] = {}
+        if os.path.exists(self.path):
+            with open(self.path, encoding="utf-8") as handle:
+                self.timings = json.load(handle)
+
+    @contextlib.contextmanager
+    def stage(self, name: str) -> Iterator[None]:
+        start_wall, start = time.time(), time.perf_counter()
+        yield
+        seconds = time.perf_counter() - start
+        cache = os.path.dirname(self.path)
+        if name not in self.timings or _written_since(cache, start_wall):
+            self.timings[name] = seconds
+            write_json(self.path, self.timings)
+        LOG.info("stage %s: %.1f s (as built: %.1f s)", name, seconds, self.timings[name])
+
+    def as_built(self) -> dict[str, float]:
+        stages = {name: seconds for name, seconds in self.timings.items() if name != "total"}
+        return {**stages, "total": sum(stages.values())}
+
+
+def _written_since(directory: str, since: float) -> bool:
+    """Whether any file under ``directory`` (but timings.json) was written after ``since``."""
+    for root, _, files in os.walk(directory):
+        for name in files:
+            if name != "timings.json" and os.path.getmtime(os.path.join(root, name)) >= since:
+                return True
+    return False
+
+
+# Worker processes --------------------------------------------------------------------
+
+
+def _init_worker() -> None:
+    torch.set_num_threads(1)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(processName)s %(name)s: %(message)s")
+
+
+class Workers:
+    """``map`` over ``count`` spawned single-thread processes, started once (in-process if ``count`` is 1)."""
+
+    def __init__(self, count: int):
+        self.count = count
+        self._pool = None
+
+    def __enter__(self) -> Workers:
+        if self.count > 1:
+            self._pool = multiprocessing.get_context("spawn").Pool(self.count, initializer=_init_worker)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._pool is not None:
+            self._pool.close()
+            self._pool.join()
+
+    def map(self, function: Callable[[T], R], jobs: Iterable[T]) -> list[R]:
+        jobs = list(jobs)
+        if self._pool is not None:
+            return self._pool.map(function, jobs, chunksize=1)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return [function(job) for job in jobs]
+        finally:
+            torch.set_num_threads(threads)
+
+
+@dataclass(frozen=True)
+class AgentJob:
+    task: str
+    base: str
+    directory: str
+    config: ExperimentConfig
+    key: str
+
+
+def agent_dir(directory: str, step: int) -> str:
+    return os.path.join(directory, f"step{step}")
+
+
+def train_agent_job(job: AgentJob) -> dict[str, Any]:
+    """RL-train one agent from the base; save a bfloat16 checkpoint at every snapshot step."""
+    from benchmarks.agents.grpo import train_agent
+    from benchmarks.agents.model import load_model, save_model
+
+    meta_path = os.path.join(job.directory, "meta.json")
+    cached = read_cached(meta_path, job.key)
+    if cached is not None:
+        return cached
+    start = time.perf_counter()
+    model = load_model(job.base)  # float32 copy of the bfloat16 base: exact
+    seed = job.config.grpo.seed + TASKS.index(job.task)
+    curve = train_agent(
+        model,
+        job.task,
+        replace(job.config.grpo, seed=seed),
+        lambda step, trained: save_model(trained, agent_dir(job.directory, step), torch.bfloat16),
+        job.config.snapshots,
+    )
+    record = {"key": job.key, "task": job.task, "seconds": time.perf_counter() - start, "reward_curve": curve}
+    write_json(meta_path, record)
+    return record
+
+
+@dataclass(frozen=True)
+class EvalJob:
+    path: str
+    evaluation: EvalConfig
+    key: str
+
+
+def evaluate_job(job: EvalJob) -> dict[str, Any]:
+    record_path = os.path.join(job.path, "eval.json")
+    cached = read_cached(record_path, job.key)
+    if cached is not None:
+        return cached["scores"]
+    scores = evaluate_path(job.path, eval_sets(job.evaluation), job.evaluation.batch_size)
+    write_json(record_path, {"key": job.key, "scores": scores})
+    return scores
+
+
+@dataclass(frozen=True)
+class MergeJob:
+    setting: Setting
+    variant: str
+    base: str
+    agents: dict[str, str]
+    directory: str
+    evaluation: EvalConfig
+    seed: int
+    key: str
+    keep_weights: bool = False
+
+
+def merge_job(job: MergeJob) -> dict[str, Any]:
+    """Merge with ``mergekit-yaml``, evaluate, keep the RAM statistics; drop the weights."""
+    result_path = os.path.join(job.directory, "result.json")
+    cached = read_cached(result_path, job.key)
+    if cached is not None:
+        return cached
+    document = recipe(job.setting, job.base, job.agents)
+    seconds = run_mergekit(document, job.directory, job.seed)
+    model_dir = os.path.join(job.directory, "model")
+    scores = evaluate_path(model_dir, eval_sets(job.evaluation), job.evaluation.batch_size)
+    statistics = ram_statistics_summary(model_dir, {path: task for task, path in job.agents.items()})
+    if not job.keep_weights:
+        shutil.rmtree(model_dir)
+    record = {
+        "key": job.key,
+        "variant": job.variant,
+        "setting": asdict(job.setting),
+        "merge_seconds": seconds,
+        "scores": scores,
+        "ram_statistics": statistics,
+    }
+    write_json(result_path, record)
+    return record
+
+
+# Stages ----------------------------------------------------------------------------
+
+
+def build_base(config: ExperimentConfig, cache: str) -> str:
+    """Pretrain the base (or reuse the cached one) and save it in bfloat16."""
+    from benchmarks.agents.model import save_model
+    from benchmarks.agents.pretrain import pretrain
+
+    path = os.path.join(cache, "base")
+    key = fingerprint("base", config.size, config.pretrain, config.pretrain_threads, code_version(BASE_CODE))
+    if read_cached(os.path.join(path, "meta.json"), key) is not None:
+        LOG.info("base: cached at %s", path)
+        return path
+    shutil.rmtree(path, ignore_errors=True)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(config.pretrain_threads)
+    start = time.perf_counter()
+    try:
+        model = pretrain(config.size, config.pretrain)
+    finally:
+        torch.set_num_threads(threads)
+    save_model(model, path, torch.bfloat16)
+    parameters = sum(p.numel() for p in model.parameters())
+    write_json(
+        os.path.join(path, "meta.json"),
+        {"key": key, "seconds": time.perf_counter() - start, "parameters": parameters},
+    )
+    return path
+
+
+def build_agents(config: ExperimentConfig, cache: str, base: str, workers: Workers) -> dict[str, dict[str, Any]]:
+    """One RL agent per task, trained in parallel (one thread each); returns their records."""
+    base_key = model_digest(base)
+    jobs = [
+        AgentJob(
+            task,
+            base,
+            os.path.join(cache, "agents", task),
+            config,
+            fingerprint("agent", task, base_key, config.grpo, config.snapshots, code_version(AGENT_CODE)),
+        )
+        for task in sorted(TASKS, key=lambda task: -MAX_NEW_TOKENS[task])  # longest rollouts first
+    ]
+    records = workers.map(train_agent_job, jobs)
+    return {record["task"]: record for record in records}
+
+
+def variants(config: ExperimentConfig) -> list[str]:
+    return [f"step{step}" for step in config.snapshots]
+
+
+def agent_paths(config: ExperimentConfig, cache: str, variant: str) -> dict[str, str]:
+    step = int(variant.removeprefix("step"))
+    return {task: agent_dir(os.path.join(cache, "agents", task), step) for task in TASKS}
+
+
+def evaluate_checkpoints(paths: dict[str, str], config: ExperimentConfig, workers: Workers) -> dict[str, Any]:
+    jobs = [
+        EvalJob(
+            path, config.evaluation, fingerprint("eval", model_digest(path), config.evaluation, code_version(EVAL_CODE))
+        )
+        for path in paths.values()
+    ]
+    return dict(zip(paths, workers.map(evaluate_job, jobs)))
+
+
+def analyse(config: ExperimentConfig, cache: str, base: str) -> dict[str, Any]:
+    """Per variant: where the agents' updates land, and each agent's dose-response (cached)."""
+    from benchmarks.agents.analysis import dose_response, where_updates_land
+
+    result = {}
+    for variant in variants(config):
+        agents = agent_paths(config, cache, variant)
+        key = fingerprint(
+            "analysis",
+            model_digest(base),
+            [model_digest(p) for p in agents.values()],
+            config.evaluation,
+            code_version(ANALYSIS_CODE),
+        )
+        path = os.path.join(cache, "analysis", f"{variant}.json")
+        cached = read_cached(path, key)
+        if cached is None:
+            cached = {
+                "key": key,
+                "updates": where_updates_land(base, agents),
+                "dose_response": dose_response(
+                    base, agents, eval_sets(config.evaluation), config.evaluation.batch_size
+                ),
+            }
+            write_json(path, cached)
+        result[variant] = {k: v for k, v in cached.items() if k != "key"}
+    return result
+
+
+def merge_settings(config: ExperimentConfig, variant: str) -> list[Setting]:
+    main = variant == f"step{config.main_snapshot}"
+    if config.smoke:  # one baseline and RAM+, on the last snapshot only
+        smoke = ("task_arithmetic", "ram_plus")
+        return [s for s in merge_grid(pinned_lambdas=False) if main and s.default and s.family in smoke]
+    grid = merge_grid(pinned_lambdas=config.pinned_lambdas and main)
+    return grid if main or config.full_grid_on_snapshots else [s for s in grid if s.default]
+
+
+def run_merges(config: ExperimentConfig, cache: str, base: str, workers: Workers) -> list[dict[str, Any]]:
+    jobs = []
+    base_digest = model_digest(base)
+    for variant in variants(config):
+        agents = agent_paths(config, cache, variant)
+        digests = [model_digest(path) for path in agents.values()]
+        for index, setting in enumerate(merge_settings(config, variant)):
+            seed = 1000 + index
+            key = fingerprint("merge", setting, base_digest, digests, config.evaluation, seed, code_version(MERGE_CODE))
+            jobs.append(
+                MergeJob(
+                    setting,
+                    variant,
+                    base,
+                    agents,
+                    os.path.join(cache, "merges", variant, setting.name),
+                    config.evaluation,
+                    seed,
+                    key,
+                )
+            )
+    LOG.info("merges: %d mergekit-yaml runs on %d workers", len(jobs), workers.count)
+    return workers.map(merge_job, jobs)
+
+
+def machine_description() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as handle:
+            for line in handle:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return f"{cpu}, {os.cpu_count()} CPU cores visible, Python {platform.python_version()}, torch {torch.__version__}"
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default=os.path.join(HERE, "results"), help="results directory (JSON, tables)")
+    parser.add_argument("--cache", default=None, help="checkpoints and per-merge records (default: <out>/../.cache)")
+    parser.add_argument("--doc", default=None, help="markdown file whose generated section is (re)written")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes and a few steps")
+    parser.add_argument("--workers", type=int, default=2, help="parallel single-thread processes")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    config = SMOKE if args.smoke else FULL
+    cache = args.cache or os.path.join(
+        os.path.dirname(os.path.abspath(args.out)), ".cache" + ("-smoke" if args.smoke else "")
+    )
+    torch.manual_seed(0)
+    timings = StageTimings(cache)
+
+    with timings.stage("base"):
+        base = build_base(config, cache)
+
+    with Workers(args.workers) as workers:
+        with timings.stage("agents"):
+            agents = build_agents(config, cache, base, workers)
+
+        with timings.stage("evaluate base and agents"):
+            checkpoints = {"base": base}
+            for variant in variants(config):
+                for task, path in agent_paths(config, cache, variant).items():
+                    checkpoints[f"{variant}/{task}"] = path
+            scores = evaluate_checkpoints(checkpoints, config, workers)
+
+        with timings.stage("merges and their evaluation"):
+            merges = run_merges(config, cache, base, workers)
+
+    with timings.stage("analysis"):
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        analysis = analyse(config, cache, base)
+        torch.set_num_threads(threads)
+
+    with open(os.path.join(base, "meta.json"), encoding="utf-8") as handle:
+        base_meta = json.load(handle)
+    command = "python -m benchmarks.agents.run " + " ".join(argv if argv is not None else sys.argv[1:])
+    results = report.Results(
+        config=asdict(config),
+        command=command.strip(),
+        machine=machine_description(),
+        workers=args.workers,
+        timings=timings.as_built(),
+        parameters=base_meta["parameters"],
+        checkpoint_scores=scores,
+        agents={
+            task: {"reward_curve": record["reward_curve"], "seconds": record["seconds"]}
+            for task, record in agents.items()
+        },
+        merges=merges,
+        analysis=analysis,
+        main_variant=f"step{config.main_snapshot}",
+    )
+    os.makedirs(args.out, exist_ok=True)
+    write_json(os.path.join(args.out, "results.json"), asdict(results))
+    summary = report.render(results, args.out, args.doc)
+    print(summary)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

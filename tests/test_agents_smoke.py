@@ -1,0 +1,57 @@
+"""The agents experiment end to end at tiny size: base, GRPO agents, mergekit-yaml merges, evaluation, report."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from benchmarks.agents import tokenizer
+from benchmarks.agents.model import ModelSize, completion_text, greedy_correct, new_model, sample
+from benchmarks.agents.run import main
+from benchmarks.agents.tasks import TASKS, Problem, sample_problems, split_of
+
+
+def test_saved_tokenizer_gives_the_training_ids():
+    text = 'weather in paris in celsius=get_weather(city="Paris",unit="C") rev abc=cba 47+58=105'
+    assert tokenizer.hf_tokenizer()(text, add_special_tokens=False)["input_ids"] == tokenizer.encode(text)
+
+
+def test_held_out_problems_never_appear_in_training():
+    for task in TASKS:
+        train = {p.prompt for p in sample_problems(task, "train", 300, 0)}
+        test = {p.prompt for p in sample_problems(task, "test", 50, 0, unique=True)}
+        assert not train & test and all(split_of(prompt) == "test" for prompt in test)
+
+
+def test_teacher_forced_check_is_greedy_decoding():
+    model = new_model(ModelSize(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2), 0)
+    model.eval()
+    with torch.no_grad():  # make </s> likely, so that greedy completions end
+        model.lm_head.bias = None
+        model.lm_head.weight[tokenizer.EOS_ID] = model.model.norm.weight * 3.0
+    problems = sample_problems("add", "val", 8, 0) + sample_problems("tool", "val", 8, 0)
+    completions = sample(model, [tokenizer.encode(p.prompt) for p in problems], 12, greedy=True)
+    ended = [(p, c) for p, c in zip(problems, completions) if tokenizer.EOS_ID in c]
+    assert ended
+    own = [Problem(p.task, p.prompt, completion_text(c)) for p, c in ended]
+    assert greedy_correct(model, own).all()
+    wrong = [Problem(p.task, p.prompt, completion_text(c) + "0") for p, c in ended]
+    assert not greedy_correct(model, wrong).any()
+
+
+def test_smoke_pipeline(tmp_path):
+    out, cache, doc = tmp_path / "results", tmp_path / "cache", tmp_path / "quality.md"
+    assert main(["--smoke", "--out", str(out), "--cache", str(cache), "--doc", str(doc)]) == 0
+    results = json.loads((out / "results.json").read_text())
+    ram_plus = [m for m in results["merges"] if m["setting"]["method"] == "ram_plus"]
+    assert ram_plus and set(ram_plus[0]["ram_statistics"]["models"]) == set(TASKS)
+    for record in results["merges"]:
+        assert set(record["scores"]["test"]) == {*TASKS, "avg"}
+    assert set(results["checkpoint_scores"]) == {"base", *(f"step{s}/{t}" for s in (2, 4) for t in TASKS)}
+    assert (tmp_path / "img" / "agents_quality.png").exists()
+    text = doc.read_text()
+    assert "ram_plus" in text and "python -m benchmarks.agents.run" in text
+    before = (out / "results.json").read_text()
+    assert main(["--smoke", "--out", str(out), "--cache", str(cache)]) == 0  # served from the cache
+    assert json.loads((out / "results.json").read_text())["merges"] == json.loads(before)["merges"]
