@@ -9,13 +9,13 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 DEMO_DIR ?= out/demo
 
-.PHONY: install demo test lint bench clean
+.PHONY: install demo test lint bench quality clean
 
 install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml hatch_build.py
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --disable-pip-version-check "$(TORCH)" -e ".[dev,plot]"
+	$(BIN)/pip install --quiet --disable-pip-version-check "$(TORCH)" -e ".[dev,plot,bench]"
 	touch $@
 
 demo: install
@@ -26,6 +26,13 @@ test: install
 
 lint: install
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
+
+# Performance (docs/performance.md) and merge quality (docs/quality.md); long, best on a quiet machine.
+bench: install
+	HF_HUB_OFFLINE=1 $(BIN)/python -m benchmarks.run --size 120m --repeats 3
+
+quality: install
+	HF_HUB_OFFLINE=1 $(BIN)/python -m benchmarks.agents.run --out benchmarks/agents/results --doc docs/quality.md
 
 clean:
 	rm -rf $(VENV) out .pytest_cache

@@ -134,7 +134,12 @@ class ModelSet:
     def load(cls, root: Path) -> ModelSet:
         with open(root / "complete.json", encoding="utf-8") as handle:
             info = json.load(handle)
-        return cls(**{key: tuple(value) if isinstance(value, list) else value for key, value in info["set"].items()})
+        fields = {key: tuple(value) if isinstance(value, list) else value for key, value in info["set"].items()}
+        # paths follow the cache wherever it now lives (a moved or copied cache stays usable)
+        fields["root"] = str(root)
+        fields["base"] = str(root / Path(fields["base"]).name)
+        fields["agents"] = tuple(str(root / Path(agent).name) for agent in fields["agents"])
+        return cls(**fields)
 
 
 class AgentDraw:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -81,10 +82,16 @@ def test_merge_and_count_agree_with_count_only() -> None:
     assert both.histograms == counted_only.histograms
 
 
-def test_many_models_use_the_general_pattern_path() -> None:
-    base, finetunes, _ = designed_group(22, shape=(40, 30))
+@pytest.mark.parametrize("n", [15, 17, 22, 26])
+def test_many_models_use_the_wider_pattern_paths(n: int) -> None:
+    """int16 and int32 bincounts (15, 17), the sparse table (22), the int64 pattern (26)."""
+    base, finetunes, _ = designed_group(n, shape=(40, 30))
+    expected = reference.counts(base, finetunes, EPSILON).histograms
     result = ram_merge(base, finetunes, EPSILON, merge=False, count=True)
-    assert [list(row) for row in result.histograms] == reference.counts(base, finetunes, EPSILON).histograms
+    assert [list(row) for row in result.histograms] == expected
+    merged = ram_merge(base, finetunes, EPSILON, [1.1] * n, count=True)
+    assert [list(row) for row in merged.histograms] == expected
+    assert torch.equal(merged.merged, reference.merge(base, finetunes, EPSILON, [1.1] * n))
 
 
 def test_epsilon_is_strict_and_compared_in_float32() -> None:
@@ -176,23 +183,47 @@ def peak_scratch_bytes(function) -> int:
     return peak_allocated_bytes(function)[0]
 
 
-def test_scratch_memory_is_bounded_and_independent_of_n() -> None:
-    """Beyond the output, at most 24 bytes per element of one chunk, whatever N and the tensor size.
+#: Scratch bytes per chunk element of a bfloat16 group, by what the kernel is asked for.
+SCRATCH_BOUNDS = {
+    "ram with statistics": (dict(count=True), 24),
+    "ram_plus merge after the pre-pass": (dict(lambdas=True), 24),
+    "ram_plus with pinned statistics": (dict(lambdas=True, count=True), 28),
+    "pre-pass (count only)": (dict(merge=False, count=True), 16),
+}
+
+
+@pytest.mark.parametrize("mode", SCRATCH_BOUNDS)
+def test_scratch_memory_is_bounded_and_independent_of_n(mode: str) -> None:
+    """Beyond the output, a few float32 buffers of one chunk, whatever N and the tensor size.
 
     Measured with one worker thread (the profiler sees the calling thread's allocations);
     each further worker has its own scratch of the same size.
     """
+    options, bytes_per_element = SCRATCH_BOUNDS[mode]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # one worker thread inside the kernel
     scratch = {}
-    for numel in (2 * CHUNK_ELEMENTS, 5 * CHUNK_ELEMENTS):
-        for n in (2, 3, 5):
-            base, finetunes, _ = designed_group(n, shape=(numel,), dtype=torch.bfloat16)
-            peak = peak_scratch_bytes(lambda b=base, f=finetunes, n=n: ram_merge(b, f, EPSILON, [1.1] * n, count=True))
-            scratch[numel, n] = peak - 2 * numel  # minus the bfloat16 output
+    try:
+        for numel in (2 * CHUNK_ELEMENTS, 5 * CHUNK_ELEMENTS):
+            for n in (2, 3, 5):
+                base, finetunes, _ = designed_group(n, shape=(numel,), dtype=torch.bfloat16)
+                merge = options.get("merge", True)
+                call = functools.partial(
+                    ram_merge,
+                    base,
+                    finetunes,
+                    EPSILON,
+                    [1.1] * n if options.get("lambdas") else None,
+                    merge=merge,
+                    count=options.get("count", False),
+                )
+                peak = peak_scratch_bytes(call)
+                scratch[numel, n] = peak - (2 * numel if merge else 0)  # minus the bfloat16 output
+    finally:
+        torch.set_num_threads(threads)
     assert max(scratch.values()) - min(scratch.values()) < 4096, scratch  # a bincount of 2**N counters at most
-    torch.set_num_threads(threads)
-    assert max(scratch.values()) <= 24 * CHUNK_ELEMENTS + 4096, scratch
+    assert max(scratch.values()) <= bytes_per_element * CHUNK_ELEMENTS + 4096, scratch
+    assert max(scratch.values()) > (bytes_per_element - 4) * CHUNK_ELEMENTS, scratch  # the bound is tight
 
 
 def test_chunk_boundaries_do_not_change_results() -> None:
