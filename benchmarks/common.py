@@ -281,24 +281,27 @@ def plugin_location(env: Mapping[str, str]) -> Path:
     return Path(result.stdout.strip())
 
 
+def cpu_model() -> str:
+    """The processor's model name (from /proc/cpuinfo where there is one)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as handle:
+            for line in handle:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def machine_info(env: Optional[Mapping[str, str]] = None) -> dict[str, Any]:
     """The facts a reader needs to compare figures between machines and runs."""
     import mergekit
     import torch
 
-    cpu_model = platform.processor() or ""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as handle:
-            for line in handle:
-                if line.startswith("model name"):
-                    cpu_model = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
     plugin = plugin_location(env or child_env())
     return {
         "hostname": platform.node(),
-        "cpu": cpu_model,
+        "cpu": cpu_model(),
         "cpu_count": os.cpu_count(),
         "affinity": len(os.sched_getaffinity(0)),
         "memory_bytes": psutil.virtual_memory().total,
@@ -359,6 +362,10 @@ def fmt_seconds(value: Optional[float]) -> str:
     if value is None or value != value:
         return "n/a"
     return f"{value:.1f} s" if value >= 10 else f"{value:.2f} s"
+
+
+def fmt_ratio(value: Optional[float]) -> str:
+    return "n/a" if value is None else f"{value:.2f}x"
 
 
 def fmt_count(value: float) -> str:

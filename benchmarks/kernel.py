@@ -11,8 +11,10 @@ in the synthetic models, densities 3.2%, 46.2%, 54.3%, then 25% and 40%):
   for exact results). The objects come from ``mergekit.merge_methods.ram`` directly: the
   plugin replaces the registry's ``ram``.
 
-Scratch is the peak of torch's CPU allocations during the call (profiler memory events,
-allocations minus frees in order), output included, inputs not. A kernel that works through
+Scratch is the peak of torch's CPU allocations during a call made with one thread (profiler
+memory events, allocations minus frees in order; the profiler sees the calling thread only),
+output included, inputs not; each further worker thread of the plugin's kernel adds one more
+set of chunk buffers. A kernel that works through
 a tensor in fixed-size chunks has a bounded scratch, so its bytes per element fall as the
 tensor grows: the absolute figure is reported too. Time is the median of
 several calls after one warm-up, with torch's default thread count; the speed-up against the
@@ -103,13 +105,27 @@ def variants(base: torch.Tensor, finetunes: list[torch.Tensor]) -> dict[str, Cal
     }
 
 
+def one_thread_scratch(function: Callable[[], Any]) -> int:
+    """Peak torch allocations of ``function`` run with one thread.
+
+    The profiler sees only the calling thread; with one thread the plugin's kernel does all
+    its work there. Each further worker thread holds one more set of chunk buffers.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return peak_allocated_bytes(function)[0]
+    finally:
+        torch.set_num_threads(threads)
+
+
 def benchmark_kernel(numel: int, ns: Sequence[int] = (2, 3, 5), repeats: int = 5) -> list[dict[str, Any]]:
     rows = []
     for n in ns:
         base, finetunes = kernel_inputs(numel, n)
         for label, function in variants(base, finetunes).items():
             seconds, times = median_seconds(function, repeats)
-            scratch, _ = peak_allocated_bytes(function)
+            scratch = one_thread_scratch(function)
             rows.append(
                 {
                     "n": n,

@@ -39,6 +39,7 @@ from benchmarks.common import (
     child_env,
     fmt_bytes,
     fmt_count,
+    fmt_ratio,
     fmt_seconds,
     machine_info,
     markdown_table,
@@ -291,13 +292,13 @@ def methods_table(result: dict[str, Any]) -> str:
             [
                 f"`{method}`",
                 fmt_seconds(entry["wall_s"]),
-                _ratio(entry.get("wall_s_ratio")),
+                fmt_ratio(entry.get("wall_s_ratio")),
                 fmt_seconds(entry["cpu_s"]),
-                _ratio(entry.get("cpu_s_ratio")),
+                fmt_ratio(entry.get("cpu_s_ratio")),
                 fmt_bytes(entry["max_rss_bytes"]),
-                _ratio(entry.get("max_rss_bytes_ratio")),
+                fmt_ratio(entry.get("max_rss_bytes_ratio")),
                 fmt_bytes(entry["peak_anon_bytes"]),
-                _ratio(entry.get("peak_anon_bytes_ratio")),
+                fmt_ratio(entry.get("peak_anon_bytes_ratio")),
                 f"{entry['prepass_share']:.0%} ({fmt_seconds(entry['prepass_s'])})" if "prepass_share" in entry else "",
             ]
         )
@@ -334,13 +335,9 @@ def targets_table(result: dict[str, Any]) -> str:
             other_value = other_target.value(result["summary"])
             if other_value:
                 verdict_other = "met" if other_target.met(other_value) else "missed"
-                other = f"{METRIC_LABELS[counterpart]} {_ratio(other_value)} ({verdict_other})"
-        rows.append([target.describe(), _ratio(value), verdict, other])
+                other = f"{METRIC_LABELS[counterpart]} {fmt_ratio(other_value)} ({verdict_other})"
+        rows.append([target.describe(), fmt_ratio(value), verdict, other])
     return markdown_table(["target", "measured", "verdict", "in CPU time / anonymous memory"], rows)
-
-
-def _ratio(value: Optional[float]) -> str:
-    return "n/a" if value is None else f"{value:.2f}x"
 
 
 def heading(result: dict[str, Any]) -> str:

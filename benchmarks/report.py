@@ -27,6 +27,7 @@ from benchmarks.common import (
     RESULTS_DIR,
     fmt_bytes,
     fmt_count,
+    fmt_ratio,
     fmt_seconds,
     linear_fit,
     markdown_table,
@@ -47,6 +48,19 @@ BLOCK = re.compile(
 #: The paper's setting: Qwen2.5-7B, base and three agents.
 PAPER_SIZE = "7b"
 ESTIMATE_METHODS = ("task_arithmetic", "ties", "ram", "ram_plus")
+#: The plugin's performance work, oldest first: the commit measured and what it changed.
+#: Each has a results file ``optimisations/COMMIT.json`` (``benchmarks.methods --plugin``).
+OPTIMISATION_STEPS = (
+    ("c3deb08", "first version: whole-tensor float32 kernel (float32 copies of every input, bool masks)"),
+    ("b2d18a5", "chunks of 2^18 elements with reused buffers (scratch bounded), one chunk after another"),
+    ("baf47fe", "the first model initialises the accumulators; one finiteness check per chunk, not per model"),
+    ("97e2093", "chunks handed to a pool of --num-threads threads, torch's intra-op threads off meanwhile"),
+    (
+        "20e5635",
+        "float32 masks, counts and patterns (this torch's bool kernels are 3-17x slower), lerp instead of "
+        "where, one long-lived pool, 2^17-element chunks",
+    ),
+)
 
 
 def load_results(results_dir: Path = RESULTS_DIR) -> dict[str, Any]:
@@ -62,6 +76,8 @@ def load_results(results_dir: Path = RESULTS_DIR) -> dict[str, Any]:
             found[kind].append(result)
     for kind in ("methods", "outofcore", "inmemory"):
         found[kind].sort(key=lambda result: result["models"]["parameters"])
+    steps = sorted((results_dir / "optimisations").glob("*.json"))
+    found["optimisations"] = {path.stem: read_json(path) for path in steps}
     return found
 
 
@@ -287,6 +303,53 @@ def estimate_block(results: dict[str, Any]) -> str:
     )
 
 
+def optimisations_block(results: dict[str, Any]) -> str:
+    """One row per performance change: ratios to ``task_arithmetic`` measured in that step's own run."""
+    rows = []
+    for commit, change in OPTIMISATION_STEPS:
+        result = results["optimisations"].get(commit)
+        if result is None:
+            rows.append([f"`{commit}`", change, *["not measured"] * 7])
+            continue
+        summary = result["summary"]
+        ram, ram_plus = summary.get("ram", {}), summary.get("ram_plus", {})
+        prepass = ram_plus.get("prepass_s")
+        rows.append(
+            [
+                f"`{commit}`",
+                change,
+                f"{result['machine']['load_average'][0]:.2f}",
+                fmt_seconds(ram_plus["wall_s"]) if ram_plus else "n/a",
+                fmt_ratio(ram.get("wall_s_ratio")),
+                fmt_ratio(ram_plus.get("wall_s_ratio")),
+                fmt_ratio(ram_plus.get("cpu_s_ratio")),
+                fmt_seconds(prepass) if prepass is not None else "n/a",
+                fmt_ratio(ram_plus.get("peak_anon_bytes_ratio")),
+            ]
+        )
+    headers = [
+        "commit",
+        "change",
+        "load at start",
+        "`ram_plus` wall",
+        "`ram` wall x TA",
+        "`ram_plus` wall x TA",
+        "`ram_plus` CPU x TA",
+        "pre-pass",
+        "`ram_plus` peak anon x TA",
+    ]
+    first = next(iter(results["optimisations"].values()), None)
+    intro = ""
+    if first:
+        models, options = first["models"], first["options"]
+        intro = (
+            f"Size `{first['size']}` ({fmt_count(models['parameters'])} parameters per model), "
+            f"{options['repeats']} rounds of `task_arithmetic`, `ram`, `ram_plus` in turns, one run per commit, "
+            f"{first['machine']['cpu_count']} CPUs ({first['machine']['cpu']})."
+        )
+    return "\n".join([intro, "", markdown_table(headers, rows)]).strip()
+
+
 GENERATORS = {
     "machine": machine_block,
     "sizes": sizes_block,
@@ -294,6 +357,7 @@ GENERATORS = {
     "kernel": kernel_block,
     "scale": scale_block,
     "estimate": estimate_block,
+    "optimisations": optimisations_block,
 }
 
 

@@ -29,6 +29,8 @@ from typing import Any, Mapping, Optional
 
 import yaml
 
+from mergekit_ram.stats import module_of
+
 LOG = logging.getLogger(__name__)
 
 SCALES = (0.1, 0.3, 0.5, 0.7, 0.9, 1.0)
@@ -190,14 +192,6 @@ def run_mergekit(recipe_document: Mapping[str, Any], out_dir: str, seed: int) ->
     return seconds
 
 
-TENSOR_KINDS = ("embed_tokens", "self_attn", "mlp", "norm", "lm_head")
-
-
-def tensor_kind(name: str) -> str:
-    """Coarse family of a Llama weight, for per-kind densities."""
-    return next((kind for kind in TENSOR_KINDS if kind in name), "other")
-
-
 def ram_statistics_summary(model_dir: str, names: Mapping[str, str]) -> Optional[dict[str, Any]]:
     """Per-agent counts, rho and lambda from ``ram_statistics.json`` (``ram`` / ``ram_plus`` merges).
 
@@ -219,7 +213,7 @@ def ram_statistics_summary(model_dir: str, names: Mapping[str, str]) -> Optional
     }
     kinds: dict[str, dict[str, dict[str, int]]] = {}
     for tensor in data["tensors"]:
-        kind = tensor_kind(tensor["name"])
+        kind = module_of(tensor["name"])
         for model, histogram in zip(tensor["models"], tensor["histograms"]):
             counts = kinds.setdefault(short(model), {}).setdefault(kind, {"parameters": 0, "changed": 0, "unique": 0})
             counts["parameters"] += tensor["numel"]

@@ -17,8 +17,9 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 from benchmarks.agents.evaluate import standard_error
-from benchmarks.agents.merges import FAMILIES, TENSOR_KINDS
+from benchmarks.agents.merges import FAMILIES
 from benchmarks.agents.tasks import TASKS
+from mergekit_ram.stats import MODULES
 
 LOG = logging.getLogger(__name__)
 
@@ -196,10 +197,11 @@ def statistics_section(results: Results, variant: str) -> str:
         rows,
     )
     kind_rows = []
+    present = [kind for kind in MODULES if any(kind in statistics["by_kind"][task] for task in TASKS)]
     for task in TASKS:
         kinds = statistics["by_kind"][task]
         cells = []
-        for kind in TENSOR_KINDS:
+        for kind in present:
             if kind in kinds:
                 k = kinds[kind]
                 unique = 100 * k["unique"] / max(k["changed"], 1)
@@ -207,7 +209,7 @@ def statistics_section(results: Results, variant: str) -> str:
             else:
                 cells.append("-")
         kind_rows.append([f"{TASK_NAMES[task]} agent", *cells])
-    kind_table = markdown_table(["agent", *TENSOR_KINDS], kind_rows)
+    kind_table = markdown_table(["agent", *present], kind_rows)
     epsilon = statistics["parameters"].get("epsilon")
     return (
         f"{table}\n\nCounts from the `ram_statistics.json` that mergekit-ram writes beside each merge "

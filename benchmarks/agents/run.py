@@ -40,6 +40,7 @@ from benchmarks.agents.merges import (
     run_mergekit,
 )
 from benchmarks.agents.tasks import TASKS
+from benchmarks.common import cpu_model
 
 LOG = logging.getLogger("benchmarks.agents")
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -376,16 +377,8 @@ def run_merges(config: ExperimentConfig, cache: str, base: str, workers: Workers
 
 
 def machine_description() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as handle:
-            for line in handle:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return f"{cpu}, {os.cpu_count()} CPU cores visible, Python {platform.python_version()}, torch {torch.__version__}"
+    python = platform.python_version()
+    return f"{cpu_model()}, {os.cpu_count()} CPU cores visible, Python {python}, torch {torch.__version__}"
 
 
 def main(argv: Optional[list[str]] = None) -> int:
