@@ -295,18 +295,22 @@ class _Scratch:
                     pattern.add_(active.to(torch.int64), alpha=1 << index)
 
         if self.merge:
-            if finetunes and not math.isfinite(total.sum().item()):
-                _check_finite(base, finetunes)
+            finite = not finetunes or math.isfinite(total.sum().item())
+            if not finite:
+                _check_finite(base, finetunes)  # raises for NaN / Inf inputs; else an overflow
             if not finetunes:
                 total.zero_()
                 counts.zero_()
             # Mean over active models; c == 1 divides by one, c == 0 leaves total at zero.
             total.div_(counts.clamp_(min=1))
             if scaled is not None:
-                # c == 1 (or 0, where both are zero) takes the scaled update: lerp with a
-                # weight of exactly 0 or 1 returns one of its ends unchanged.
+                # c == 1 (or 0, where both are zero) takes the scaled update
                 torch.eq(counts, 1, out=active)
-                torch.lerp(total, scaled, active, out=total)
+                if finite and math.isfinite(scaled.sum().item()):
+                    # lerp with a weight of exactly 0 or 1 returns one of its ends unchanged
+                    torch.lerp(total, scaled, active, out=total)
+                else:  # an overflow to inf: lerp would make inf - inf = NaN of it
+                    torch.where(active.bool(), scaled, total, out=total)
             if out.dtype == torch.float32:
                 torch.add(total, base32, out=out)
             else:

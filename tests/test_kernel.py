@@ -109,6 +109,22 @@ def test_epsilon_zero_counts_every_change() -> None:
     torch.testing.assert_close(result.merged, reference.merge(base, finetunes, 0.0, [1.0, 1.0]), rtol=0, atol=0)
 
 
+def test_overflow_gives_inf_never_nan() -> None:
+    """Finite inputs whose float32 sum or RAM+ scaling overflows: inf as in the reference, not NaN."""
+    big = 3.0e38
+    base = torch.zeros(6)
+    finetunes = [
+        torch.tensor([big, big, 0.0, big, 1.0, -big]),
+        torch.tensor([big, 0.0, big, 0.0, 1.0, -big]),
+    ]
+    lambdas = [1.5, 1.5]
+    result = ram_merge(base, finetunes, EPSILON, lambdas, count=True)
+    expected = reference.merge(base, finetunes, EPSILON, lambdas)
+    assert not torch.isnan(result.merged).any(), result.merged
+    assert torch.isinf(result.merged).any()  # the case is an overflow
+    assert torch.equal(result.merged, expected), (result.merged, expected)
+
+
 def test_finetune_equal_to_base_changes_nothing() -> None:
     base, finetunes, _ = designed_group(2)
     result = ram_merge(base, [base.clone(), finetunes[1]], EPSILON, [1.2, 1.2], count=True)
