@@ -105,27 +105,13 @@ def variants(base: torch.Tensor, finetunes: list[torch.Tensor]) -> dict[str, Cal
     }
 
 
-def one_thread_scratch(function: Callable[[], Any]) -> int:
-    """Peak torch allocations of ``function`` run with one thread.
-
-    The profiler sees only the calling thread; with one thread the plugin's kernel does all
-    its work there. Each further worker thread holds one more set of chunk buffers.
-    """
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return peak_allocated_bytes(function)[0]
-    finally:
-        torch.set_num_threads(threads)
-
-
 def benchmark_kernel(numel: int, ns: Sequence[int] = (2, 3, 5), repeats: int = 5) -> list[dict[str, Any]]:
     rows = []
     for n in ns:
         base, finetunes = kernel_inputs(numel, n)
         for label, function in variants(base, finetunes).items():
             seconds, times = median_seconds(function, repeats)
-            scratch = one_thread_scratch(function)
+            scratch, _ = peak_allocated_bytes(function, threads=1)
             rows.append(
                 {
                     "n": n,

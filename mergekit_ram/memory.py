@@ -3,23 +3,31 @@
 The scratch measurement behind the kernel tests, docs/comparison.md and the benchmarks:
 the torch profiler records every CPU allocation and free; the peak of their running sum
 is the answer. Inputs allocated before the call are not counted; the result is. Only the
-calling thread is seen, so measure the plugin's kernel with ``torch.set_num_threads(1)``
-(each further worker thread holds one more scratch of the same size).
+calling thread is seen, so measure the plugin's kernel with ``threads=1``: it then does all
+its work in the calling thread (each further worker thread holds one more scratch of the
+same size).
 """
 
 from __future__ import annotations
 
-from typing import Callable, TypeVar
+from typing import Callable, Optional, TypeVar
 
+import torch
 from torch.profiler import ProfilerActivity, profile
 
 T = TypeVar("T")
 
 
-def peak_allocated_bytes(function: Callable[[], T]) -> tuple[int, T]:
-    """The peak bytes torch held while ``function`` ran, and what it returned."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        result = function()
+def peak_allocated_bytes(function: Callable[[], T], threads: Optional[int] = None) -> tuple[int, T]:
+    """The peak bytes torch held while ``function`` ran (with ``threads`` torch threads), and its result."""
+    saved = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            result = function()
+    finally:
+        torch.set_num_threads(saved)
     events = sorted(
         (event.time_range.start, event.cpu_memory_usage if event.name == "[memory]" else event.self_cpu_memory_usage)
         for event in prof.events()

@@ -121,6 +121,17 @@ def _written_since(directory: str, since: float) -> bool:
 # Worker processes --------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def torch_threads(count: int) -> Iterator[None]:
+    """torch's intra-op thread count set to ``count`` for the block, then restored."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)
+
+
 def _init_worker() -> None:
     torch.set_num_threads(1)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(processName)s %(name)s: %(message)s")
@@ -147,12 +158,8 @@ class Workers:
         jobs = list(jobs)
         if self._pool is not None:
             return self._pool.map(function, jobs, chunksize=1)
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
+        with torch_threads(1):
             return [function(job) for job in jobs]
-        finally:
-            torch.set_num_threads(threads)
 
 
 @dataclass(frozen=True)
@@ -261,13 +268,9 @@ def build_base(config: ExperimentConfig, cache: str) -> str:
         LOG.info("base: cached at %s", path)
         return path
     shutil.rmtree(path, ignore_errors=True)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(config.pretrain_threads)
     start = time.perf_counter()
-    try:
+    with torch_threads(config.pretrain_threads):
         model = pretrain(config.size, config.pretrain)
-    finally:
-        torch.set_num_threads(threads)
     save_model(model, path, torch.bfloat16)
     parameters = sum(p.numel() for p in model.parameters())
     write_json(
@@ -415,11 +418,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         with timings.stage("merges and their evaluation"):
             merges = run_merges(config, cache, base, workers)
 
-    with timings.stage("analysis"):
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
+    with timings.stage("analysis"), torch_threads(1):
         analysis = analyse(config, cache, base)
-        torch.set_num_threads(threads)
 
     with open(os.path.join(base, "meta.json"), encoding="utf-8") as handle:
         base_meta = json.load(handle)

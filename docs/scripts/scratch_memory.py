@@ -11,8 +11,8 @@ before profiling, so they are not counted.
 
 The built-in kernels are called as mergekit calls them for one group (``merge_group`` on a
 ``TensorGroup``), whatever is registered under their names; ours is ``mergekit_ram.kernel.ram_merge``
-as the merge runs it (merge only, no counting; with counting, as in ``ram`` merges and the
-pre-pass, its buffers grow by 2 bytes per chunk element).
+as the merge runs it (merge only, no counting; with counting, as in ``ram`` merges, its
+buffers grow by 4 bytes per chunk element), with one thread so the profiler sees its buffers.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def measure(numel: int, n: int, dtype: torch.dtype) -> dict[str, tuple[int, torc
     }
     results = {}
     for name, run in runs.items():
-        peak, output = peak_allocated_bytes(run)
+        peak, output = peak_allocated_bytes(run, threads=1)
         results[name] = (peak - output.numel() * output.element_size(), output.dtype)
     return results
 
@@ -64,7 +64,6 @@ def main() -> None:
     parser.add_argument("--numel", type=int, default=1 << 20)
     parser.add_argument("--models", type=int, nargs="+", default=[3])
     arguments = parser.parse_args()
-    torch.set_num_threads(1)
     print(f"one tensor of {arguments.numel:,} elements; chunk of the plugin's kernel: {CHUNK_ELEMENTS:,} elements\n")
     print("| implementation | input dtype | N | output dtype | scratch (MiB) | scratch bytes per element |")
     print("|---|---|---:|---|---:|---:|")
