@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 Subset = tuple[int, ...]
 
@@ -101,10 +101,6 @@ def write_checkpoint(
         config.save_pretrained(path)
     elif config_source is not None:
         shutil.copy(os.path.join(config_source, "config.json"), os.path.join(path, "config.json"))
-
-
-def load_checkpoint(path: str) -> dict[str, torch.Tensor]:
-    return load_file(os.path.join(path, "model.safetensors"))
 
 
 @dataclass(frozen=True)
