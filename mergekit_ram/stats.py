@@ -401,3 +401,17 @@ def _finite_or_none(value: float) -> Optional[float]:
 
 def _format_rho(rho: float) -> str:
     return "inf" if math.isinf(rho) else f"{rho:.4f}"
+
+
+def markdown_table(rows: Sequence[Sequence[object]], align: str = "lr") -> str:
+    """A GitHub markdown table; ``rows[0]`` is the header, every cell goes through ``str``.
+
+    ``align`` has one letter per column, ``l`` (``---``) or ``r`` (``---:``); its last letter
+    repeats for the columns beyond it: ``"lr"``, the default, is the first column left-aligned
+    and the rest right-aligned (as :func:`format_table`), ``"l"`` every column left-aligned.
+    """
+    width = len(rows[0])
+    letters = align.ljust(width, align[-1])[:width]
+    lines = ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+    lines.insert(1, "|" + "|".join("---:" if letter == "r" else "---" for letter in letters) + "|")
+    return "\n".join(lines)

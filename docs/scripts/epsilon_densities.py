@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from mergekit_ram.kernel import ram_merge
+from mergekit_ram.stats import markdown_table
 
 SEED = 0
 SIZE = 1 << 20
@@ -66,12 +67,6 @@ def percent(value: float) -> str:
     return f"{100 * value:.2f}%"
 
 
-def table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|"]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    return "\n".join(lines)
-
-
 def main() -> None:
     generator = torch.Generator().manual_seed(SEED)
     base32 = torch.randn(SIZE, generator=generator) * 0.02
@@ -97,12 +92,12 @@ def main() -> None:
                     breakdown.append([name, f"{eps:g}"] + cells)
         true_density = int((delta != 0).sum()) / SIZE
         print(f"### Update pattern: {pattern} (true density {percent(true_density)})\n")
-        print(table(["stored as"] + eps_header, rows))
+        print(markdown_table([["stored as", *eps_header], *rows]))
         print()
         if breakdown:
             print("Share of the true updates counted, by weight magnitude (absolute pattern):\n")
             bins = [f"{low:g} <= abs(w) < {high:g}" for low, high in BINS]
-            print(table(["stored as", "epsilon"] + bins, breakdown))
+            print(markdown_table([["stored as", "epsilon", *bins], *breakdown]))
             print()
 
     rows = []
@@ -110,7 +105,7 @@ def main() -> None:
         copy = base32.to(DTYPES[name]).float()
         rows.append([f"float32 base vs {name} copy"] + [percent(density(base32, copy, eps)) for eps in EPSILONS])
     print("### Control: no training, the same weights in two dtypes (true density 0%)\n")
-    print(table(["checkpoints"] + eps_header, rows))
+    print(markdown_table([["checkpoints", *eps_header], *rows]))
 
 
 if __name__ == "__main__":

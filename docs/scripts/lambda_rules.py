@@ -11,7 +11,8 @@ Rules, all with ``r = 0.1`` unless ``--r`` says otherwise:
 - ``ram_plus`` soft (RAM+s, appendix E): ``1 + r * rho / (1 + rho)``;
 - mergekit 0.1.5 ``ramplus_tl`` with its default ``alpha = 0.2``: ``1 + r * clip(rho, 0, 0.2)``,
   evaluated here on the whole-model rho (``ramplus_tl`` itself uses each tensor's rho);
-- the authors' release, as described in /work/shared/method.md (no code of it is used):
+- the authors' released script (published with the paper; it has no licence, so none of its
+  code is used or reproduced here; docs/comparison.md, row "lambda", describes it):
   ``1 + (R - 1) * min(1, rho)`` with ``R - 1 = r``: the clip bound is 1, not alpha.
 """
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 
 from mergekit_ram.kernel import rescale_factor
+from mergekit_ram.stats import markdown_table
 
 #: Share of each agent's changed parameters that no other agent changed (paper, Figure 2).
 PAPER_UNIQUE_SHARES = {"coding (CURE)": 0.063, "tool use (ToolRL)": 0.408, "memory (MemAgent)": 0.475}
@@ -32,7 +34,7 @@ def rho_from_unique_share(unique_share: float) -> float:
 
 
 def authors_lambda(rho: float, r: float) -> float:
-    """The authors' rule as method.md states it: 1 + (R - 1) * min(1, rho), R - 1 = r."""
+    """The authors' rule as docs/comparison.md states it: 1 + (R - 1) * min(1, rho), R - 1 = r."""
     return 1.0 + r * min(1.0, rho)
 
 
@@ -53,12 +55,11 @@ def main() -> None:
     arguments = parser.parse_args()
     table = rules(arguments.r)
     print(f"r = {arguments.r:g}\n")
-    print("| agent | unique share | rho | " + " | ".join(table) + " |")
-    print("|---|---:|---:|" + "---:|" * len(table))
+    rows = [["agent", "unique share", "rho", *table]]
     for agent, share in PAPER_UNIQUE_SHARES.items():
         rho = rho_from_unique_share(share)
-        cells = [f"{rule(rho):.4f}" for rule in table.values()]
-        print(f"| {agent} | {share:.1%} | {rho:.3f} | " + " | ".join(cells) + " |")
+        rows.append([agent, f"{share:.1%}", f"{rho:.3f}", *[f"{rule(rho):.4f}" for rule in table.values()]])
+    print(markdown_table(rows))
 
 
 if __name__ == "__main__":
