@@ -7,14 +7,10 @@ from typing import Any
 
 from benchmarks.agents.evaluate import standard_error
 from benchmarks.agents.merges import FAMILIES, SCALES
-from benchmarks.agents.report import Results, agent_statistics, best_and_default
+from benchmarks.agents.records import Results, agent_statistics, best_and_default, variant_steps
 from benchmarks.agents.tasks import TASKS
 
 COLORS = {"add": "tab:blue", "rev": "tab:orange", "tool": "tab:green"}
-
-
-def _steps(variant: str) -> str:
-    return variant.removeprefix("step")
 
 
 def _methods_panel(axis: Any, results: Results, variant: str, letter: str) -> None:
@@ -31,14 +27,14 @@ def _methods_panel(axis: Any, results: Results, variant: str, letter: str) -> No
         axis.bar(
             [i + offset for i in range(len(FAMILIES))], heights, 0.4, yerr=errors, capsize=3, color=color, label=label
         )
-    base = results.checkpoint_scores["base"]["test"]["avg"]
-    specialists = sum(results.checkpoint_scores[f"{variant}/{t}"]["test"][t] for t in TASKS) / len(TASKS)
+    base = results.base_scores()["avg"]
+    specialists = results.specialists_average(variant)
     axis.axhline(100 * base, color="grey", linestyle=":", label="base")
     axis.axhline(100 * specialists, color="black", linestyle="--", label="each agent on its own task")
     axis.set_ylim(100 * base - 10, 100 * specialists + 8)
     axis.set_xticks(range(len(FAMILIES)), FAMILIES, rotation=25, ha="right")
     axis.set_ylabel("test accuracy, mean of 3 tasks (%)")
-    axis.set_title(f"({letter}) merges of the agents after {_steps(variant)} RL steps")
+    axis.set_title(f"({letter}) merges of the agents after {variant_steps(variant)} RL steps")
     axis.legend(fontsize=7, loc="upper left", ncol=2)
 
 
@@ -61,8 +57,8 @@ def plot_results(results: Results, path: str) -> None:
 
     # (c) per-task accuracy of base, agents and the best merge of each method
     axis = axes[0, 2]
-    rows = [("base", results.checkpoint_scores["base"]["test"])]
-    rows += [(f"{t} agent", results.checkpoint_scores[f"{main}/{t}"]["test"]) for t in TASKS]
+    rows = [("base", results.base_scores())]
+    rows += [(f"{t} agent", results.agent_scores(main, t)) for t in TASKS]
     for family in FAMILIES:
         best = best_and_default(results.merges_of(main, family))[0]
         if best:
@@ -74,7 +70,7 @@ def plot_results(results: Results, path: str) -> None:
     axis.set_yticks(range(len(rows)), [name for name, _ in rows])
     axis.invert_yaxis()
     axis.set_xlabel("test accuracy (%)")
-    axis.set_title(f"(c) per task, agents after {_steps(main)} RL steps")
+    axis.set_title(f"(c) per task, agents after {variant_steps(main)} RL steps")
     axis.legend(fontsize=8, loc="lower right")
 
     # (d) scaling every task vector (TA, TIES) or only the unique updates (RAM with pinned lambda)
@@ -90,9 +86,9 @@ def plot_results(results: Results, path: str) -> None:
                     style,
                     marker="o",
                     color=color,
-                    label=f"{family} (density 0.2), {_steps(variant)} steps"
+                    label=f"{family} (density 0.2), {variant_steps(variant)} steps"
                     if family == "ties"
-                    else f"{family}, {_steps(variant)} steps",
+                    else f"{family}, {variant_steps(variant)} steps",
                 )
     pinned = sorted(
         results.merges_of(main, "ram_plus lambda pinned") + results.merges_of(main, "ram"),
@@ -104,9 +100,9 @@ def plot_results(results: Results, path: str) -> None:
             [100 * m["scores"]["test"]["avg"] for m in pinned],
             marker="s",
             color="tab:green",
-            label=f"RAM, lambda on unique updates only, {_steps(main)} steps",
+            label=f"RAM, lambda on unique updates only, {variant_steps(main)} steps",
         )
-    axis.axhline(100 * results.checkpoint_scores["base"]["test"]["avg"], color="grey", linestyle=":", label="base")
+    axis.axhline(100 * results.base_scores()["avg"], color="grey", linestyle=":", label="base")
     axis.set_xlabel("lambda")
     axis.set_ylabel("test accuracy, mean of 3 tasks (%)")
     axis.set_title("(d) scaling the merged update")
@@ -140,7 +136,7 @@ def plot_results(results: Results, path: str) -> None:
                     color="black",
                     label="changed by 1 if independent" if not labels else None,
                 )
-            labels.append(f"{task}\n{_steps(variant)} steps")
+            labels.append(f"{task}\n{variant_steps(variant)} steps")
             ticks.append(position)
             position += 1
         position += 0.5
@@ -156,7 +152,7 @@ def plot_results(results: Results, path: str) -> None:
         if not response:
             continue
         for task in TASKS:
-            base = results.checkpoint_scores["base"]["test"][task]
+            base = results.base_scores()[task]
             doses = [float(d) for d in response[task]]
             full = response[task][max(response[task], key=float)]
             gain = max(full - base, 1e-9)
@@ -166,7 +162,7 @@ def plot_results(results: Results, path: str) -> None:
                 style,
                 marker="o",
                 color=COLORS[task],
-                label=f"{task} agent, {_steps(variant)} steps",
+                label=f"{task} agent, {variant_steps(variant)} steps",
             )
     axis.axvline(1 / 3, color="grey", linestyle=":", label="1/3: what averaging 3 agents applies")
     axis.set_xlabel("lambda (one agent alone: base + lambda * tau)")

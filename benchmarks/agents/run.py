@@ -27,9 +27,10 @@ from typing import Any, Callable, Iterable, Iterator, Optional, TypeVar
 import torch
 
 from benchmarks.agents import report
+from benchmarks.agents.analysis import dose_response, where_updates_land
 from benchmarks.agents.config import FULL, SMOKE, ExperimentConfig
 from benchmarks.agents.evaluate import EvalConfig, eval_sets, evaluate_path
-from benchmarks.agents.grpo import MAX_NEW_TOKENS
+from benchmarks.agents.grpo import MAX_NEW_TOKENS, train_agent
 from benchmarks.agents.merges import (
     Setting,
     file_digest,
@@ -39,6 +40,9 @@ from benchmarks.agents.merges import (
     recipe,
     run_mergekit,
 )
+from benchmarks.agents.model import load_model, save_model
+from benchmarks.agents.pretrain import pretrain
+from benchmarks.agents.records import BASE, Results, checkpoint_name, variant_name, variant_steps
 from benchmarks.agents.tasks import TASKS
 from benchmarks.common import cpu_model
 
@@ -172,14 +176,11 @@ class AgentJob:
 
 
 def agent_dir(directory: str, step: int) -> str:
-    return os.path.join(directory, f"step{step}")
+    return os.path.join(directory, variant_name(step))
 
 
 def train_agent_job(job: AgentJob) -> dict[str, Any]:
     """RL-train one agent from the base; save a bfloat16 checkpoint at every snapshot step."""
-    from benchmarks.agents.grpo import train_agent
-    from benchmarks.agents.model import load_model, save_model
-
     meta_path = os.path.join(job.directory, "meta.json")
     cached = read_cached(meta_path, job.key)
     if cached is not None:
@@ -259,9 +260,6 @@ def merge_job(job: MergeJob) -> dict[str, Any]:
 
 def build_base(config: ExperimentConfig, cache: str) -> str:
     """Pretrain the base (or reuse the cached one) and save it in bfloat16."""
-    from benchmarks.agents.model import save_model
-    from benchmarks.agents.pretrain import pretrain
-
     path = os.path.join(cache, "base")
     key = fingerprint("base", config.size, config.pretrain, config.pretrain_threads, code_version(BASE_CODE))
     if read_cached(os.path.join(path, "meta.json"), key) is not None:
@@ -298,11 +296,11 @@ def build_agents(config: ExperimentConfig, cache: str, base: str, workers: Worke
 
 
 def variants(config: ExperimentConfig) -> list[str]:
-    return [f"step{step}" for step in config.snapshots]
+    return [variant_name(step) for step in config.snapshots]
 
 
 def agent_paths(config: ExperimentConfig, cache: str, variant: str) -> dict[str, str]:
-    step = int(variant.removeprefix("step"))
+    step = int(variant_steps(variant))
     return {task: agent_dir(os.path.join(cache, "agents", task), step) for task in TASKS}
 
 
@@ -318,8 +316,6 @@ def evaluate_checkpoints(paths: dict[str, str], config: ExperimentConfig, worker
 
 def analyse(config: ExperimentConfig, cache: str, base: str) -> dict[str, Any]:
     """Per variant: where the agents' updates land, and each agent's dose-response (cached)."""
-    from benchmarks.agents.analysis import dose_response, where_updates_land
-
     result = {}
     for variant in variants(config):
         agents = agent_paths(config, cache, variant)
@@ -346,7 +342,7 @@ def analyse(config: ExperimentConfig, cache: str, base: str) -> dict[str, Any]:
 
 
 def merge_settings(config: ExperimentConfig, variant: str) -> list[Setting]:
-    main = variant == f"step{config.main_snapshot}"
+    main = variant == variant_name(config.main_snapshot)
     if config.smoke:  # one baseline and RAM+, on the last snapshot only
         smoke = ("task_arithmetic", "ram_plus")
         return [s for s in merge_grid(pinned_lambdas=False) if main and s.default and s.family in smoke]
@@ -409,10 +405,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             agents = build_agents(config, cache, base, workers)
 
         with timings.stage("evaluate base and agents"):
-            checkpoints = {"base": base}
+            checkpoints = {BASE: base}
             for variant in variants(config):
                 for task, path in agent_paths(config, cache, variant).items():
-                    checkpoints[f"{variant}/{task}"] = path
+                    checkpoints[checkpoint_name(variant, task)] = path
             scores = evaluate_checkpoints(checkpoints, config, workers)
 
         with timings.stage("merges and their evaluation"):
@@ -424,7 +420,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     with open(os.path.join(base, "meta.json"), encoding="utf-8") as handle:
         base_meta = json.load(handle)
     command = "python -m benchmarks.agents.run " + " ".join(argv if argv is not None else sys.argv[1:])
-    results = report.Results(
+    results = Results(
         config=asdict(config),
         command=command.strip(),
         machine=machine_description(),
@@ -438,10 +434,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         },
         merges=merges,
         analysis=analysis,
-        main_variant=f"step{config.main_snapshot}",
+        main_variant=variant_name(config.main_snapshot),
     )
     os.makedirs(args.out, exist_ok=True)
-    write_json(os.path.join(args.out, "results.json"), asdict(results))
+    results.save(os.path.join(args.out, "results.json"))
     summary = report.render(results, args.out, args.doc)
     print(summary)
     return 0
