@@ -1,4 +1,4 @@
-"""Shared helpers of the benchmarks: paths, measured child processes, machine facts, tables.
+"""Shared helpers of the benchmarks: paths, measured child processes, machine facts, number formats.
 
 Every figure the benchmarks report about a whole program (a merge, the in-memory baseline)
 comes from :func:`run_measured`, so all of them are taken the same way: wall time around
@@ -83,12 +83,6 @@ def use_plugin(module: str, plugin: Optional[Path], argv: Sequence[str]) -> None
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, [sys.executable, "-m", module, *argv], child_env(plugin))
-
-
-def venv_script(name: str) -> str:
-    """A console script of the running interpreter's environment (``mergekit-yaml``)."""
-    candidate = Path(sys.executable).parent / name
-    return str(candidate) if candidate.exists() else name
 
 
 def parse_size(text: str) -> int:
@@ -340,14 +334,6 @@ def write_json(path: Path, payload: Mapping[str, Any]) -> Path:
 def read_json(path: Path) -> dict[str, Any]:
     with open(path, encoding="utf-8") as handle:
         return json.load(handle)
-
-
-def markdown_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
-    """A GitHub markdown table (printed by the commands and pasted into the docs)."""
-    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
-    for row in rows:
-        lines.append("| " + " | ".join(str(cell) for cell in row) + " |")
-    return "\n".join(lines)
 
 
 def fmt_bytes(value: Optional[float]) -> str:

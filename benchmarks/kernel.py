@@ -45,7 +45,6 @@ from benchmarks.common import (
     fmt_bytes,
     fmt_count,
     machine_info,
-    markdown_table,
     median,
     parse_size,
     setup_logging,
@@ -54,6 +53,7 @@ from benchmarks.common import (
 )
 from benchmarks.models import PAPER_DENSITIES, AgentDraw, base_chunk, overlap_for
 from mergekit_ram.memory import peak_allocated_bytes
+from mergekit_ram.stats import markdown_table
 
 LOG = logging.getLogger(__name__)
 
@@ -183,7 +183,7 @@ def kernel_table(rows: list[dict[str, Any]]) -> str:
         "scratch B / element",
         "scratch",
     ]
-    return markdown_table(headers, table_rows)
+    return markdown_table([headers, *table_rows], "l")
 
 
 def startup_table(startup: dict[str, Any]) -> str:
@@ -191,7 +191,7 @@ def startup_table(startup: dict[str, Any]) -> str:
     for module, us in startup["cumulative_us"].items():
         rows.append([f"`{module}`", "not imported" if us is None else f"{us / 1000:.2f} ms"])
     rows.append(["whole interpreter (`python -c pass`, wall)", f"{startup['interpreter_wall_s'] * 1000:.0f} ms"])
-    return markdown_table([f"start-up, median of {startup['repeats']}", "cumulative import time"], rows)
+    return markdown_table([[f"start-up, median of {startup['repeats']}", "cumulative import time"], *rows], "l")
 
 
 def results_path() -> Path:

@@ -42,15 +42,15 @@ from benchmarks.common import (
     fmt_ratio,
     fmt_seconds,
     machine_info,
-    markdown_table,
     median,
     read_json,
     run_measured,
     setup_logging,
-    venv_script,
     write_json,
 )
 from benchmarks.models import SIZES, ModelSet, ensure_models
+from mergekit_ram.cli import console_script
+from mergekit_ram.stats import markdown_table
 
 LOG = logging.getLogger(__name__)
 
@@ -132,7 +132,7 @@ def write_recipe(method: str, models: ModelSet, path: Path, out_dtype: Optional[
 
 def mergekit_command(recipe: Path, out: Path, *, out_shard_size: str, extra: Sequence[str] = ()) -> list[str]:
     return [
-        venv_script("mergekit-yaml"),
+        console_script("mergekit-yaml"),
         str(recipe),
         str(out),
         "-v",
@@ -314,7 +314,7 @@ def methods_table(result: dict[str, Any]) -> str:
         "x TA",
         "pre-pass share",
     ]
-    return markdown_table(headers, rows)
+    return markdown_table([headers, *rows], "l")
 
 
 def targets_table(result: dict[str, Any]) -> str:
@@ -337,7 +337,7 @@ def targets_table(result: dict[str, Any]) -> str:
                 verdict_other = "met" if other_target.met(other_value) else "missed"
                 other = f"{METRIC_LABELS[counterpart]} {fmt_ratio(other_value)} ({verdict_other})"
         rows.append([target.describe(), fmt_ratio(value), verdict, other])
-    return markdown_table(["target", "measured", "verdict", "in CPU time / anonymous memory"], rows)
+    return markdown_table([["target", "measured", "verdict", "in CPU time / anonymous memory"], *rows], "l")
 
 
 def heading(result: dict[str, Any]) -> str:

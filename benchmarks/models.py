@@ -34,7 +34,8 @@ from typing import IO, Mapping, Optional, Sequence
 
 import torch
 
-from benchmarks.common import CACHE_DIR, GIB, fmt_bytes, fmt_count, markdown_table, setup_logging
+from benchmarks.common import CACHE_DIR, GIB, fmt_bytes, fmt_count, setup_logging
+from mergekit_ram.stats import markdown_table
 from mergekit_ram.synthetic import PAPER_OVERLAP, Subset, independent_overlap, tiny_config
 
 LOG = logging.getLogger(__name__)
@@ -396,7 +397,7 @@ def size_table(names: Optional[Sequence[str]] = None) -> str:
             ]
         )
     headers = ["size", "shape", "hidden/intermediate/layers/vocab", "tied", "parameters", "largest tensor", "4 models"]
-    return markdown_table(headers, rows)
+    return markdown_table([headers, *rows], "l")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -427,7 +428,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             ]
         )
     headers = ["size", "parameters", "disk (4 models)", "generation", "densities", "unique shares", "path"]
-    print(markdown_table(headers, rows))
+    print(markdown_table([headers, *rows], "l"))
     return 0
 
 

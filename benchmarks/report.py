@@ -30,7 +30,6 @@ from benchmarks.common import (
     fmt_ratio,
     fmt_seconds,
     linear_fit,
-    markdown_table,
     parse_size,
     read_json,
     setup_logging,
@@ -39,6 +38,7 @@ from benchmarks.kernel import kernel_table, startup_table
 from benchmarks.methods import heading, methods_table, targets_table
 from benchmarks.models import SIZES
 from benchmarks.scale import inmemory_table, limit_text, outofcore_table
+from mergekit_ram.stats import markdown_table
 
 LOG = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ def machine_block(results: dict[str, Any]) -> str:
             ]
         )
     headers = ["results file", "measured", "CPUs", "memory", "load at start", "versions", "OpenMP", "mergekit_ram"]
-    return markdown_table(headers, rows)
+    return markdown_table([headers, *rows], "l")
 
 
 def sizes_block(results: dict[str, Any]) -> str:
@@ -141,7 +141,7 @@ def sizes_block(results: dict[str, Any]) -> str:
         "densities",
         "unique shares",
     ]
-    return markdown_table(headers, rows)
+    return markdown_table([headers, *rows], "l")
 
 
 def methods_block(results: dict[str, Any]) -> str:
@@ -298,7 +298,7 @@ def estimate_block(results: dict[str, Any]) -> str:
             f"Base and three agents of {fmt_count(size.parameters())} parameters, largest tensor "
             f"{fmt_count(size.largest_tensor())} elements (embeddings, untied), on this machine:",
             "",
-            markdown_table(headers, rows),
+            markdown_table([headers, *rows], "l"),
         ]
     )
 
@@ -347,7 +347,7 @@ def optimisations_block(results: dict[str, Any]) -> str:
             f"{options['repeats']} rounds of `task_arithmetic`, `ram`, `ram_plus` in turns, one run per commit, "
             f"{first['machine']['cpu_count']} CPUs ({first['machine']['cpu']})."
         )
-    return "\n".join([intro, "", markdown_table(headers, rows)]).strip()
+    return "\n".join([intro, "", markdown_table([headers, *rows], "l")]).strip()
 
 
 GENERATORS = {

@@ -44,7 +44,6 @@ from benchmarks.common import (
     fmt_count,
     fmt_seconds,
     machine_info,
-    markdown_table,
     median,
     run_measured,
     setup_logging,
@@ -53,6 +52,7 @@ from benchmarks.common import (
 from benchmarks.inmemory import shard_files
 from benchmarks.methods import run_merge
 from benchmarks.models import SIZES, ModelSet, ensure_models
+from mergekit_ram.stats import markdown_table
 
 LOG = logging.getLogger(__name__)
 
@@ -261,7 +261,7 @@ def outofcore_table(result: dict[str, Any]) -> str:
         ]
     ]
     headers = ["size", "parameters / model", "inputs on disk", "machine memory", "wall", "pre-pass", "peak RSS"]
-    return markdown_table([*headers, "peak anon"], rows)
+    return markdown_table([[*headers, "peak anon"], *rows], "l")
 
 
 def inmemory_table(result: dict[str, Any]) -> str:
@@ -278,7 +278,7 @@ def inmemory_table(result: dict[str, Any]) -> str:
                 f"{entry['peak_anon_bytes'] / result['models']['parameters']:.1f}" if entry["completed"] else "n/a",
             ]
         )
-    return markdown_table(["approach", "runs", "wall", "peak RSS", "peak anon", "anon B / parameter"], rows)
+    return markdown_table([["approach", "runs", "wall", "peak RSS", "peak anon", "anon B / parameter"], *rows], "l")
 
 
 def limit_text(result: dict[str, Any]) -> str:

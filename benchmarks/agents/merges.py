@@ -22,13 +22,13 @@ import logging
 import os
 import shutil
 import subprocess
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping, Optional
 
 import yaml
 
+from mergekit_ram.cli import console_script
 from mergekit_ram.stats import module_of
 
 LOG = logging.getLogger(__name__)
@@ -157,15 +157,6 @@ def recipe(setting: Setting, base: str, agents: Mapping[str, str]) -> dict[str, 
     }
 
 
-def mergekit_yaml() -> str:
-    """The ``mergekit-yaml`` of the running environment."""
-    candidate = os.path.join(os.path.dirname(sys.executable), "mergekit-yaml")
-    found = candidate if os.path.exists(candidate) else shutil.which("mergekit-yaml")
-    if not found:
-        raise FileNotFoundError("mergekit-yaml is not installed in this environment")
-    return found
-
-
 def run_mergekit(recipe_document: Mapping[str, Any], out_dir: str, seed: int) -> float:
     """Write ``recipe.yml`` and run ``mergekit-yaml`` on it, one CPU thread; returns seconds."""
     os.makedirs(out_dir, exist_ok=True)
@@ -183,7 +174,15 @@ def run_mergekit(recipe_document: Mapping[str, Any], out_dir: str, seed: int) ->
         TOKENIZERS_PARALLELISM="false",
         MERGEKIT_RAM_CACHE="off",
     )
-    command = [mergekit_yaml(), recipe_path, model_dir, "--copy-tokenizer", "--quiet", "--random-seed", str(seed)]
+    command = [
+        console_script("mergekit-yaml"),
+        recipe_path,
+        model_dir,
+        "--copy-tokenizer",
+        "--quiet",
+        "--random-seed",
+        str(seed),
+    ]
     start = time.perf_counter()
     completed = subprocess.run(command, env=environment, capture_output=True, text=True)
     seconds = time.perf_counter() - start
