@@ -9,7 +9,6 @@ files, which the kernel can drop at any time; anonymous memory is what a merge n
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import platform
@@ -20,11 +19,12 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Optional, Sequence
+from typing import Iterable, Mapping, Optional, Sequence
 
 import psutil
+
+from benchmarks.records import GitState, Machine, Measurement
 
 LOG = logging.getLogger(__name__)
 
@@ -92,31 +92,6 @@ def parse_size(text: str) -> int:
     if text and text[-1] in factors:
         return int(float(text[:-1]) * factors[text[-1]])
     return int(text)
-
-
-@dataclass
-class Measurement:
-    """One measured child process."""
-
-    argv: list[str]
-    returncode: int
-    wall_s: float
-    user_s: float
-    sys_s: float
-    max_rss_bytes: int  # kernel high-water mark (ru_maxrss): includes mapped file pages
-    peak_anon_bytes: int  # polled: RSS minus file-backed and shared pages, summed over the process tree
-    load_before: float
-    load_after: float
-    log_path: Optional[str] = None
-    log_tail: str = ""
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def ok(self) -> bool:
-        return self.returncode == 0
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 class _AnonPoller(threading.Thread):
@@ -244,7 +219,7 @@ def linear_fit(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
     return mean_y - slope * mean_x, slope
 
 
-def git_state(checkout: Path, pathspec: str = ".") -> dict[str, Any]:
+def git_state(checkout: Path, pathspec: str = ".") -> GitState:
     """Commit of ``checkout``, and whether ``pathspec`` in it has uncommitted changes: which code a figure is of."""
 
     def git(*args: str) -> str:
@@ -253,13 +228,13 @@ def git_state(checkout: Path, pathspec: str = ".") -> dict[str, Any]:
         ).stdout.strip()
 
     commit = git("rev-parse", "HEAD")
-    return {
-        "path": str(checkout),
-        "commit": commit or None,
-        "branch": git("rev-parse", "--abbrev-ref", "HEAD") or None,
-        "last_change": git("log", "-1", "--format=%H", "--", pathspec) or None,  # last commit touching pathspec
-        "dirty": bool(git("status", "--porcelain", "--untracked-files=all", "--", pathspec)) if commit else None,
-    }
+    return GitState(
+        path=str(checkout),
+        commit=commit or None,
+        branch=git("rev-parse", "--abbrev-ref", "HEAD") or None,
+        last_change=git("log", "-1", "--format=%H", "--", pathspec) or None,
+        dirty=bool(git("status", "--porcelain", "--untracked-files=all", "--", pathspec)) if commit else None,
+    )
 
 
 def plugin_location(env: Mapping[str, str]) -> Path:
@@ -287,31 +262,31 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def machine_info(env: Optional[Mapping[str, str]] = None) -> dict[str, Any]:
+def machine_info(env: Optional[Mapping[str, str]] = None) -> Machine:
     """The facts a reader needs to compare figures between machines and runs."""
     import mergekit
     import torch
 
     plugin = plugin_location(env or child_env())
-    return {
-        "hostname": platform.node(),
-        "cpu": cpu_model(),
-        "cpu_count": os.cpu_count(),
-        "affinity": len(os.sched_getaffinity(0)),
-        "memory_bytes": psutil.virtual_memory().total,
-        "memory_available_bytes": psutil.virtual_memory().available,
-        "disk_free_bytes": shutil.disk_usage(BENCH_DIR).free,
-        "load_average": os.getloadavg(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "mergekit": _version("mergekit", getattr(mergekit, "__version__", None)),
-        "mergekit_ram": _version("mergekit-ram", None),
-        "thread_env": {key: value for key, value in os.environ.items() if key.startswith(THREAD_ENV_PREFIXES)},
-        "plugin": git_state(plugin, "mergekit_ram"),
-        "benchmarks": git_state(REPO_ROOT, "benchmarks"),
-        "time": time.strftime("%Y-%m-%d %H:%M:%S %z"),
-    }
+    return Machine(
+        hostname=platform.node(),
+        cpu=cpu_model(),
+        cpu_count=os.cpu_count() or 1,
+        affinity=len(os.sched_getaffinity(0)),
+        memory_bytes=psutil.virtual_memory().total,
+        memory_available_bytes=psutil.virtual_memory().available,
+        disk_free_bytes=shutil.disk_usage(BENCH_DIR).free,
+        load_average=os.getloadavg(),
+        python=platform.python_version(),
+        torch=torch.__version__,
+        torch_threads=torch.get_num_threads(),
+        mergekit=_version("mergekit", getattr(mergekit, "__version__", None)),
+        mergekit_ram=_version("mergekit-ram", None),
+        thread_env={key: value for key, value in os.environ.items() if key.startswith(THREAD_ENV_PREFIXES)},
+        plugin=git_state(plugin, "mergekit_ram"),
+        benchmarks=git_state(REPO_ROOT, "benchmarks"),
+        time=time.strftime("%Y-%m-%d %H:%M:%S %z"),
+    )
 
 
 def _version(distribution: str, fallback: Optional[str]) -> Optional[str]:
@@ -321,19 +296,6 @@ def _version(distribution: str, fallback: Optional[str]) -> Optional[str]:
         return version(distribution)
     except PackageNotFoundError:
         return fallback
-
-
-def write_json(path: Path, payload: Mapping[str, Any]) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", encoding="utf-8") as handle:
-        json.dump(payload, handle, indent=2, sort_keys=False, default=str)
-        handle.write("\n")
-    return path
-
-
-def read_json(path: Path) -> dict[str, Any]:
-    with open(path, encoding="utf-8") as handle:
-        return json.load(handle)
 
 
 def fmt_bytes(value: Optional[float]) -> str:

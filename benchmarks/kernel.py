@@ -49,9 +49,9 @@ from benchmarks.common import (
     parse_size,
     setup_logging,
     use_plugin,
-    write_json,
 )
 from benchmarks.models import PAPER_DENSITIES, AgentDraw, base_chunk, overlap_for
+from benchmarks.records import KernelRun, KernelTiming, StartupCost, save_record
 from mergekit_ram.memory import peak_allocated_bytes
 from mergekit_ram.stats import markdown_table
 
@@ -62,6 +62,8 @@ DENSITIES = (*PAPER_DENSITIES, 0.25, 0.40)
 #: lambda values of the paper's three agents (rho about 14.9 / 1.45 / 1.11), then two more.
 LAMBDAS = (1.2, 1.145, 1.11, 1.05, 1.08)
 HOOK_MODULES = ("mergekit_ram._autoload", "mergekit_ram")
+#: The kernel the speed-ups are taken against.
+BUILTIN_REFERENCE = "built-in ram (bf16)"
 
 
 def kernel_inputs(numel: int, n: int, seed: int = 0) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -99,13 +101,13 @@ def variants(base: torch.Tensor, finetunes: list[torch.Tensor]) -> dict[str, Cal
         "ours: merge, RAM+ (lambdas)": lambda: ram_merge(base, finetunes, EPSILON, lambdas, merge=True, count=False),
         "ours: merge + count (ram)": lambda: ram_merge(base, finetunes, EPSILON, None, merge=True, count=True),
         "ours: count only (pre-pass)": lambda: ram_merge(base, finetunes, EPSILON, None, merge=False, count=True),
-        "built-in ram (bf16)": lambda: merge_tensors(inputs, builtin_ram, base_index=0),
+        BUILTIN_REFERENCE: lambda: merge_tensors(inputs, builtin_ram, base_index=0),
         "built-in ram (dtype float32)": lambda: merge_tensors(inputs, builtin_ram, base_index=0, dtype=torch.float32),
         "built-in ramplus_tl (bf16)": lambda: merge_tensors(inputs, builtin_ramplus_tl, base_index=0),
     }
 
 
-def benchmark_kernel(numel: int, ns: Sequence[int] = (2, 3, 5), repeats: int = 5) -> list[dict[str, Any]]:
+def benchmark_kernel(numel: int, ns: Sequence[int] = (2, 3, 5), repeats: int = 5) -> list[KernelTiming]:
     rows = []
     for n in ns:
         base, finetunes = kernel_inputs(numel, n)
@@ -113,17 +115,17 @@ def benchmark_kernel(numel: int, ns: Sequence[int] = (2, 3, 5), repeats: int = 5
             seconds, times = median_seconds(function, repeats)
             scratch, _ = peak_allocated_bytes(function, threads=1)
             rows.append(
-                {
-                    "n": n,
-                    "variant": label,
-                    "numel": numel,
-                    "seconds": seconds,
-                    "min_seconds": min(times),
-                    "times": times,
-                    "ns_per_element": seconds / numel * 1e9,
-                    "scratch_bytes": scratch,
-                    "scratch_bytes_per_element": scratch / numel,
-                }
+                KernelTiming(
+                    n=n,
+                    variant=label,
+                    numel=numel,
+                    seconds=seconds,
+                    min_seconds=min(times),
+                    times=times,
+                    ns_per_element=seconds / numel * 1e9,
+                    scratch_bytes=scratch,
+                    scratch_bytes_per_element=scratch / numel,
+                )
             )
             LOG.info("N=%d %-30s %8.1f ms  %5.1f B/element", n, label, seconds * 1e3, scratch / numel)
         del base, finetunes
@@ -133,7 +135,7 @@ def benchmark_kernel(numel: int, ns: Sequence[int] = (2, 3, 5), repeats: int = 5
 IMPORTTIME_LINE = re.compile(r"import time:\s*(\d+)\s*\|\s*(\d+)\s*\|\s*(.+)$")
 
 
-def startup_cost(repeats: int = 20, env: Optional[dict[str, str]] = None) -> dict[str, Any]:
+def startup_cost(repeats: int = 20, env: Optional[dict[str, str]] = None) -> StartupCost:
     """Cumulative import microseconds of the hook's modules at interpreter start, medians over interpreters."""
     env = env or child_env()
     samples: dict[str, list[int]] = {module: [] for module in HOOK_MODULES}
@@ -148,29 +150,29 @@ def startup_cost(repeats: int = 20, env: Optional[dict[str, str]] = None) -> dic
             match = IMPORTTIME_LINE.match(line)
             if match and match.group(3).strip() in samples:
                 samples[match.group(3).strip()].append(int(match.group(2)))
-    return {
-        "repeats": repeats,
-        "cumulative_us": {module: median(values) if values else None for module, values in samples.items()},
-        "interpreter_wall_s": median(walls),
-    }
+    return StartupCost(
+        repeats=repeats,
+        cumulative_us={module: median(values) if values else None for module, values in samples.items()},
+        interpreter_wall_s=median(walls),
+    )
 
 
-def kernel_table(rows: list[dict[str, Any]]) -> str:
-    reference = {row["n"]: row for row in rows if row["variant"] == "built-in ram (bf16)"}
+def kernel_table(rows: Sequence[KernelTiming]) -> str:
+    reference = {row.n: row for row in rows if row.variant == BUILTIN_REFERENCE}
     table_rows = []
     for row in rows:
-        builtin = reference.get(row["n"])
-        speed = f"{builtin['min_seconds'] / row['min_seconds']:.2f}x" if builtin else ""
+        builtin = reference.get(row.n)
+        speed = f"{builtin.min_seconds / row.min_seconds:.2f}x" if builtin else ""
         table_rows.append(
             [
-                row["n"],
-                row["variant"],
-                f"{row['seconds'] * 1e3:.0f} ms",
-                f"{row['min_seconds'] * 1e3:.0f} ms",
-                f"{row['ns_per_element']:.2f}",
+                row.n,
+                row.variant,
+                f"{row.seconds * 1e3:.0f} ms",
+                f"{row.min_seconds * 1e3:.0f} ms",
+                f"{row.ns_per_element:.2f}",
                 speed,
-                f"{row['scratch_bytes_per_element']:.1f}",
-                fmt_bytes(row["scratch_bytes"]),
+                f"{row.scratch_bytes_per_element:.1f}",
+                fmt_bytes(row.scratch_bytes),
             ]
         )
     headers = [
@@ -186,12 +188,12 @@ def kernel_table(rows: list[dict[str, Any]]) -> str:
     return markdown_table([headers, *table_rows], "l")
 
 
-def startup_table(startup: dict[str, Any]) -> str:
+def startup_table(startup: StartupCost) -> str:
     rows = []
-    for module, us in startup["cumulative_us"].items():
+    for module, us in startup.cumulative_us.items():
         rows.append([f"`{module}`", "not imported" if us is None else f"{us / 1000:.2f} ms"])
-    rows.append(["whole interpreter (`python -c pass`, wall)", f"{startup['interpreter_wall_s'] * 1000:.0f} ms"])
-    return markdown_table([[f"start-up, median of {startup['repeats']}", "cumulative import time"], *rows], "l")
+    rows.append(["whole interpreter (`python -c pass`, wall)", f"{startup.interpreter_wall_s * 1000:.0f} ms"])
+    return markdown_table([[f"start-up, median of {startup.repeats}", "cumulative import time"], *rows], "l")
 
 
 def results_path() -> Path:
@@ -215,19 +217,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     env = child_env(args.plugin)
     import mergekit_ram
 
-    result = {
-        "kind": "kernel",
-        "machine": machine_info(env),
-        "kernel_module": str(Path(mergekit_ram.__file__).parent),
-        "numel": numel,
-        "kernel": benchmark_kernel(numel, ns, args.repeats),
-        "startup": startup_cost(args.startup_repeats, env),
-    }
-    write_json(args.json or results_path(), result)
+    result = KernelRun(
+        machine=machine_info(env),
+        kernel_module=str(Path(mergekit_ram.__file__).parent),
+        numel=numel,
+        kernel=benchmark_kernel(numel, ns, args.repeats),
+        startup=startup_cost(args.startup_repeats, env),
+    )
+    save_record(args.json or results_path(), result)
     print(f"kernel alone, {fmt_count(numel)} bfloat16 elements, torch threads {torch.get_num_threads()}")
-    print(kernel_table(result["kernel"]))
+    print(kernel_table(result.kernel))
     print()
-    print(startup_table(result["startup"]))
+    print(startup_table(result.startup))
     return 0
 
 

@@ -26,16 +26,15 @@ import logging
 import re
 import shutil
 import sys
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import yaml
 
 from benchmarks.common import (
     CACHE_DIR,
     RESULTS_DIR,
-    Measurement,
     child_env,
     fmt_bytes,
     fmt_count,
@@ -43,12 +42,20 @@ from benchmarks.common import (
     fmt_seconds,
     machine_info,
     median,
-    read_json,
     run_measured,
     setup_logging,
-    write_json,
 )
-from benchmarks.models import SIZES, ModelSet, ensure_models
+from benchmarks.models import SIZES, ensure_models
+from benchmarks.records import (
+    Measurement,
+    MethodsOptions,
+    MethodsRun,
+    MethodSummary,
+    ModelFigures,
+    ModelSet,
+    read_json,
+    save_record,
+)
 from mergekit_ram.cli import console_script
 from mergekit_ram.stats import markdown_table
 
@@ -78,7 +85,7 @@ class Target:
     """One of issue 5's targets: ``method``'s ``metric`` over ``reference``'s, at most (or at least) ``bound``."""
 
     method: str
-    metric: str  # a key of a method summary
+    metric: str  # a metric of MethodSummary: wall_s, cpu_s, max_rss_bytes, peak_anon_bytes
     bound: float
     reference: str = REFERENCE
     at_least: bool = False  # reference / method >= bound (a speed-up) instead of method / reference <= bound
@@ -89,10 +96,10 @@ class Target:
             return f"{metric}: `{self.reference}` / `{self.method}` >= {self.bound:g}"
         return f"{metric}: `{self.method}` / `{self.reference}` <= {self.bound:g}"
 
-    def value(self, summary: dict[str, dict[str, Any]]) -> Optional[float]:
+    def value(self, summary: Mapping[str, MethodSummary]) -> Optional[float]:
         if self.method not in summary or self.reference not in summary:
             return None
-        method, reference = summary[self.method][self.metric], summary[self.reference][self.metric]
+        method, reference = getattr(summary[self.method], self.metric), getattr(summary[self.reference], self.metric)
         if not method or not reference:
             return None
         return reference / method if self.at_least else method / reference
@@ -162,34 +169,34 @@ def run_merge(
     kept, then deleted unless ``keep_output``."""
     recipe = write_recipe(method, models, workdir / f"{method}.yml", out_dtype)
     out = workdir / f"out-{method}"
+    log_path = workdir / "logs" / f"{method}{tag}.log"
     shutil.rmtree(out, ignore_errors=True)
     measurement = run_measured(
         mergekit_command(recipe, out, out_shard_size=out_shard_size, extra=extra),
         env=env,
-        log_path=workdir / "logs" / f"{method}{tag}.log",
+        log_path=log_path,
         data_limit_bytes=data_limit_bytes,
     )
     if measurement.ok:
         if not any(out.glob("*.safetensors")):
             raise RuntimeError(f"{method}: mergekit-yaml succeeded but wrote no weights into {out}")
-        with open(measurement.log_path, encoding="utf-8", errors="replace") as handle:
+        with open(log_path, encoding="utf-8", errors="replace") as handle:
             found = PREPASS_LINE.findall(handle.read())
         if found:
             measurement.extra["prepass_s"] = float(found[-1])
         statistics = out / "ram_statistics.json"
         if statistics.exists():
-            measurement.extra["statistics"] = summarise_statistics(read_json(statistics))
+            measurement.extra["statistics"] = {
+                model: figures.to_dict() for model, figures in summarise_statistics(read_json(statistics)).items()
+            }
     if not keep_output:
         shutil.rmtree(out, ignore_errors=True)
     return measurement
 
 
-def summarise_statistics(statistics: dict[str, Any]) -> dict[str, dict[str, Any]]:
+def summarise_statistics(statistics: dict[str, Any]) -> dict[str, ModelFigures]:
     """density, rho and lambda per model from ``ram_statistics.json`` (checks the models' sparsity profile)."""
-    result: dict[str, dict[str, Any]] = {}
-    for entry in statistics.get("models", []):
-        result[Path(str(entry.get("model"))).name] = {key: entry.get(key) for key in ("density", "rho", "lambda")}
-    return result
+    return {Path(str(entry.get("model"))).name: ModelFigures.from_dict(entry) for entry in statistics.get("models", [])}
 
 
 def benchmark_methods(
@@ -203,26 +210,26 @@ def benchmark_methods(
     plugin: Optional[Path] = None,
     warmup: bool = True,
     workdir: Optional[Path] = None,
-) -> dict[str, Any]:
-    """Every method ``repeats`` times in turns; the results as a JSON-ready dictionary."""
+) -> MethodsRun:
+    """Every method ``repeats`` times in turns."""
     env = child_env(plugin)
     workdir = workdir or CACHE_DIR / "runs" / models.size
     workdir.mkdir(parents=True, exist_ok=True)
     machine = machine_info(env)
-    options = {
-        "repeats": repeats,
-        "out_shard_size": out_shard_size,
-        "out_dtype": out_dtype,
-        "extra_args": list(extra),
-        "warmup": warmup,
-        "method_parameters": {method: METHOD_PARAMETERS[method] for method in methods},
-    }
+    options = MethodsOptions(
+        repeats=repeats,
+        out_shard_size=out_shard_size,
+        out_dtype=out_dtype,
+        extra_args=list(extra),
+        warmup=warmup,
+        method_parameters={method: METHOD_PARAMETERS[method] for method in methods},
+    )
     if warmup:
         LOG.info("warm-up: one untimed %s run (page cache, bytecode)", methods[0])
         run_merge(
             methods[0], models, workdir, env=env, out_shard_size=out_shard_size, out_dtype=out_dtype, tag="-warmup"
         )
-    runs: dict[str, list[dict[str, Any]]] = {method: [] for method in methods}
+    runs: dict[str, list[Measurement]] = {method: [] for method in methods}
     for round_index in range(repeats):
         for method in methods:
             measurement = run_merge(
@@ -245,61 +252,54 @@ def benchmark_methods(
                 fmt_bytes(measurement.max_rss_bytes),
                 fmt_bytes(measurement.peak_anon_bytes),
             )
-            runs[method].append(measurement.to_dict())
-    return {
-        "kind": "methods",
-        "size": models.size,
-        "models": asdict(models),
-        "options": options,
-        "machine": machine,
-        "runs": runs,
-        "summary": summarise(runs),
-    }
+            runs[method].append(measurement)
+    return MethodsRun(
+        size=models.size, models=models, options=options, machine=machine, runs=runs, summary=summarise(runs)
+    )
 
 
-def summarise(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+def summarise(runs: Mapping[str, Sequence[Measurement]]) -> dict[str, MethodSummary]:
     """Medians per method, ratios to the reference method, the ram_plus pre-pass share."""
-    summary: dict[str, dict[str, Any]] = {}
+    summary: dict[str, MethodSummary] = {}
     for method, measurements in runs.items():
-        entry: dict[str, Any] = {
-            "runs": len(measurements),
-            "wall_s": median(m["wall_s"] for m in measurements),
-            "wall_min_s": min(m["wall_s"] for m in measurements),
-            "cpu_s": median(m["user_s"] + m["sys_s"] for m in measurements),
-            "max_rss_bytes": median(m["max_rss_bytes"] for m in measurements),
-            "peak_anon_bytes": median(m["peak_anon_bytes"] for m in measurements),
-        }
-        prepass = [m["extra"]["prepass_s"] / m["wall_s"] for m in measurements if "prepass_s" in m["extra"]]
-        if prepass:
-            entry["prepass_s"] = median(m["extra"]["prepass_s"] for m in measurements if "prepass_s" in m["extra"])
-            entry["prepass_share"] = median(prepass)
-        statistics = [m["extra"]["statistics"] for m in measurements if "statistics" in m["extra"]]
-        if statistics:
-            entry["statistics"] = statistics[-1]
-        summary[method] = entry
+        prepass = [(m.prepass_s, m.wall_s) for m in measurements if m.prepass_s is not None]
+        statistics = [m.extra["statistics"] for m in measurements if "statistics" in m.extra]
+        summary[method] = MethodSummary(
+            runs=len(measurements),
+            wall_s=median(m.wall_s for m in measurements),
+            wall_min_s=min(m.wall_s for m in measurements),
+            cpu_s=median(m.cpu_s for m in measurements),
+            max_rss_bytes=median(m.max_rss_bytes for m in measurements),
+            peak_anon_bytes=median(m.peak_anon_bytes for m in measurements),
+            prepass_s=median(seconds for seconds, _ in prepass) if prepass else None,
+            prepass_share=median(seconds / wall for seconds, wall in prepass) if prepass else None,
+            statistics={model: ModelFigures.from_dict(entry) for model, entry in statistics[-1].items()}
+            if statistics
+            else None,
+        )
     reference = summary.get(REFERENCE)
     if reference:
-        for entry in summary.values():
-            for metric in ("wall_s", "cpu_s", "max_rss_bytes", "peak_anon_bytes"):
-                entry[f"{metric}_ratio"] = entry[metric] / reference[metric] if reference[metric] else None
+        summary = {method: entry.with_ratios(reference) for method, entry in summary.items()}
     return summary
 
 
-def methods_table(result: dict[str, Any]) -> str:
+def methods_table(result: MethodsRun) -> str:
     rows = []
-    for method, entry in result["summary"].items():
+    for method, entry in result.summary.items():
         rows.append(
             [
                 f"`{method}`",
-                fmt_seconds(entry["wall_s"]),
-                fmt_ratio(entry.get("wall_s_ratio")),
-                fmt_seconds(entry["cpu_s"]),
-                fmt_ratio(entry.get("cpu_s_ratio")),
-                fmt_bytes(entry["max_rss_bytes"]),
-                fmt_ratio(entry.get("max_rss_bytes_ratio")),
-                fmt_bytes(entry["peak_anon_bytes"]),
-                fmt_ratio(entry.get("peak_anon_bytes_ratio")),
-                f"{entry['prepass_share']:.0%} ({fmt_seconds(entry['prepass_s'])})" if "prepass_share" in entry else "",
+                fmt_seconds(entry.wall_s),
+                fmt_ratio(entry.wall_s_ratio),
+                fmt_seconds(entry.cpu_s),
+                fmt_ratio(entry.cpu_s_ratio),
+                fmt_bytes(entry.max_rss_bytes),
+                fmt_ratio(entry.max_rss_bytes_ratio),
+                fmt_bytes(entry.peak_anon_bytes),
+                fmt_ratio(entry.peak_anon_bytes_ratio),
+                f"{entry.prepass_share:.0%} ({fmt_seconds(entry.prepass_s)})"
+                if entry.prepass_share is not None
+                else "",
             ]
         )
     headers = [
@@ -317,13 +317,13 @@ def methods_table(result: dict[str, Any]) -> str:
     return markdown_table([headers, *rows], "l")
 
 
-def targets_table(result: dict[str, Any]) -> str:
+def targets_table(result: MethodsRun) -> str:
     """Each target's ratio and verdict, and the same ratio in CPU time (steadier on a loaded machine) or in
     anonymous memory (without the page cache of mapped inputs)."""
     rows = []
-    applies = result["models"]["parameters"] >= TARGET_MIN_PARAMETERS
+    applies = result.models.parameters >= TARGET_MIN_PARAMETERS
     for target in TARGETS:
-        value = target.value(result["summary"])
+        value = target.value(result.summary)
         met = target.met(value)
         verdict = "n/a" if met is None else ("met" if met else "missed")
         if not applies and met is not None:
@@ -332,7 +332,7 @@ def targets_table(result: dict[str, Any]) -> str:
         counterpart = {"wall_s": "cpu_s", "max_rss_bytes": "peak_anon_bytes"}.get(target.metric)
         if counterpart:
             other_target = replace(target, metric=counterpart)
-            other_value = other_target.value(result["summary"])
+            other_value = other_target.value(result.summary)
             if other_value:
                 verdict_other = "met" if other_target.met(other_value) else "missed"
                 other = f"{METRIC_LABELS[counterpart]} {fmt_ratio(other_value)} ({verdict_other})"
@@ -340,16 +340,13 @@ def targets_table(result: dict[str, Any]) -> str:
     return markdown_table([["target", "measured", "verdict", "in CPU time / anonymous memory"], *rows], "l")
 
 
-def heading(result: dict[str, Any]) -> str:
-    models = result["models"]
-    options = result["options"]
-    machine = result["machine"]
+def heading(result: MethodsRun) -> str:
+    models, options, machine = result.models, result.options, result.machine
     return (
-        f"size `{result['size']}`: {fmt_count(models['parameters'])} parameters per model, "
-        f"largest tensor {fmt_count(models['largest_tensor'])} elements; {options['repeats']} rounds, "
-        f"--out-shard-size {options['out_shard_size']}; {machine['cpu_count']} CPUs "
-        f"({machine['cpu']}), load average at start {machine['load_average'][0]:.2f}"
-        + "".join(f", {key}={value}" for key, value in machine.get("thread_env", {}).items())
+        f"size `{result.size}`: {fmt_count(models.parameters)} parameters per model, "
+        f"largest tensor {fmt_count(models.largest_tensor)} elements; {options.repeats} rounds, "
+        f"--out-shard-size {options.out_shard_size}; {machine.cpu_count} CPUs "
+        f"({machine.cpu}), load average at start {machine.load:.2f}" + machine.thread_settings()
     )
 
 
@@ -383,7 +380,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-v", "--verbose", action="store_true")
 
 
-def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
+def run_from_args(args: argparse.Namespace) -> MethodsRun:
     models = ensure_models(args.size)
     methods = [method.strip() for method in args.methods.split(",") if method.strip()]
     unknown = set(methods) - set(METHODS)
@@ -399,7 +396,7 @@ def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
         plugin=args.plugin,
         warmup=not args.no_warmup,
     )
-    write_json(args.json or results_path(args.size), result)
+    save_record(args.json or results_path(args.size), result)
     return result
 
 

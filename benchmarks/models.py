@@ -35,6 +35,7 @@ from typing import IO, Mapping, Optional, Sequence
 import torch
 
 from benchmarks.common import CACHE_DIR, GIB, fmt_bytes, fmt_count, setup_logging
+from benchmarks.records import ModelSet
 from mergekit_ram.stats import markdown_table
 from mergekit_ram.synthetic import PAPER_OVERLAP, Subset, independent_overlap, tiny_config
 
@@ -114,33 +115,6 @@ SIZES: dict[str, ModelSize] = {
         ModelSize("7b", 3584, 18944, 28, 28, 4, 152064, False, "Qwen2.5-7B (the paper's setting)"),
     )
 }
-
-
-@dataclass(frozen=True)
-class ModelSet:
-    """A generated base and its agents on disk."""
-
-    size: str
-    root: str
-    base: str
-    agents: tuple[str, ...]
-    parameters: int
-    largest_tensor: int
-    disk_bytes: int
-    generation_s: float
-    densities: tuple[float, ...]  # measured share of elements each agent changed
-    unique_shares: tuple[float, ...]  # measured share of each agent's changes no other agent made
-
-    @classmethod
-    def load(cls, root: Path) -> ModelSet:
-        with open(root / "complete.json", encoding="utf-8") as handle:
-            info = json.load(handle)
-        fields = {key: tuple(value) if isinstance(value, list) else value for key, value in info["set"].items()}
-        # paths follow the cache wherever it now lives (a moved or copied cache stays usable)
-        fields["root"] = str(root)
-        fields["base"] = str(root / Path(fields["base"]).name)
-        fields["agents"] = tuple(str(root / Path(agent).name) for agent in fields["agents"])
-        return cls(**fields)
 
 
 class AgentDraw:
@@ -328,8 +302,8 @@ def generate(
     if len(shards) > 1:
         index = {"metadata": {"total_size": parameters * BYTES_PER_PARAMETER}, "weight_map": weight_map}
         for directory in directories:
-            with open(directory / "model.safetensors.index.json", "w", encoding="utf-8") as handle:
-                json.dump(index, handle, indent=2)
+            with open(directory / "model.safetensors.index.json", "w", encoding="utf-8") as index_file:
+                json.dump(index, index_file, indent=2)
     elapsed = time.perf_counter() - started
 
     densities, unique_shares = measured_profile(histogram, draw.n_agents, parameters)
@@ -346,8 +320,8 @@ def generate(
         densities=densities,
         unique_shares=unique_shares,
     )
-    with open(partial / "complete.json", "w", encoding="utf-8") as handle:
-        json.dump({"spec": spec, "set": asdict(model_set)}, handle, indent=2)
+    with open(partial / "complete.json", "w", encoding="utf-8") as marker:
+        json.dump({"spec": spec, "set": model_set.to_dict()}, marker, indent=2)
     partial.rename(root)
     LOG.info("generated %s in %.0f s, %s on disk", size.name, elapsed, fmt_bytes(disk))
     return model_set

@@ -172,7 +172,18 @@ class ModelSet:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ModelSet:
-        return cls(**{key: tuple(value) if isinstance(value, list) else value for key, value in data.items()})
+        return cls(
+            size=data["size"],
+            root=data["root"],
+            base=data["base"],
+            agents=tuple(data["agents"]),
+            parameters=data["parameters"],
+            largest_tensor=data["largest_tensor"],
+            disk_bytes=data["disk_bytes"],
+            generation_s=data["generation_s"],
+            densities=tuple(data["densities"]),
+            unique_shares=tuple(data["unique_shares"]),
+        )
 
     def to_dict(self) -> JSON:
         return {key: list(value) if isinstance(value, tuple) else value for key, value in asdict(self).items()}

@@ -20,7 +20,7 @@ import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from benchmarks.common import (
     DOC_PATH,
@@ -31,12 +31,21 @@ from benchmarks.common import (
     fmt_seconds,
     linear_fit,
     parse_size,
-    read_json,
     setup_logging,
 )
 from benchmarks.kernel import kernel_table, startup_table
 from benchmarks.methods import heading, methods_table, targets_table
 from benchmarks.models import SIZES
+from benchmarks.records import (
+    InMemoryRun,
+    KernelRun,
+    MethodsRun,
+    MethodSummary,
+    OutOfCoreRun,
+    OutOfCoreSummary,
+    Record,
+    load_record,
+)
 from benchmarks.scale import inmemory_table, limit_text, outofcore_table
 from mergekit_ram.stats import markdown_table
 
@@ -63,71 +72,79 @@ OPTIMISATION_STEPS = (
 )
 
 
-def load_results(results_dir: Path = RESULTS_DIR) -> dict[str, Any]:
-    """Every results file, grouped by kind; methods and scale runs ordered by model size."""
-    found: dict[str, Any] = {"methods": [], "kernel": None, "outofcore": [], "inmemory": []}
-    for path in sorted(results_dir.glob("*.json")):
-        result = read_json(path)
-        result["_file"] = path.name
-        kind = result.get("kind")
-        if kind == "kernel":
-            found["kernel"] = result
-        elif kind in found:
-            found[kind].append(result)
-    for kind in ("methods", "outofcore", "inmemory"):
-        found[kind].sort(key=lambda result: result["models"]["parameters"])
-    steps = sorted((results_dir / "optimisations").glob("*.json"))
-    found["optimisations"] = {path.stem: read_json(path) for path in steps}
-    return found
+@dataclass(frozen=True)
+class StoredResults:
+    """Every results file, by kind; methods and scale runs ordered by model size."""
+
+    methods: list[MethodsRun]
+    kernel: Optional[KernelRun]
+    outofcore: list[OutOfCoreRun]
+    inmemory: list[InMemoryRun]
+    optimisations: dict[str, MethodsRun]  # by the commit measured
+
+    def everything(self) -> list[Record]:
+        return [*self.methods, *([self.kernel] if self.kernel else []), *self.outofcore, *self.inmemory]
 
 
-def machine_block(results: dict[str, Any]) -> str:
+def load_results(results_dir: Path = RESULTS_DIR) -> StoredResults:
+    """``results_dir/*.json`` and ``results_dir/optimisations/COMMIT.json``."""
+    records = [load_record(path) for path in sorted(results_dir.glob("*.json"))]
+    kernels = [record for record in records if isinstance(record, KernelRun)]
+    optimisations = {}
+    for path in sorted((results_dir / "optimisations").glob("*.json")):
+        record = load_record(path)
+        if not isinstance(record, MethodsRun):
+            raise ValueError(f"{path}: a methods run expected, found {record.KIND}")
+        optimisations[path.stem] = record
+    return StoredResults(
+        methods=sorted((r for r in records if isinstance(r, MethodsRun)), key=lambda r: r.models.parameters),
+        kernel=kernels[-1] if kernels else None,
+        outofcore=sorted((r for r in records if isinstance(r, OutOfCoreRun)), key=lambda r: r.models.parameters),
+        inmemory=sorted((r for r in records if isinstance(r, InMemoryRun)), key=lambda r: r.models.parameters),
+        optimisations=optimisations,
+    )
+
+
+def machine_block(results: StoredResults) -> str:
     rows = []
-    everything = [*results["methods"], *([results["kernel"]] if results["kernel"] else [])]
-    everything += [*results["outofcore"], *results["inmemory"]]
-    for result in everything:
-        machine = result["machine"]
-        plugin = machine.get("plugin") or {}
-        commit = (plugin.get("last_change") or plugin.get("commit") or "?")[:10]
-        commit += " (modified)" if plugin.get("dirty") else ""
-        thread_env = ", ".join(f"{key}={value}" for key, value in machine.get("thread_env", {}).items())
+    for result in results.everything():
+        machine = result.machine
+        thread_env = ", ".join(f"{key}={value}" for key, value in (machine.thread_env or {}).items())
         rows.append(
             [
-                f"`{result['_file']}`",
-                machine["time"],
-                f"{machine['cpu_count']} x {machine['cpu']}",
-                fmt_bytes(machine["memory_bytes"]),
-                f"{machine['load_average'][0]:.2f}",
-                f"torch {machine['torch']}, mergekit {machine['mergekit']}",
+                f"`{result.source}`",
+                machine.time,
+                f"{machine.cpu_count} x {machine.cpu}",
+                fmt_bytes(machine.memory_bytes),
+                f"{machine.load:.2f}",
+                f"torch {machine.torch}, mergekit {machine.mergekit}",
                 thread_env or "default",
-                f"`{plugin.get('path', '?')}` {commit}",
+                machine.plugin.label,
             ]
         )
     headers = ["results file", "measured", "CPUs", "memory", "load at start", "versions", "OpenMP", "mergekit_ram"]
     return markdown_table([headers, *rows], "l")
 
 
-def sizes_block(results: dict[str, Any]) -> str:
+def sizes_block(results: StoredResults) -> str:
     """Parameter counts of every named size and what generating the measured ones cost."""
-    generated = {}
-    for kind in ("methods", "outofcore", "inmemory"):
-        for result in results[kind]:
-            generated[result["size"]] = result["models"]
+    runs: list[MethodsRun | OutOfCoreRun | InMemoryRun] = [*results.methods, *results.outofcore, *results.inmemory]
+    generated = {result.size: result.models for result in runs}
     rows = []
     for name, size in SIZES.items():
         models = generated.get(name)
-        parameters = models["parameters"] if models else size.parameters()
+        parameters = models.parameters if models else size.parameters()
         rows.append(
             [
                 f"`{name}`",
                 size.note,
                 f"{size.hidden} / {size.intermediate} / {size.layers} / {size.vocab}",
                 fmt_count(parameters),
-                fmt_count(models["largest_tensor"] if models else size.largest_tensor()),
+                fmt_count(models.largest_tensor if models else size.largest_tensor()),
                 fmt_bytes(4 * parameters * 2),
-                fmt_seconds(models["generation_s"]) if models else "not generated",
-                " / ".join(f"{d:.1%}" for d in models["densities"]) if models else "",
-                " / ".join(f"{u:.1%}" for u in models["unique_shares"]) if models else "",
+                fmt_seconds(models.generation_s) if models else "not generated",
+                " / ".join(f"{d:.1%}" for d in models.densities) if models else "",
+                " / ".join(f"{u:.1%}" for u in models.unique_shares) if models else "",
             ]
         )
     headers = [
@@ -144,47 +161,46 @@ def sizes_block(results: dict[str, Any]) -> str:
     return markdown_table([headers, *rows], "l")
 
 
-def methods_block(results: dict[str, Any]) -> str:
-    if not results["methods"]:
+def methods_block(results: StoredResults) -> str:
+    if not results.methods:
         return "_Not measured yet: `python -m benchmarks.run --size 120m`._"
     parts = []
-    for result in results["methods"]:
+    for result in results.methods:
         parts += [f"#### {heading(result)}", "", methods_table(result), "", targets_table(result), ""]
     return "\n".join(parts).rstrip()
 
 
-def kernel_block(results: dict[str, Any]) -> str:
-    result = results["kernel"]
+def kernel_block(results: StoredResults) -> str:
+    result = results.kernel
     if not result:
         return "_Not measured yet: `python -m benchmarks.kernel`._"
     return "\n".join(
         [
-            f"{fmt_count(result['numel'])} bfloat16 elements per tensor, torch threads "
-            f"{result['machine']['torch_threads']}"
-            + "".join(f", {key}={value}" for key, value in result["machine"].get("thread_env", {}).items())
-            + f", kernel from `{result['kernel_module']}`.",
+            f"{fmt_count(result.numel)} bfloat16 elements per tensor, torch threads "
+            f"{result.machine.torch_threads}" + result.machine.thread_settings() + f", kernel from "
+            f"`{result.kernel_module}`.",
             "",
-            kernel_table(result["kernel"]),
+            kernel_table(result.kernel),
             "",
-            startup_table(result["startup"]),
+            startup_table(result.startup),
         ]
     )
 
 
-def scale_block(results: dict[str, Any]) -> str:
+def scale_block(results: StoredResults) -> str:
     parts = []
-    if results["outofcore"]:
+    if results.outofcore:
         parts += ["Out-of-core `ram_plus` (`mergekit-yaml`):", ""]
-        for result in results["outofcore"]:
-            parts += [outofcore_table(result), ""]
+        for outofcore in results.outofcore:
+            parts += [outofcore_table(outofcore), ""]
     else:
         parts += ["_Out-of-core run not measured yet: `python -m benchmarks.scale outofcore --size scale`._", ""]
-    for result in results["inmemory"]:
-        cap = result["options"].get("cap_bytes")
+    for result in results.inmemory:
+        cap = result.options.cap_bytes
         under = f", both under an RLIMIT_DATA cap of {fmt_bytes(cap)}" if cap else ""
-        parts += [f"Whole-model-in-memory float32 against ours, size `{result['size']}`{under}:", ""]
+        parts += [f"Whole-model-in-memory float32 against ours, size `{result.size}`{under}:", ""]
         parts += [inmemory_table(result), "", limit_text(result), ""]
-    if not results["inmemory"]:
+    if not results.inmemory:
         parts += ["_Not measured yet: `python -m benchmarks.scale inmemory --size 120m`._"]
     return "\n".join(parts).rstrip()
 
@@ -202,42 +218,48 @@ class Observation:
     shard_bytes: int
 
     @classmethod
-    def of(cls, result: dict[str, Any], summary: dict[str, Any]) -> Observation:
-        models = result["models"]
-        shard = parse_size(result["options"]["out_shard_size"])
-        buffered = min(shard, models["parameters"] * 2)
+    def of(cls, result: MethodsRun | OutOfCoreRun, summary: MethodSummary | OutOfCoreSummary) -> Observation:
+        models = result.models
+        shard = parse_size(result.options.out_shard_size)
+        buffered = min(shard, models.parameters * 2)
         return cls(
-            parameters=models["parameters"],
-            largest_tensor=models["largest_tensor"],
-            wall_s=summary["wall_s"],
-            cpu_s=summary.get("cpu_s"),
-            merge_anon_bytes=summary["peak_anon_bytes"] - buffered,
-            merge_rss_bytes=summary["max_rss_bytes"] - buffered,
+            parameters=models.parameters,
+            largest_tensor=models.largest_tensor,
+            wall_s=summary.wall_s,
+            cpu_s=summary.cpu_s,
+            merge_anon_bytes=summary.peak_anon_bytes - buffered,
+            merge_rss_bytes=summary.max_rss_bytes - buffered,
             shard_bytes=shard,
         )
 
 
-def observations(results: dict[str, Any], method: str) -> list[Observation]:
+def observations(results: StoredResults, method: str) -> list[Observation]:
     """The latest measurement of ``method`` per size (methods runs; for ram_plus the out-of-core runs too).
 
     Only the latest per size: older runs (another plugin commit, another thread setting) stay
     listed on the page but do not feed the extrapolation.
     """
-    found = []
-    for kind in ("methods", "outofcore") if method == "ram_plus" else ("methods",):
-        latest: dict[str, dict[str, Any]] = {}
-        for result in results[kind]:
-            summary = result["summary"].get(method) if kind == "methods" else result["summary"]
-            if summary and (
-                result["size"] not in latest or result["machine"]["time"] > latest[result["size"]]["machine"]["time"]
-            ):
-                latest[result["size"]] = result
-        for result in latest.values():
-            found.append(Observation.of(result, result["summary"][method] if kind == "methods" else result["summary"]))
+    measured: list[tuple[MethodsRun | OutOfCoreRun, MethodSummary | OutOfCoreSummary]] = [
+        (result, result.summary[method]) for result in results.methods if method in result.summary
+    ]
+    found = latest_per_size(measured)
+    if method == "ram_plus":
+        found += latest_per_size([(result, result.summary) for result in results.outofcore])
     return found
 
 
-def estimate(results: dict[str, Any], size_name: str = PAPER_SIZE) -> dict[str, dict[str, Any]]:
+def latest_per_size(
+    measured: Sequence[tuple[MethodsRun | OutOfCoreRun, MethodSummary | OutOfCoreSummary]],
+) -> list[Observation]:
+    """One observation per size, from the run measured last."""
+    latest: dict[str, tuple[MethodsRun | OutOfCoreRun, MethodSummary | OutOfCoreSummary]] = {}
+    for result, summary in measured:
+        if result.size not in latest or result.machine.time > latest[result.size][0].machine.time:
+            latest[result.size] = (result, summary)
+    return [Observation.of(result, summary) for result, summary in latest.values()]
+
+
+def estimate(results: StoredResults, size_name: str = PAPER_SIZE) -> dict[str, dict[str, Any]]:
     """Time and peak anonymous memory per method at ``size_name``, extrapolated from the measured sizes."""
     size = SIZES[size_name]
     parameters, largest = size.parameters(), size.largest_tensor()
@@ -265,7 +287,7 @@ def estimate(results: dict[str, Any], size_name: str = PAPER_SIZE) -> dict[str, 
     return estimates
 
 
-def estimate_block(results: dict[str, Any]) -> str:
+def estimate_block(results: StoredResults) -> str:
     size = SIZES[PAPER_SIZE]
     estimates = estimate(results)
     if not estimates:
@@ -303,28 +325,27 @@ def estimate_block(results: dict[str, Any]) -> str:
     )
 
 
-def optimisations_block(results: dict[str, Any]) -> str:
+def optimisations_block(results: StoredResults) -> str:
     """One row per performance change: ratios to ``task_arithmetic`` measured in that step's own run."""
     rows = []
     for commit, change in OPTIMISATION_STEPS:
-        result = results["optimisations"].get(commit)
+        result = results.optimisations.get(commit)
         if result is None:
             rows.append([f"`{commit}`", change, *["not measured"] * 7])
             continue
-        summary = result["summary"]
-        ram, ram_plus = summary.get("ram", {}), summary.get("ram_plus", {})
-        prepass = ram_plus.get("prepass_s")
+        ram, ram_plus = result.summary.get("ram"), result.summary.get("ram_plus")
+        prepass = ram_plus.prepass_s if ram_plus else None
         rows.append(
             [
                 f"`{commit}`",
                 change,
-                f"{result['machine']['load_average'][0]:.2f}",
-                fmt_seconds(ram_plus["wall_s"]) if ram_plus else "n/a",
-                fmt_ratio(ram.get("wall_s_ratio")),
-                fmt_ratio(ram_plus.get("wall_s_ratio")),
-                fmt_ratio(ram_plus.get("cpu_s_ratio")),
+                f"{result.machine.load:.2f}",
+                fmt_seconds(ram_plus.wall_s) if ram_plus else "n/a",
+                fmt_ratio(ram.wall_s_ratio if ram else None),
+                fmt_ratio(ram_plus.wall_s_ratio if ram_plus else None),
+                fmt_ratio(ram_plus.cpu_s_ratio if ram_plus else None),
                 fmt_seconds(prepass) if prepass is not None else "n/a",
-                fmt_ratio(ram_plus.get("peak_anon_bytes_ratio")),
+                fmt_ratio(ram_plus.peak_anon_bytes_ratio if ram_plus else None),
             ]
         )
     headers = [
@@ -338,19 +359,18 @@ def optimisations_block(results: dict[str, Any]) -> str:
         "pre-pass",
         "`ram_plus` peak anon x TA",
     ]
-    first = next(iter(results["optimisations"].values()), None)
+    first = next(iter(results.optimisations.values()), None)
     intro = ""
     if first:
-        models, options = first["models"], first["options"]
         intro = (
-            f"Size `{first['size']}` ({fmt_count(models['parameters'])} parameters per model), "
-            f"{options['repeats']} rounds of `task_arithmetic`, `ram`, `ram_plus` in turns, one run per commit, "
-            f"{first['machine']['cpu_count']} CPUs ({first['machine']['cpu']})."
+            f"Size `{first.size}` ({fmt_count(first.models.parameters)} parameters per model), "
+            f"{first.options.repeats} rounds of `task_arithmetic`, `ram`, `ram_plus` in turns, one run per commit, "
+            f"{first.machine.cpu_count} CPUs ({first.machine.cpu})."
         )
     return "\n".join([intro, "", markdown_table([headers, *rows], "l")]).strip()
 
 
-GENERATORS = {
+GENERATORS: dict[str, Callable[[StoredResults], str]] = {
     "machine": machine_block,
     "sizes": sizes_block,
     "methods": methods_block,
@@ -361,7 +381,7 @@ GENERATORS = {
 }
 
 
-def render(text: str, results: dict[str, Any]) -> str:
+def render(text: str, results: StoredResults) -> str:
     """``text`` with every generated block replaced; unknown block names are left alone."""
 
     def replace(match: re.Match) -> str:

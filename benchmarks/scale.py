@@ -26,9 +26,8 @@ import logging
 import math
 import shutil
 import sys
-from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Iterator, Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import psutil
 import torch
@@ -38,7 +37,6 @@ from benchmarks.common import (
     CACHE_DIR,
     GIB,
     RESULTS_DIR,
-    Measurement,
     child_env,
     fmt_bytes,
     fmt_count,
@@ -47,21 +45,35 @@ from benchmarks.common import (
     median,
     run_measured,
     setup_logging,
-    write_json,
 )
 from benchmarks.inmemory import shard_files
 from benchmarks.methods import run_merge
-from benchmarks.models import SIZES, ModelSet, ensure_models
+from benchmarks.models import SIZES, ensure_models
+from benchmarks.records import (
+    ApproachSummary,
+    InMemoryRun,
+    Measurement,
+    MemoryLimit,
+    ModelSet,
+    OutOfCoreRun,
+    OutOfCoreSummary,
+    OutputComparison,
+    ScaleOptions,
+    save_record,
+)
 from mergekit_ram.stats import markdown_table
 
 LOG = logging.getLogger(__name__)
 
 SHARD_SIZE = "1B"
+#: The two approaches of ``inmemory``, as labelled in its results.
+BASELINE = "in-memory float32"
+OURS = "ram_plus (mergekit-yaml)"
 
 
 def out_of_core(
     models: ModelSet, *, repeats: int = 1, out_shard_size: str = SHARD_SIZE, plugin: Optional[Path] = None
-) -> dict[str, Any]:
+) -> OutOfCoreRun:
     """``ram_plus`` on ``models`` through the CLI, ``repeats`` times."""
     env = child_env(plugin)
     workdir = CACHE_DIR / "runs" / f"scale-{models.size}"
@@ -79,25 +91,24 @@ def out_of_core(
         )
         if not measurement.ok:
             raise RuntimeError(f"ram_plus failed (exit {measurement.returncode}):\n{measurement.log_tail}")
-        runs.append(measurement.to_dict())
-    inputs = models.disk_bytes
-    return {
-        "kind": "outofcore",
-        "size": models.size,
-        "models": asdict(models),
-        "machine": machine,
-        "options": {"out_shard_size": out_shard_size, "repeats": repeats},
-        "inputs_exceed_memory": inputs > machine["memory_bytes"],
-        "runs": runs,
-        "summary": {
-            "wall_s": median(run["wall_s"] for run in runs),
-            "cpu_s": median(run["user_s"] + run["sys_s"] for run in runs),
-            "max_rss_bytes": median(run["max_rss_bytes"] for run in runs),
-            "peak_anon_bytes": median(run["peak_anon_bytes"] for run in runs),
-            "prepass_s": median(run["extra"].get("prepass_s", math.nan) for run in runs),
-            "seconds_per_billion": median(run["wall_s"] for run in runs) / (models.parameters / 1e9),
-        },
-    }
+        runs.append(measurement)
+    wall_s = median(run.wall_s for run in runs)
+    return OutOfCoreRun(
+        size=models.size,
+        models=models,
+        machine=machine,
+        options=ScaleOptions(repeats=repeats, out_shard_size=out_shard_size),
+        inputs_exceed_memory=models.disk_bytes > machine.memory_bytes,
+        runs=runs,
+        summary=OutOfCoreSummary(
+            wall_s=wall_s,
+            cpu_s=median(run.cpu_s for run in runs),
+            max_rss_bytes=median(run.max_rss_bytes for run in runs),
+            peak_anon_bytes=median(run.peak_anon_bytes for run in runs),
+            prepass_s=median(math.nan if run.prepass_s is None else run.prepass_s for run in runs),
+            seconds_per_billion=wall_s / (models.parameters / 1e9),
+        ),
+    )
 
 
 def interpreter_overhead(env: dict[str, str]) -> Measurement:
@@ -117,14 +128,14 @@ def in_memory_vs_ours(
     plugin: Optional[Path] = None,
     cap_bytes: Optional[int] = None,
     check: bool = True,
-) -> dict[str, Any]:
+) -> InMemoryRun:
     """Both approaches in turns on ``models``; outputs compared after the last round."""
     env = child_env(plugin)
     workdir = CACHE_DIR / "runs" / f"inmemory-{models.size}"
     workdir.mkdir(parents=True, exist_ok=True)
     machine = machine_info(env)
     overhead = interpreter_overhead(env)
-    runs: dict[str, list[dict[str, Any]]] = {"in-memory float32": [], "ram_plus (mergekit-yaml)": []}
+    runs: dict[str, list[Measurement]] = {BASELINE: [], OURS: []}
     baseline_out = workdir / "out-inmemory"
     comparison = None
     for index in range(repeats):
@@ -139,7 +150,7 @@ def in_memory_vs_ours(
         if baseline.ok:
             with open(baseline_out / "inmemory_statistics.json", encoding="utf-8") as handle:
                 baseline.extra["statistics"] = json.load(handle)
-        runs["in-memory float32"].append(baseline.to_dict())
+        runs[BASELINE].append(baseline)
         ours = run_merge(
             "ram_plus",
             models,
@@ -151,7 +162,7 @@ def in_memory_vs_ours(
             data_limit_bytes=cap_bytes,
             keep_output=last and check and baseline.ok,
         )
-        runs["ram_plus (mergekit-yaml)"].append(ours.to_dict())
+        runs[OURS].append(ours)
         if last and check and baseline.ok and ours.ok:
             comparison = compare_outputs(baseline_out, workdir / "out-ram_plus")
         if not ours.ok and cap_bytes is None:
@@ -159,40 +170,38 @@ def in_memory_vs_ours(
     shutil.rmtree(baseline_out, ignore_errors=True)
     shutil.rmtree(workdir / "out-ram_plus", ignore_errors=True)
 
-    summary = {}
-    for label, measurements in runs.items():
-        done = [m for m in measurements if m["returncode"] == 0]
-        summary[label] = {
-            "completed": len(done),
-            "failed": len(measurements) - len(done),
-            "wall_s": median(m["wall_s"] for m in done),
-            "max_rss_bytes": median(m["max_rss_bytes"] for m in done),
-            "peak_anon_bytes": median(m["peak_anon_bytes"] for m in done),
-        }
-    last_baseline = runs["in-memory float32"][-1]["extra"].get("statistics", {})
-    last_ours = runs["ram_plus (mergekit-yaml)"][-1]["extra"].get("statistics", {})
-    rho = {
-        "in-memory float32": last_baseline.get("rho"),
-        "ram_plus (mergekit-yaml)": [entry["rho"] for entry in last_ours.values()] or None,
-    }
-    baseline_summary = summary["in-memory float32"]
+    summary = {label: summarise_approach(measurements) for label, measurements in runs.items()}
+    last_baseline = runs[BASELINE][-1].extra.get("statistics", {})
+    last_ours = runs[OURS][-1].extra.get("statistics", {})
+    rho = {BASELINE: last_baseline.get("rho"), OURS: [entry["rho"] for entry in last_ours.values()] or None}
     limit = None
-    if baseline_summary["completed"]:
-        bytes_per_parameter = (baseline_summary["peak_anon_bytes"] - overhead.peak_anon_bytes) / models.parameters
-        limit = memory_limit(bytes_per_parameter, machine["memory_bytes"], overhead.peak_anon_bytes)
-    return {
-        "kind": "inmemory",
-        "size": models.size,
-        "models": asdict(models),
-        "machine": machine,
-        "options": {"repeats": repeats, "out_shard_size": out_shard_size, "cap_bytes": cap_bytes},
-        "interpreter_overhead": overhead.to_dict(),
-        "runs": runs,
-        "summary": summary,
-        "comparison": comparison,
-        "rho": rho,
-        "limit": limit,
-    }
+    if summary[BASELINE].completed:
+        bytes_per_parameter = (summary[BASELINE].peak_anon_bytes - overhead.peak_anon_bytes) / models.parameters
+        limit = memory_limit(bytes_per_parameter, machine.memory_bytes, overhead.peak_anon_bytes)
+    return InMemoryRun(
+        size=models.size,
+        models=models,
+        machine=machine,
+        options=ScaleOptions(repeats=repeats, out_shard_size=out_shard_size, cap_bytes=cap_bytes),
+        interpreter_overhead=overhead,
+        runs=runs,
+        summary=summary,
+        comparison=comparison,
+        rho=rho,
+        limit=limit,
+    )
+
+
+def summarise_approach(measurements: Sequence[Measurement]) -> ApproachSummary:
+    """Medians over the completed runs of one approach."""
+    done = [m for m in measurements if m.ok]
+    return ApproachSummary(
+        completed=len(done),
+        failed=len(measurements) - len(done),
+        wall_s=median(m.wall_s for m in done),
+        max_rss_bytes=median(m.max_rss_bytes for m in done),
+        peak_anon_bytes=median(m.peak_anon_bytes for m in done),
+    )
 
 
 def read_tensors(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -203,7 +212,7 @@ def read_tensors(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, handle.get_tensor(name)
 
 
-def compare_outputs(baseline: Path, ours: Path) -> dict[str, Any]:
+def compare_outputs(baseline: Path, ours: Path) -> OutputComparison:
     """Element-wise agreement of the two merged checkpoints, streamed."""
     theirs = dict(read_tensors(baseline))
     differing = total = 0
@@ -219,103 +228,105 @@ def compare_outputs(baseline: Path, ours: Path) -> dict[str, Any]:
         differing += int(different.sum())
         if different.any():
             max_abs = max(max_abs, float((tensor.float() - other.float()).abs().max()))
-    return {
-        "elements": total,
-        "differing_elements": differing,
-        "max_abs_difference": max_abs,
-        "only_in_baseline": sorted(theirs),
-        "tensors": len(names),
-    }
+    return OutputComparison(
+        elements=total,
+        differing_elements=differing,
+        max_abs_difference=max_abs,
+        only_in_baseline=sorted(theirs),
+        tensors=len(names),
+    )
 
 
-def memory_limit(bytes_per_parameter: float, memory_bytes: int, overhead_bytes: int) -> dict[str, Any]:
+def memory_limit(bytes_per_parameter: float, memory_bytes: int, overhead_bytes: int) -> MemoryLimit:
     """The largest model the in-memory approach merges within ``memory_bytes``, and the first named size beyond."""
     largest = (memory_bytes - overhead_bytes) / bytes_per_parameter
     beyond = [
         (name, size.parameters()) for name, size in SIZES.items() if size.parameters() > largest and name != "scale"
     ]
     first = min(beyond, key=lambda item: item[1]) if beyond else None
-    return {
-        "bytes_per_parameter": bytes_per_parameter,
-        "memory_bytes": memory_bytes,
-        "largest_parameters": largest,
-        "first_size_beyond": first[0] if first else None,
-        "first_size_beyond_parameters": first[1] if first else None,
-        "needed_for_first_size_bytes": overhead_bytes + bytes_per_parameter * first[1] if first else None,
-    }
+    return MemoryLimit(
+        bytes_per_parameter=bytes_per_parameter,
+        memory_bytes=memory_bytes,
+        largest_parameters=largest,
+        first_size_beyond=first[0] if first else None,
+        first_size_beyond_parameters=first[1] if first else None,
+        needed_for_first_size_bytes=overhead_bytes + bytes_per_parameter * first[1] if first else None,
+    )
 
 
-def outofcore_table(result: dict[str, Any]) -> str:
-    summary = result["summary"]
-    models = result["models"]
+def outofcore_table(result: OutOfCoreRun) -> str:
+    summary, models = result.summary, result.models
     rows = [
         [
-            f"`{result['size']}`",
-            fmt_count(models["parameters"]),
-            fmt_bytes(models["disk_bytes"]),
-            fmt_bytes(result["machine"]["memory_bytes"]),
-            fmt_seconds(summary["wall_s"]),
-            fmt_seconds(summary["prepass_s"]),
-            fmt_bytes(summary["max_rss_bytes"]),
-            fmt_bytes(summary["peak_anon_bytes"]),
+            f"`{result.size}`",
+            fmt_count(models.parameters),
+            fmt_bytes(models.disk_bytes),
+            fmt_bytes(result.machine.memory_bytes),
+            fmt_seconds(summary.wall_s),
+            fmt_seconds(summary.prepass_s),
+            fmt_bytes(summary.max_rss_bytes),
+            fmt_bytes(summary.peak_anon_bytes),
         ]
     ]
     headers = ["size", "parameters / model", "inputs on disk", "machine memory", "wall", "pre-pass", "peak RSS"]
     return markdown_table([[*headers, "peak anon"], *rows], "l")
 
 
-def inmemory_table(result: dict[str, Any]) -> str:
+def inmemory_table(result: InMemoryRun) -> str:
     rows = []
-    for label, entry in result["summary"].items():
-        status = f"{entry['completed']} ok" + (f", {entry['failed']} failed" if entry["failed"] else "")
+    for label, entry in result.summary.items():
+        status = f"{entry.completed} ok" + (f", {entry.failed} failed" if entry.failed else "")
         rows.append(
             [
                 label,
                 status,
-                fmt_seconds(entry["wall_s"]),
-                fmt_bytes(entry["max_rss_bytes"]),
-                fmt_bytes(entry["peak_anon_bytes"]),
-                f"{entry['peak_anon_bytes'] / result['models']['parameters']:.1f}" if entry["completed"] else "n/a",
+                fmt_seconds(entry.wall_s),
+                fmt_bytes(entry.max_rss_bytes),
+                fmt_bytes(entry.peak_anon_bytes),
+                f"{entry.peak_anon_bytes / result.models.parameters:.1f}" if entry.completed else "n/a",
             ]
         )
     return markdown_table([["approach", "runs", "wall", "peak RSS", "peak anon", "anon B / parameter"], *rows], "l")
 
 
-def limit_text(result: dict[str, Any]) -> str:
-    limit = result.get("limit")
+def limit_text(result: InMemoryRun) -> str:
+    limit = result.limit
     lines = []
-    comparison = result.get("comparison")
+    comparison = result.comparison
     if comparison:
         lines.append(
-            f"Outputs: {comparison['differing_elements']:,} of {comparison['elements']:,} elements differ "
-            f"(largest difference {comparison['max_abs_difference']:g})."
+            f"Outputs: {comparison.differing_elements:,} of {comparison.elements:,} elements differ "
+            f"(largest difference {comparison.max_abs_difference:g})."
         )
-    rho = result.get("rho") or {}
+    rho = result.rho
     if all(rho.values()) and rho:
         lines.append(
             "rho per agent: "
-            + "; ".join(f"{label} " + " / ".join(f"{value:.4f}" for value in values) for label, values in rho.items())
+            + "; ".join(
+                f"{label} " + " / ".join(f"{value:.4f}" for value in values or ()) for label, values in rho.items()
+            )
             + "."
         )
     if limit:
         line = (
-            f"The in-memory approach needs {limit['bytes_per_parameter']:.1f} bytes per parameter beyond the "
-            f"interpreter, so {fmt_bytes(limit['memory_bytes'])} of memory holds at most "
-            f"{fmt_count(limit['largest_parameters'])} parameters per model"
+            f"The in-memory approach needs {limit.bytes_per_parameter:.1f} bytes per parameter beyond the "
+            f"interpreter, so {fmt_bytes(limit.memory_bytes)} of memory holds at most "
+            f"{fmt_count(limit.largest_parameters)} parameters per model"
         )
-        if limit["first_size_beyond"]:
+        if limit.first_size_beyond and limit.first_size_beyond_parameters:
             line += (
-                f"; from `{limit['first_size_beyond']}` ({fmt_count(limit['first_size_beyond_parameters'])}, "
-                f"about {fmt_bytes(limit['needed_for_first_size_bytes'])}) only the streaming merge runs here"
+                f"; from `{limit.first_size_beyond}` ({fmt_count(limit.first_size_beyond_parameters)}, "
+                f"about {fmt_bytes(limit.needed_for_first_size_bytes)}) only the streaming merge runs here"
             )
         lines.append(line + ".")
-    for label, measurements in result["runs"].items():
-        failed = [m for m in measurements if m["returncode"] != 0]
+    for label, measurements in result.runs.items():
+        failed = [m for m in measurements if not m.ok]
         if failed:
-            reason = failed[-1]["log_tail"].strip().splitlines()[-1] if failed[-1]["log_tail"].strip() else "no output"
+            tail = failed[-1].log_tail.strip()
+            reason = tail.splitlines()[-1] if tail else "no output"
             lines.append(f"{label} failed {len(failed)} of {len(measurements)} runs: `{reason[:160]}`")
-    if result["options"].get("cap_bytes"):
-        lines.append(f"Both ran under an RLIMIT_DATA cap of {fmt_bytes(result['options']['cap_bytes'])}.")
+    if result.options.cap_bytes:
+        lines.append(f"Both ran under an RLIMIT_DATA cap of {fmt_bytes(result.options.cap_bytes)}.")
     return "\n".join(lines)
 
 
@@ -333,27 +344,29 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
     setup_logging(args.verbose)
     models = ensure_models(args.size)
+    path = args.json or RESULTS_DIR / f"scale-{args.part}-{args.size}.json"
     if args.part == "outofcore":
-        result = out_of_core(models, repeats=args.repeats, out_shard_size=args.out_shard_size, plugin=args.plugin)
-        print(outofcore_table(result))
-    else:
-        need = 40 * models.parameters
-        if args.cap_gib is None and need > psutil.virtual_memory().available:
-            raise SystemExit(
-                f"the in-memory baseline needs about {fmt_bytes(need)} at {args.size}, more than is available; "
-                "pass --cap-gib to run it under a limit"
-            )
-        result = in_memory_vs_ours(
-            models,
-            repeats=args.repeats,
-            out_shard_size=args.out_shard_size,
-            plugin=args.plugin,
-            cap_bytes=int(args.cap_gib * GIB) if args.cap_gib else None,
-            check=not args.no_check,
+        outofcore = out_of_core(models, repeats=args.repeats, out_shard_size=args.out_shard_size, plugin=args.plugin)
+        save_record(path, outofcore)
+        print(outofcore_table(outofcore))
+        return 0
+    need = 40 * models.parameters
+    if args.cap_gib is None and need > psutil.virtual_memory().available:
+        raise SystemExit(
+            f"the in-memory baseline needs about {fmt_bytes(need)} at {args.size}, more than is available; "
+            "pass --cap-gib to run it under a limit"
         )
-        print(inmemory_table(result))
-        print(limit_text(result))
-    write_json(args.json or RESULTS_DIR / f"scale-{args.part}-{args.size}.json", result)
+    inmemory = in_memory_vs_ours(
+        models,
+        repeats=args.repeats,
+        out_shard_size=args.out_shard_size,
+        plugin=args.plugin,
+        cap_bytes=int(args.cap_gib * GIB) if args.cap_gib else None,
+        check=not args.no_check,
+    )
+    save_record(path, inmemory)
+    print(inmemory_table(inmemory))
+    print(limit_text(inmemory))
     return 0
 
 

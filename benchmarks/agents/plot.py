@@ -77,8 +77,8 @@ def plot_results(results: Results, path: str) -> None:
     axis = axes[1, 0]
     for variant, style in ((main, "-"), *((v, "--") for v in early)):
         for family, prefix, color in (("task_arithmetic", "ta-l", "tab:blue"), ("ties", "ties-d0.2-l", "tab:orange")):
-            points = [(s, results.merge(variant, f"{prefix}{s:g}")) for s in SCALES]
-            points = [(s, m["scores"]["test"]["avg"]) for s, m in points if m]
+            merges = [(s, results.merge(variant, f"{prefix}{s:g}")) for s in SCALES]
+            points = [(s, m["scores"]["test"]["avg"]) for s, m in merges if m]
             if points:
                 axis.plot(
                     [s for s, _ in points],
@@ -110,7 +110,7 @@ def plot_results(results: Results, path: str) -> None:
 
     # (e) the paper's Figure 2: density and composition by overlap, with independence marks
     axis = axes[1, 1]
-    labels = []
+    labels: list[str] = []
     colors = ("tab:green", "tab:olive", "tab:red")
     position = 0.0
     ticks = []

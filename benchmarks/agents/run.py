@@ -146,7 +146,7 @@ class Workers:
 
     def __init__(self, count: int):
         self.count = count
-        self._pool = None
+        self._pool: Optional[multiprocessing.pool.Pool] = None
 
     def __enter__(self) -> Workers:
         if self.count > 1:
