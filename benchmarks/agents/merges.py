@@ -65,6 +65,21 @@ def _num(value: float) -> str:
     return f"{value:g}"
 
 
+# The names of the settings: the grid, the report and the plot look merges up by them.
+
+
+def task_arithmetic_name(scale: float) -> str:
+    return f"ta-l{_num(scale)}"
+
+
+def ties_name(density: float, scale: float) -> str:
+    return f"ties-d{_num(density)}-l{_num(scale)}"
+
+
+def ram_plus_name(rule: str, r: float) -> str:
+    return f"ramplus-{rule}-r{_num(r)}"
+
+
 def merge_grid(pinned_lambdas: bool = True) -> list[Setting]:
     """Every setting of the experiment, in a fixed order (the order breaks ties)."""
     settings: list[Setting] = []
@@ -73,7 +88,7 @@ def merge_grid(pinned_lambdas: bool = True) -> list[Setting]:
             Setting(
                 "task_arithmetic",
                 "task_arithmetic",
-                f"ta-l{_num(scale)}",
+                task_arithmetic_name(scale),
                 f"lambda={_num(scale)}",
                 {"lambda": scale},
                 {"weight": 1.0},
@@ -86,7 +101,7 @@ def merge_grid(pinned_lambdas: bool = True) -> list[Setting]:
                 Setting(
                     "ties",
                     "ties",
-                    f"ties-d{_num(density)}-l{_num(scale)}",
+                    ties_name(density, scale),
                     f"density={_num(density)}, lambda={_num(scale)}",
                     {"lambda": scale, "normalize": True},
                     {"weight": 1.0, "density": density},
@@ -117,7 +132,7 @@ def merge_grid(pinned_lambdas: bool = True) -> list[Setting]:
                 Setting(
                     "ram_plus",
                     "ram_plus",
-                    f"ramplus-{rule}-r{_num(r)}",
+                    ram_plus_name(rule, r),
                     f"r={_num(r)}, {rule}",
                     {"r": r, "alpha": 2.0, "rule": rule},
                     default=rule == "clip" and r == 0.1,

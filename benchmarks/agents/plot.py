@@ -6,7 +6,7 @@ import os
 from typing import Any
 
 from benchmarks.agents.evaluate import standard_error
-from benchmarks.agents.merges import FAMILIES, SCALES
+from benchmarks.agents.merges import FAMILIES, SCALES, task_arithmetic_name, ties_name
 from benchmarks.agents.records import Results, agent_statistics, best_and_default, variant_steps
 from benchmarks.agents.tasks import TASKS
 
@@ -76,8 +76,11 @@ def plot_results(results: Results, path: str) -> None:
     # (d) scaling every task vector (TA, TIES) or only the unique updates (RAM with pinned lambda)
     axis = axes[1, 0]
     for variant, style in ((main, "-"), *((v, "--") for v in early)):
-        for family, prefix, color in (("task_arithmetic", "ta-l", "tab:blue"), ("ties", "ties-d0.2-l", "tab:orange")):
-            merges = [(s, results.merge(variant, f"{prefix}{s:g}")) for s in SCALES]
+        for family, name, color in (
+            ("task_arithmetic", task_arithmetic_name, "tab:blue"),
+            ("ties", lambda scale: ties_name(0.2, scale), "tab:orange"),
+        ):
+            merges = [(s, results.merge(variant, name(s))) for s in SCALES]
             points = [(s, m["scores"]["test"]["avg"]) for s, m in merges if m]
             if points:
                 axis.plot(

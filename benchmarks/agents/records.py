@@ -11,6 +11,7 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Any, Optional, Sequence
 
+from benchmarks.agents.merges import ram_plus_name
 from benchmarks.agents.tasks import TASKS
 
 #: ``{split: {task: accuracy, ..., "avg": mean over tasks}}`` of one checkpoint.
@@ -106,7 +107,7 @@ def agent_statistics(results: Results, variant: str) -> Optional[dict[str, Any]]
         return None
     # The counts are the same in every ram / ram_plus merge of these agents; lambdas are not.
     statistics = copy.deepcopy((results.merge(variant, "ram") or counted[0])["ram_statistics"])
-    for name, key in (("ramplus-clip-r0.1", "lambda_clip"), ("ramplus-soft-r0.1", "lambda_soft")):
+    for name, key in ((ram_plus_name("clip", 0.1), "lambda_clip"), (ram_plus_name("soft", 0.1), "lambda_soft")):
         record = results.merge(variant, name)
         if record is not None and record["ram_statistics"] is not None:
             for task, entry in record["ram_statistics"]["models"].items():

@@ -14,7 +14,7 @@ import sys
 from typing import Any, Optional
 
 from benchmarks.agents.evaluate import standard_error
-from benchmarks.agents.merges import FAMILIES, R_GRID, RULES
+from benchmarks.agents.merges import FAMILIES, R_GRID, RULES, ram_plus_name
 from benchmarks.agents.plot import plot_results
 from benchmarks.agents.records import Results, agent_statistics, best_and_default, variant_steps
 from benchmarks.agents.tasks import TASKS
@@ -226,7 +226,7 @@ def r_ablation_section(results: Results, variant: str) -> str:
     rows = []
     for rule in RULES:
         for r in R_GRID:
-            record = results.merge(variant, f"ramplus-{rule}-r{r:g}")
+            record = results.merge(variant, ram_plus_name(rule, r))
             if record is None:
                 continue
             lambdas = ""
