@@ -31,7 +31,6 @@ LOG = logging.getLogger(__name__)
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
 CACHE_DIR = BENCH_DIR / ".cache"
-RESULTS_DIR = BENCH_DIR / "results"
 DOC_PATH = REPO_ROOT / "docs" / "performance.md"
 
 #: Environment variables that change how torch's OpenMP threads behave; recorded with every result.

@@ -40,7 +40,6 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from benchmarks.common import (
-    RESULTS_DIR,
     child_env,
     fmt_bytes,
     fmt_count,
@@ -51,7 +50,7 @@ from benchmarks.common import (
     use_plugin,
 )
 from benchmarks.models import PAPER_DENSITIES, AgentDraw, base_chunk, overlap_for
-from benchmarks.records import KernelRun, KernelTiming, StartupCost, save_record
+from benchmarks.records import RESULTS_DIR, KernelRun, KernelTiming, StartupCost, save_record
 from mergekit_ram.memory import peak_allocated_bytes
 from mergekit_ram.stats import markdown_table
 

@@ -34,7 +34,6 @@ import yaml
 
 from benchmarks.common import (
     CACHE_DIR,
-    RESULTS_DIR,
     child_env,
     fmt_bytes,
     fmt_count,
@@ -47,6 +46,7 @@ from benchmarks.common import (
 )
 from benchmarks.models import SIZES, ensure_models
 from benchmarks.records import (
+    RESULTS_DIR,
     Measurement,
     MethodsOptions,
     MethodsRun,

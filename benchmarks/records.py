@@ -11,11 +11,14 @@ they all import it.
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, ClassVar, Mapping, Optional, Sequence, Union
 
 JSON = dict[str, Any]
+#: Where the runs write their records (``optimisations/`` and ``history/`` below it hold older ones).
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
 def write_json(path: Path, payload: Mapping[str, Any]) -> Path:
@@ -559,3 +562,22 @@ def load_record(path: Path) -> Record:
 
 def save_record(path: Path, record: Record) -> Path:
     return write_json(path, record.to_dict())
+
+
+def round_trips(path: Path) -> bool:
+    """Whether the file at ``path`` loads and saves back to the same JSON (the format stays compatible)."""
+    return load_record(path).to_dict() == read_json(path)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Check that every results file loads into its record and saves back unchanged."""
+    paths = [Path(arg) for arg in argv] if argv else sorted(RESULTS_DIR.rglob("*.json"))
+    failed = [path for path in paths if not round_trips(path)]
+    for path in failed:
+        print(f"{path}: does not save back to the same JSON")
+    print(f"{len(paths) - len(failed)} of {len(paths)} results files load and save back unchanged")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

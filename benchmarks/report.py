@@ -24,7 +24,6 @@ from typing import Any, Callable, Optional, Sequence
 
 from benchmarks.common import (
     DOC_PATH,
-    RESULTS_DIR,
     fmt_bytes,
     fmt_count,
     fmt_ratio,
@@ -37,6 +36,7 @@ from benchmarks.kernel import kernel_table, startup_table
 from benchmarks.methods import heading, methods_table, targets_table
 from benchmarks.models import SIZES
 from benchmarks.records import (
+    RESULTS_DIR,
     InMemoryRun,
     KernelRun,
     MethodsRun,

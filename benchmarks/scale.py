@@ -36,7 +36,6 @@ from safetensors import safe_open
 from benchmarks.common import (
     CACHE_DIR,
     GIB,
-    RESULTS_DIR,
     child_env,
     fmt_bytes,
     fmt_count,
@@ -50,6 +49,7 @@ from benchmarks.inmemory import shard_files
 from benchmarks.methods import run_merge
 from benchmarks.models import SIZES, ensure_models
 from benchmarks.records import (
+    RESULTS_DIR,
     ApproachSummary,
     InMemoryRun,
     Measurement,
