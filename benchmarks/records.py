@@ -21,10 +21,12 @@ JSON = dict[str, Any]
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
-def write_json(path: Path, payload: Mapping[str, Any]) -> Path:
+def write_json(path: Union[str, Path], payload: Any, indent: int = 2) -> Path:
+    """``payload`` as indented JSON and a final newline, the folder created if need be."""
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", encoding="utf-8") as handle:
-        json.dump(payload, handle, indent=2, sort_keys=False, default=str)
+        json.dump(payload, handle, indent=indent, sort_keys=False, default=str)
         handle.write("\n")
     return path
 

@@ -13,6 +13,7 @@ from typing import Any, Optional, Sequence
 
 from benchmarks.agents.merges import ram_plus_name
 from benchmarks.agents.tasks import TASKS
+from benchmarks.records import write_json
 
 #: ``{split: {task: accuracy, ..., "avg": mean over tasks}}`` of one checkpoint.
 Scores = dict[str, dict[str, float]]
@@ -58,9 +59,7 @@ class Results:
             return cls(**json.load(handle))
 
     def save(self, path: str) -> None:
-        with open(path, "w", encoding="utf-8") as handle:
-            json.dump(asdict(self), handle, indent=1, sort_keys=False)
-            handle.write("\n")
+        write_json(path, asdict(self), indent=1)
 
     @property
     def variants(self) -> list[str]:

@@ -45,6 +45,7 @@ from benchmarks.agents.pretrain import pretrain
 from benchmarks.agents.records import BASE, Results, checkpoint_name, variant_name, variant_steps
 from benchmarks.agents.tasks import TASKS
 from benchmarks.common import cpu_model
+from benchmarks.records import write_json
 
 LOG = logging.getLogger("benchmarks.agents")
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -54,6 +55,8 @@ AGENT_CODE = (*BASE_CODE, "grpo.py")
 EVAL_CODE = ("tasks.py", "tokenizer.py", "model.py", "evaluate.py")
 MERGE_CODE = (*EVAL_CODE, "merges.py")
 ANALYSIS_CODE = (*EVAL_CODE, "analysis.py")
+#: Indentation of the cached records, timings and results.json (many, long records).
+CACHE_INDENT = 1
 T = TypeVar("T")
 R = TypeVar("R")
 
@@ -74,13 +77,6 @@ def read_cached(path: str, key: str) -> Optional[dict[str, Any]]:
     with open(path, encoding="utf-8") as handle:
         record = json.load(handle)
     return record if record.get("key") == key else None
-
-
-def write_json(path: str, record: Any) -> None:
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "w", encoding="utf-8") as handle:
-        json.dump(record, handle, indent=1, sort_keys=False)
-        handle.write("\n")
 
 
 class StageTimings:
@@ -105,7 +101,7 @@ class StageTimings:
         cache = os.path.dirname(self.path)
         if name not in self.timings or _written_since(cache, start_wall):
             self.timings[name] = seconds
-            write_json(self.path, self.timings)
+            write_json(self.path, self.timings, indent=CACHE_INDENT)
         LOG.info("stage %s: %.1f s (as built: %.1f s)", name, seconds, self.timings[name])
 
     def as_built(self) -> dict[str, float]:
@@ -196,7 +192,7 @@ def train_agent_job(job: AgentJob) -> dict[str, Any]:
         job.config.snapshots,
     )
     record = {"key": job.key, "task": job.task, "seconds": time.perf_counter() - start, "reward_curve": curve}
-    write_json(meta_path, record)
+    write_json(meta_path, record, indent=CACHE_INDENT)
     return record
 
 
@@ -213,7 +209,7 @@ def evaluate_job(job: EvalJob) -> dict[str, Any]:
     if cached is not None:
         return cached["scores"]
     scores = evaluate_path(job.path, eval_sets(job.evaluation), job.evaluation.batch_size)
-    write_json(record_path, {"key": job.key, "scores": scores})
+    write_json(record_path, {"key": job.key, "scores": scores}, indent=CACHE_INDENT)
     return scores
 
 
@@ -251,7 +247,7 @@ def merge_job(job: MergeJob) -> dict[str, Any]:
         "scores": scores,
         "ram_statistics": statistics,
     }
-    write_json(result_path, record)
+    write_json(result_path, record, indent=CACHE_INDENT)
     return record
 
 
@@ -274,6 +270,7 @@ def build_base(config: ExperimentConfig, cache: str) -> str:
     write_json(
         os.path.join(path, "meta.json"),
         {"key": key, "seconds": time.perf_counter() - start, "parameters": parameters},
+        indent=CACHE_INDENT,
     )
     return path
 
@@ -336,7 +333,7 @@ def analyse(config: ExperimentConfig, cache: str, base: str) -> dict[str, Any]:
                     base, agents, eval_sets(config.evaluation), config.evaluation.batch_size
                 ),
             }
-            write_json(path, cached)
+            write_json(path, cached, indent=CACHE_INDENT)
         result[variant] = {k: v for k, v in cached.items() if k != "key"}
     return result
 
