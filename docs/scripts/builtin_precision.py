@@ -34,6 +34,8 @@ from safetensors.torch import load_file
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, os.pardir))
 
+from mergekit_ram.cli import console_script  # noqa: E402
+from mergekit_ram.stats import markdown_table  # noqa: E402
 from mergekit_ram.synthetic import PAPER_AGENTS, PAPER_OVERLAP, build_agents, tiny_config  # noqa: E402
 from tests import reference  # noqa: E402
 
@@ -52,9 +54,9 @@ def merge(recipe: dict[str, Any], directory: str, name: str, env: dict[str, str]
     with open(path, "w", encoding="utf-8") as handle:
         yaml.safe_dump(recipe, handle)
     out = os.path.join(directory, name)
-    script = os.path.join(os.path.dirname(sys.executable), "mergekit-yaml")
     environment = {**os.environ, "HF_HUB_OFFLINE": "1", "MERGEKIT_RAM_CACHE": "off", **env}
-    subprocess.run([script, path, out, "--quiet"], env=environment, check=True, capture_output=True)
+    command = [console_script("mergekit-yaml"), path, out, "--quiet"]
+    subprocess.run(command, env=environment, check=True, capture_output=True)
     return load_weights(out)
 
 
@@ -152,24 +154,22 @@ def main() -> None:
             + f"; elements changed by one agent {sum(int((c == 1).sum()) for c in overlap.values()) / numel:.1%}, "
             + f"by 2+ agents {sum(int((c >= 2).sum()) for c in overlap.values()) / numel:.1%}\n"
         )
-        header = "wrong: of all elements | of those 1 agent changed | of those 2+ agents changed |"
-        print(f"| method | output dtype | {header}")
-        print("|---|---|---:|---:|---:|")
-        float32_rows = []
+        header = ["wrong: of all elements", "of those 1 agent changed", "of those 2+ agents changed"]
+        rows = [["method", "output dtype", *header]]
+        float32_rows = [["method", *header]]
         for index, (label, keys, env, lambdas_of) in enumerate(runs):
             merged = merge({**keys, **recipe}, directory, f"run{index}", env)
             expected = exact(base, finetunes, lambdas_of)
             dtypes = {str(t.dtype).removeprefix("torch.") for t in merged.values()}
             shares = wrong_share(merged, expected, torch.bfloat16, overlap)
-            print(f"| {label} | {', '.join(sorted(dtypes))} | " + " | ".join(f"{s:.3%}" for s in shares) + " |")
+            rows.append([label, ", ".join(sorted(dtypes)), *[f"{s:.3%}" for s in shares]])
             if dtypes == {"float32"}:
-                float32_rows.append((label, wrong_share(merged, expected, torch.float32, overlap)))
-        if float32_rows:
+                shares = wrong_share(merged, expected, torch.float32, overlap)
+                float32_rows.append([label, *[f"{s:.3%}" for s in shares]])
+        print(markdown_table(rows, "llr"))
+        if len(float32_rows) > 1:
             print("\nfloat32 outputs compared with the exact float32 result, not rounded:\n")
-            print(f"| method | {header}")
-            print("|---|---:|---:|---:|")
-            for label, shares in float32_rows:
-                print(f"| {label} | " + " | ".join(f"{s:.3%}" for s in shares) + " |")
+            print(markdown_table(float32_rows))
 
 
 if __name__ == "__main__":
