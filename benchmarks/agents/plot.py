@@ -20,7 +20,7 @@ def _methods_panel(axis: Any, results: Results, variant: str, letter: str) -> No
         heights, errors = [], []
         for family in FAMILIES:
             record = best_and_default(results.merges_of(variant, family))[kind]
-            scores = record["scores"]["test"] if record else {t: 0.0 for t in (*TASKS, "avg")}
+            scores = record.scores["test"] if record else {t: 0.0 for t in (*TASKS, "avg")}
             heights.append(100 * scores["avg"])
             errors.append(100 * standard_error({t: scores[t] for t in TASKS}, sizes))
         label = ("best (chosen on validation)", "default")[kind]
@@ -62,7 +62,7 @@ def plot_results(results: Results, path: str) -> None:
     for family in FAMILIES:
         best = best_and_default(results.merges_of(main, family))[0]
         if best:
-            rows.append((f"{family} (best)", best["scores"]["test"]))
+            rows.append((f"{family} (best)", best.scores["test"]))
     width = 0.8 / len(TASKS)
     for index, task in enumerate(TASKS):
         positions = [i + (index - 1) * width for i in range(len(rows))]
@@ -81,7 +81,7 @@ def plot_results(results: Results, path: str) -> None:
             ("ties", lambda scale: ties_name(0.2, scale), "tab:orange"),
         ):
             merges = [(s, results.merge(variant, name(s))) for s in SCALES]
-            points = [(s, m["scores"]["test"]["avg"]) for s, m in merges if m]
+            points = [(s, m.scores["test"]["avg"]) for s, m in merges if m]
             if points:
                 axis.plot(
                     [s for s, _ in points],
@@ -95,12 +95,12 @@ def plot_results(results: Results, path: str) -> None:
                 )
     pinned = sorted(
         results.merges_of(main, "ram_plus lambda pinned") + results.merges_of(main, "ram"),
-        key=lambda m: m["setting"]["model_parameters"].get("lambda", 1.0),
+        key=lambda m: m.setting.model_parameters.get("lambda", 1.0),
     )
     if pinned:
         axis.plot(
-            [m["setting"]["model_parameters"].get("lambda", 1.0) for m in pinned],
-            [100 * m["scores"]["test"]["avg"] for m in pinned],
+            [m.setting.model_parameters.get("lambda", 1.0) for m in pinned],
+            [100 * m.scores["test"]["avg"] for m in pinned],
             marker="s",
             color="tab:green",
             label=f"RAM, lambda on unique updates only, {variant_steps(main)} steps",

@@ -9,15 +9,14 @@ from __future__ import annotations
 import copy
 import json
 from dataclasses import asdict, dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
-from benchmarks.agents.merges import ram_plus_name
+from benchmarks.agents.merges import Setting, ram_plus_name
 from benchmarks.agents.tasks import TASKS
 from benchmarks.records import write_json
 
 #: ``{split: {task: accuracy, ..., "avg": mean over tasks}}`` of one checkpoint.
 Scores = dict[str, dict[str, float]]
-MergeRecord = dict[str, Any]
 BASE = "base"
 
 
@@ -34,6 +33,22 @@ def variant_steps(variant: str) -> str:
 def checkpoint_name(variant: str, task: str) -> str:
     """The key of an agent's scores in ``checkpoint_scores``: ``step40/add``."""
     return f"{variant}/{task}"
+
+
+@dataclass(frozen=True)
+class MergeRecord:
+    """One merge of the grid: its setting, time, scores and (``ram`` / ``ram_plus``) RAM statistics."""
+
+    key: str  # the cache key it was computed under
+    variant: str
+    setting: Setting
+    merge_seconds: float
+    scores: Scores
+    ram_statistics: Optional[dict[str, Any]]  # merges.ram_statistics_summary of its ram_statistics.json
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> MergeRecord:
+        return cls(**{**data, "setting": Setting(**data["setting"])})
 
 
 @dataclass
@@ -56,7 +71,8 @@ class Results:
     def load(cls, path: str) -> Results:
         """The record ``benchmarks.agents.run`` wrote to ``path``."""
         with open(path, encoding="utf-8") as handle:
-            return cls(**json.load(handle))
+            data = json.load(handle)
+        return cls(**{**data, "merges": [MergeRecord.from_dict(merge) for merge in data["merges"]]})
 
     def save(self, path: str) -> None:
         write_json(path, asdict(self), indent=1)
@@ -76,12 +92,10 @@ class Results:
         return sum(self.agent_scores(variant, task)[task] for task in TASKS) / len(TASKS)
 
     def merges_of(self, variant: str, family: Optional[str] = None) -> list[MergeRecord]:
-        return [
-            m for m in self.merges if m["variant"] == variant and (family is None or m["setting"]["family"] == family)
-        ]
+        return [m for m in self.merges if m.variant == variant and (family is None or m.setting.family == family)]
 
     def merge(self, variant: str, name: str) -> Optional[MergeRecord]:
-        return next((m for m in self.merges_of(variant) if m["setting"]["name"] == name), None)
+        return next((m for m in self.merges_of(variant) if m.setting.name == name), None)
 
     def test_size(self) -> dict[str, int]:
         return {task: self.config["evaluation"]["test"] for task in TASKS}
@@ -89,26 +103,22 @@ class Results:
 
 def best_and_default(records: Sequence[MergeRecord]) -> tuple[Optional[MergeRecord], Optional[MergeRecord]]:
     """The validation-best tuned record (ties: default first, then grid order) and the default one."""
-    tuned = [r for r in records if r["setting"]["tuned"]]
-    default = next((r for r in tuned if r["setting"]["default"]), None)
+    tuned = [r for r in records if r.setting.tuned]
+    default = next((r for r in tuned if r.setting.default), None)
     if not tuned:
         return None, default
-    order = sorted(
-        range(len(tuned)), key=lambda i: (-tuned[i]["scores"]["val"]["avg"], not tuned[i]["setting"]["default"], i)
-    )
+    order = sorted(range(len(tuned)), key=lambda i: (-tuned[i].scores["val"]["avg"], not tuned[i].setting.default, i))
     return tuned[order[0]], default
 
 
 def agent_statistics(results: Results, variant: str) -> Optional[dict[str, Any]]:
     """RAM statistics of the agents of ``variant``, with lambdas of the default RAM+ and RAM+s."""
-    counted = [m for m in results.merges_of(variant) if m["ram_statistics"] is not None]
+    counted = {m.setting.name: m.ram_statistics for m in results.merges_of(variant) if m.ram_statistics is not None}
     if not counted:
         return None
     # The counts are the same in every ram / ram_plus merge of these agents; lambdas are not.
-    statistics = copy.deepcopy((results.merge(variant, "ram") or counted[0])["ram_statistics"])
+    statistics = copy.deepcopy(counted.get("ram") or next(iter(counted.values())))
     for name, key in ((ram_plus_name("clip", 0.1), "lambda_clip"), (ram_plus_name("soft", 0.1), "lambda_soft")):
-        record = results.merge(variant, name)
-        if record is not None and record["ram_statistics"] is not None:
-            for task, entry in record["ram_statistics"]["models"].items():
-                statistics["models"][task][key] = entry["lambda"]
+        for task, entry in counted.get(name, {"models": {}})["models"].items():
+            statistics["models"][task][key] = entry["lambda"]
     return statistics

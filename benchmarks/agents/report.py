@@ -207,15 +207,15 @@ def merge_section(results: Results, variant: str) -> str:
         for kind, record in (("best", best), ("default", default)):
             if record is None:
                 continue
-            setting = record["setting"]
+            setting = record.setting
             rows.append(
                 [
-                    f"{family} ({kind}, {len([r for r in records if r['setting']['tuned']])} settings)"
+                    f"{family} ({kind}, {len([r for r in records if r.setting.tuned])} settings)"
                     if kind == "best"
                     else f"{family} (default)",
-                    setting["label"],
-                    pct(record["scores"]["val"]["avg"]),
-                    *score_cells(record["scores"]["test"], sizes),
+                    setting.label,
+                    pct(record.scores["val"]["avg"]),
+                    *score_cells(record.scores["test"], sizes),
                 ]
             )
     return markdown_table([["method", "setting", "val avg", *[TASK_NAMES[t] for t in TASKS], "test avg"], *rows], "llr")
@@ -230,15 +230,15 @@ def r_ablation_section(results: Results, variant: str) -> str:
             if record is None:
                 continue
             lambdas = ""
-            if record["ram_statistics"] is not None:
-                lambdas = " / ".join(f"{record['ram_statistics']['models'][t]['lambda']:.3f}" for t in TASKS)
+            if record.ram_statistics is not None:
+                lambdas = " / ".join(f"{record.ram_statistics['models'][t]['lambda']:.3f}" for t in TASKS)
             rows.append(
                 [
                     rule,
                     f"{r:g}",
                     lambdas,
-                    pct(record["scores"]["val"]["avg"]),
-                    *score_cells(record["scores"]["test"], sizes),
+                    pct(record.scores["val"]["avg"]),
+                    *score_cells(record.scores["test"], sizes),
                 ]
             )
     return markdown_table(
@@ -252,13 +252,12 @@ def pinned_section(results: Results, variant: str) -> str:
     records = sorted(
         [m for m in results.merges_of(variant, "ram_plus lambda pinned")]
         + [m for m in results.merges_of(variant, "ram")],
-        key=lambda m: m["setting"]["model_parameters"].get("lambda", 1.0),
+        key=lambda m: m.setting.model_parameters.get("lambda", 1.0),
     )
     if not records:
         return ""
     rows = [
-        [f"{m['setting']['model_parameters'].get('lambda', 1.0):g}", *score_cells(m["scores"]["test"], sizes)]
-        for m in records
+        [f"{m.setting.model_parameters.get('lambda', 1.0):g}", *score_cells(m.scores["test"], sizes)] for m in records
     ]
     return markdown_table([["lambda (unique updates)", *[TASK_NAMES[t] for t in TASKS], "test avg"], *rows])
 
@@ -279,7 +278,7 @@ def variation_section(results: Results) -> str:
         cells = []
         for family in FAMILIES:
             best, default = best_and_default(results.merges_of(variant, family))
-            cells.append(" / ".join(pct(r["scores"]["test"]["avg"]) if r else "-" for r in (best, default)))
+            cells.append(" / ".join(pct(r.scores["test"]["avg"]) if r else "-" for r in (best, default)))
         rows.append([f"{variant_steps(variant)}", stats, pct(specialists), *cells])
     return markdown_table([["RL steps", "density / unique share / rho", "agents (own task)", *FAMILIES], *rows], "lllr")
 
@@ -290,16 +289,16 @@ def grid_markdown(results: Results) -> str:
     for variant in results.variants:
         rows = []
         for m in results.merges_of(variant):
-            s = m["setting"]
-            test = m["scores"]["test"]
+            s = m.setting
+            test = m.scores["test"]
             rows.append(
                 [
-                    s["family"],
-                    s["label"] + (" (default)" if s["default"] else ""),
+                    s.family,
+                    s.label + (" (default)" if s.default else ""),
                     *[pct(test[t]) for t in TASKS],
-                    pct(m["scores"]["val"]["avg"]),
+                    pct(m.scores["val"]["avg"]),
                     pct(test["avg"]),
-                    f"{m['merge_seconds']:.1f}",
+                    f"{m.merge_seconds:.1f}",
                 ]
             )
         parts += [f"## Agents after {variant_steps(variant)} RL steps", ""]

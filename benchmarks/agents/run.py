@@ -42,7 +42,7 @@ from benchmarks.agents.merges import (
 )
 from benchmarks.agents.model import load_model, save_model
 from benchmarks.agents.pretrain import pretrain
-from benchmarks.agents.records import BASE, Results, checkpoint_name, variant_name, variant_steps
+from benchmarks.agents.records import BASE, MergeRecord, Results, checkpoint_name, variant_name, variant_steps
 from benchmarks.agents.tasks import TASKS
 from benchmarks.common import cpu_model
 from benchmarks.records import write_json
@@ -429,7 +429,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             task: {"reward_curve": record["reward_curve"], "seconds": record["seconds"]}
             for task, record in agents.items()
         },
-        merges=merges,
+        merges=[MergeRecord.from_dict(merge) for merge in merges],
         analysis=analysis,
         main_variant=variant_name(config.main_snapshot),
     )
