@@ -41,4 +41,4 @@ quality: install
 	HF_HUB_OFFLINE=1 $(BIN)/python -m benchmarks.agents.run --out benchmarks/agents/results --doc docs/quality.md
 
 clean:
-	rm -rf $(VENV) out .pytest_cache
+	rm -rf $(VENV) out dist .pytest_cache
