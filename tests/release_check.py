@@ -6,7 +6,8 @@
 
 1. ``python -m build``: the sdist, then the wheel built from the unpacked sdist (so the sdist is
    complete enough to build from).
-2. ``twine check --strict`` on both.
+2. ``twine check --strict`` on both, and the README as the package index renders it (the
+   wheel's long description through ``readme_renderer``): every link must be absolute.
 3. Each distribution's file list against ``tests/release_contents.txt``: a file that no pattern
    admits, or a pattern that no file matches, fails the check.
 4. A fresh virtual environment with the wheel installed; there, outside the checkout,
@@ -18,8 +19,8 @@ for a user (``--torch torch==2.13.0`` picks a torch build first, e.g. the CPU on
 itself accepts any ``torch>=2.2``). With ``--reuse-environment`` the build runs without
 isolation and the fresh environment sees the running environment's packages through a path
 file instead (the wheel itself installed with ``--no-deps``, mergekit's console scripts written
-beside its interpreter): nothing is downloaded. Standard library only; runs ``build``,
-``twine`` and ``pip`` of the running interpreter (``pip install 'mergekit-ram[release]'``).
+beside its interpreter): nothing is downloaded. Needs ``build``, ``twine`` and
+``readme-renderer[md]`` in the running interpreter (``pip install 'mergekit-ram[release]'``).
 """
 
 from __future__ import annotations
@@ -117,6 +118,27 @@ def check_contents(sdist: str, wheel: str, expected: dict[str, list[str]]) -> li
     return problems + [f"wheel: {problem}" for problem in compare(wheel_files(wheel), expected["wheel"])]
 
 
+def relative_links(wheel: str) -> list[str]:
+    """Problems: links of the wheel's long description, rendered as on PyPI, that are relative."""
+    import email.parser
+
+    import readme_renderer.markdown
+
+    with zipfile.ZipFile(wheel) as archive:
+        (name,) = [name for name in archive.namelist() if name.endswith(".dist-info/METADATA")]
+        description = email.parser.Parser().parsestr(archive.read(name).decode("utf-8")).get_payload()
+    html = readme_renderer.markdown.render(description)
+    if html is None:
+        return ["the README could not be rendered as Markdown: pip install 'readme-renderer[md]'"]
+    links = re.findall(r'(?:href|src)="([^"]*)"', html)
+    return [f"README link {link}: relative, dead on the package index" for link in links if not _absolute(link)]
+
+
+def _absolute(link: str) -> bool:
+    """A link that works on the package index: another site, or an anchor of the page itself."""
+    return bool(re.match(r"[a-z]+:", link)) or link.startswith("#")
+
+
 def venv_python(venv: str) -> str:
     return os.path.join(venv, "bin", "python")
 
@@ -196,8 +218,10 @@ def check(work: str, torch: str | None, reuse: bool, say=print) -> list[str]:
     sdist, wheel = build(os.path.join(work, "dist"), isolated=not reuse)
     step(f"twine check --strict {os.path.basename(sdist)} {os.path.basename(wheel)}")
     run([sys.executable, "-m", "twine", "check", "--strict", sdist, wheel])
+    step("rendering the README as the package index does")
+    problems = relative_links(wheel)
     step(f"comparing the contents with {os.path.relpath(CONTENTS, ROOT)}")
-    problems = check_contents(sdist, wheel, read_expected())
+    problems += check_contents(sdist, wheel, read_expected())
     venv = os.path.join(work, "venv")
     step(f"installing the wheel into a fresh environment {venv}" + (" (reusing this one's packages)" if reuse else ""))
     install(venv, wheel, torch, reuse)

@@ -82,7 +82,8 @@ def metadata(text: bytes) -> Message:
 def test_release_check_passes(release: Release) -> None:
     assert release.completed.returncode == 0, release.completed.stdout + release.completed.stderr
     steps = release.completed.stdout
-    for step in ("twine check --strict", "release_contents.txt", "fresh environment", "mergekit-ram demo"):
+    steps_named = ("twine check --strict", "rendering the README", "release_contents.txt", "fresh environment")
+    for step in (*steps_named, "mergekit-ram demo"):
         assert step in steps
     assert steps.rstrip().endswith("release check passed")
     with open(os.path.join(release.work, "user", "demo", "merged", "ram_statistics.json"), encoding="utf-8") as f:
