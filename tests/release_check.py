@@ -224,9 +224,12 @@ def check(work: str, torch: str | None, reuse: bool, say=print) -> list[str]:
     problems += check_contents(sdist, wheel, read_expected())
     venv = os.path.join(work, "venv")
     step(f"installing the wheel into a fresh environment {venv}" + (" (reusing this one's packages)" if reuse else ""))
-    install(venv, wheel, torch, reuse)
-    step("running mergekit-ram demo there")
-    problems += try_the_wheel(venv, work)
+    try:
+        install(venv, wheel, torch, reuse)
+        step("running mergekit-ram demo there")
+        problems += try_the_wheel(venv, work)
+    except CheckFailed as error:  # reported with the problems found so far
+        problems.append(str(error))
     step("release check " + ("passed" if not problems else f"failed: {len(problems)} problem(s)"))
     return problems
 
