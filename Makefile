@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 DEMO_DIR ?= out/demo
 
-.PHONY: install demo test lint bench quality clean
+.PHONY: install demo test lint release-check bench quality clean
 
 install: $(VENV)/.installed
 
@@ -27,6 +27,12 @@ test: install
 lint: install
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
 
+# Build the sdist and the wheel, twine check them, compare their contents with
+# tests/release_contents.txt, install the wheel into a fresh environment and run the demo there
+# (docs/contributing.md). Downloads the dependencies, with the same torch as the install above.
+release-check: install
+	HF_HUB_OFFLINE=1 $(BIN)/python tests/release_check.py --torch "$(TORCH)"
+
 # Performance (docs/performance.md) and merge quality (docs/quality.md); long, best on a quiet machine.
 bench: install
 	HF_HUB_OFFLINE=1 $(BIN)/python -m benchmarks.run --size 120m --repeats 3
@@ -35,4 +41,4 @@ quality: install
 	HF_HUB_OFFLINE=1 $(BIN)/python -m benchmarks.agents.run --out benchmarks/agents/results --doc docs/quality.md
 
 clean:
-	rm -rf $(VENV) out .pytest_cache
+	rm -rf $(VENV) out dist .pytest_cache

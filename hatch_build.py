@@ -2,7 +2,8 @@
 
 The file's one line imports ``mergekit_ram._autoload`` at interpreter start, which lets
 the unmodified ``mergekit-yaml`` find the methods. Editable installs get it too; their
-own path file sorts first (``_mergekit_ram.pth``), so the package is importable by then.
+own path file, which maps the package (``dev-mode-exact``), sorts first
+(``_editable_impl_mergekit_ram.pth``), so the package is importable by then.
 """
 
 import os

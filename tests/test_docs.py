@@ -2,7 +2,8 @@
 
 - Every message the package can raise, warn or log (its fixed text) is quoted in
   docs/troubleshooting.md: adding a ``raise`` without documenting it fails here.
-- Every test, script and module a page names exists; every relative link resolves.
+- Every test, script and module a page names exists; every link into the repository resolves
+  (README.md's are absolute, for the package index, and mapped back to the checkout).
 - docs/contributing.md has a line for every module; docs/changelog.md an entry for the version.
 - docs/scripts/check_merged.py (docs/publishing.md) tells a finished merge from an unfinished one.
 """
@@ -18,6 +19,11 @@ import sys
 from dataclasses import dataclass
 
 import pytest
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    import tomli as tomllib
 
 from mergekit_ram import __version__
 from tests.conftest import ModelSet, run_script, write_recipe
@@ -35,6 +41,10 @@ PAGES = (
     "performance.md",
     "quality.md",
 )
+# Pages whose links are checked, relative to the repository root.
+LINKED_PAGES = ("README.md", *(f"docs/{page}" for page in PAGES))
+# README.md's links point here (absolute, so they work on the package index); mapped back to the checkout.
+REPOSITORY = "https://github.com/mergekit-ram/mergekit-ram"
 _LOGGING = {"warning", "error", "critical", "exception"}
 _PRINTF = re.compile(r"%[-#0 +]*\d*(?:\.\d+)?[sdrifgxX]")
 
@@ -163,16 +173,60 @@ def _anchor(heading: str) -> str:
     return text.replace(" ", "-")
 
 
-@pytest.mark.parametrize("page", PAGES)
-def test_links_and_references_resolve(page: str) -> None:
-    text = read(page)
+def sdist_leaves_out(root: str = ROOT) -> tuple[str, ...]:
+    """The folders pyproject.toml keeps out of the sdist (results, images), relative to the root."""
+    with open(os.path.join(root, "pyproject.toml"), "rb") as handle:
+        sdist = tomllib.load(handle)["tool"]["hatch"]["build"]["targets"]["sdist"]
+    return tuple(path.strip("/") for path in sdist["exclude"])
+
+
+def link_targets(text: str) -> list[str]:
+    """Targets of inline links ``[text](target)`` and of reference definitions ``[label]: target``."""
+    inline = re.findall(r"\]\(([^)\s]+)\)", text)
+    return inline + re.findall(r"^\[[^\]]+\]:\s*(\S+)", text, flags=re.MULTILINE)
+
+
+def local_target(target: str, page: str, root: str) -> tuple[str | None, str]:
+    """(local path or None for another site, anchor) of a link on ``page`` (relative to root).
+
+    Links to this repository's files (``REPOSITORY/blob/main/PATH``, ``.../tree/main/PATH``)
+    map back to the checkout, so they are checked like relative ones.
+    """
+    address, _, anchor = target.partition("#")
+    match = re.match(rf"{re.escape(REPOSITORY)}/(?:blob|tree)/main/(.*)", address)
+    if match:
+        return os.path.join(root, match.group(1)), anchor
+    if re.match(r"[a-z]+://", address) or address.startswith("mailto:"):
+        return None, anchor
+    if not address:
+        return os.path.join(root, page), anchor
+    return os.path.normpath(os.path.join(root, os.path.dirname(page), address)), anchor
+
+
+def link_problems(page: str, root: str = ROOT) -> list[str]:
+    """Links, named tests and scripts of ``page`` (a path relative to ``root``) that do not resolve.
+
+    README.md is also the project's page on the package index, where relative links are dead:
+    its links must be absolute. In an unpacked sdist, links into what the sdist leaves out pass.
+    """
+    with open(os.path.join(root, page), encoding="utf-8") as handle:
+        text = handle.read()
     problems = []
-    for target in re.findall(r"\]\(([^)\s]+)\)", text):
-        if re.match(r"[a-z]+://", target):
+    definitions = set(re.findall(r"^\[([^\]]+)\]:", text, flags=re.MULTILINE))
+    for label in re.findall(r"\]\[([^\]]+)\]", text):
+        if label not in definitions:
+            problems.append(f"link [{label}]: no definition")
+    left_out = sdist_leaves_out(root) if os.path.exists(os.path.join(root, "PKG-INFO")) else ()
+    for target in link_targets(text):
+        if page == "README.md" and not re.match(r"[a-z]+:", target) and not target.startswith("#"):
+            problems.append(f"link {target}: relative, dead on the package index (use {REPOSITORY}/blob/main/...)")
             continue
-        path, _, anchor = target.partition("#")
-        resolved = os.path.normpath(os.path.join(DOCS, path)) if path else os.path.join(DOCS, page)
+        resolved, anchor = local_target(target, page, root)
+        if resolved is None:
+            continue
         if not os.path.exists(resolved):
+            if os.path.relpath(resolved, root).startswith(tuple(f"{path}/" for path in left_out)):
+                continue
             problems.append(f"link {target}: no such file")
             continue
         if anchor and resolved.endswith(".md"):
@@ -181,13 +235,37 @@ def test_links_and_references_resolve(page: str) -> None:
             if anchor not in {_anchor(heading) for heading in headings}:
                 problems.append(f"link {target}: no such heading")
     for file, name in re.findall(r"(tests/\w+\.py)::(\w+)", text):
-        with open(os.path.join(ROOT, file), encoding="utf-8") as handle:
+        with open(os.path.join(root, file), encoding="utf-8") as handle:
             if not re.search(rf"^def {name}\(", handle.read(), flags=re.MULTILINE):
                 problems.append(f"{file}::{name}: no such test")
     for file in set(re.findall(r"\b((?:docs/scripts|mergekit_ram|tests|benchmarks)/\w+\.py)\b", text)):
-        if not os.path.exists(os.path.join(ROOT, file)):
+        if not os.path.exists(os.path.join(root, file)):
             problems.append(f"{file}: no such file")
-    assert not problems, f"docs/{page}:\n" + "\n".join(problems)
+    return problems
+
+
+@pytest.mark.parametrize("page", LINKED_PAGES)
+def test_links_and_references_resolve(page: str) -> None:
+    problems = link_problems(page)
+    assert not problems, f"{page}:\n" + "\n".join(problems)
+
+
+def test_readme_links_are_absolute_and_checked(tmp_path) -> None:
+    """A relative link, a repository link to a missing file and an undefined label all fail."""
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "method.md").write_text("# The method\n", encoding="utf-8")
+    (tmp_path / "README.md").write_text(
+        f"[ok]({REPOSITORY}/blob/main/docs/method.md#the-method) [rel](docs/method.md) [gone][g] [nolabel][x]\n"
+        f"[web](https://arxiv.org/abs/2601.13572) [bad anchor]({REPOSITORY}/blob/main/docs/method.md#nope)\n\n"
+        f"[g]: {REPOSITORY}/tree/main/recipes\n",
+        encoding="utf-8",
+    )
+    assert link_problems("README.md", str(tmp_path)) == [
+        "link [x]: no definition",
+        f"link docs/method.md: relative, dead on the package index (use {REPOSITORY}/blob/main/...)",
+        f"link {REPOSITORY}/blob/main/docs/method.md#nope: no such heading",
+        f"link {REPOSITORY}/tree/main/recipes: no such file",
+    ]
 
 
 def test_contributing_describes_every_module() -> None:
