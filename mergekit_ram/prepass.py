@@ -221,7 +221,7 @@ def plan_ram(merge_tasks: Sequence[ExecuteMergeMethodTask], options: MergeOption
 def counted_prepass(merge_tasks: Sequence[ExecuteMergeMethodTask], options: MergeOptions) -> list[TensorCounts]:
     """The pre-pass counts, from the cache when nothing they depend on changed."""
     key = cache.cache_key(merge_tasks) if cache.mode() != "off" else None
-    counts = cache.load(key) if key is not None else None
+    counts = cache.load(key, merge_tasks) if key is not None else None
     if counts is None:
         started = time.perf_counter()
         LOG.info("ram_plus pre-pass: counting changed parameters over %d tensors", len(merge_tasks))
@@ -229,11 +229,11 @@ def counted_prepass(merge_tasks: Sequence[ExecuteMergeMethodTask], options: Merg
         LOG.info("ram_plus pre-pass done in %.1f s", time.perf_counter() - started)
         if key is not None:
             cache.store(key, counts)
-    return counts
+    return [value for value in counts if value is not None]
 
 
-def run_prepass(merge_tasks: Sequence[ExecuteMergeMethodTask], options: MergeOptions) -> list[TensorCounts]:
-    """One streaming pass over the merge's own inputs; counts in merge-task order."""
+def run_prepass(merge_tasks: Sequence[ExecuteMergeMethodTask], options: MergeOptions) -> list[Optional[TensorCounts]]:
+    """One streaming pass over the merge's own inputs; counts per merge task (None: no counts)."""
     count_tasks = [PrePassCount(merge_task=task) for task in merge_tasks]
     order = {task: index for index, task in enumerate(count_tasks)}
     if options.multi_gpu:
@@ -251,7 +251,7 @@ def run_prepass(merge_tasks: Sequence[ExecuteMergeMethodTask], options: MergeOpt
     counts: list[Optional[TensorCounts]] = [None] * len(count_tasks)
     for task, value in results:
         counts[order[task]] = value
-    return [value for value in counts if value is not None]
+    return counts
 
 
 def attach_ram_plan(targets: list[Task], options: MergeOptions, out_path: Optional[str]) -> list[Task]:

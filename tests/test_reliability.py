@@ -299,7 +299,7 @@ def test_interrupted_merge_leaves_nothing_that_looks_finished(tmp_path) -> None:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    staged = out / STAGING_DIR
+    staged = out / STAGING_DIR / "new" / "out"  # mergekit writes into the staging folder of the transaction
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and process.poll() is None:
         if staged.exists() and len(os.listdir(staged)) >= 2:
@@ -312,6 +312,10 @@ def test_interrupted_merge_leaves_nothing_that_looks_finished(tmp_path) -> None:
     assert MARKER_FILE in left
     assert not glob.glob(str(out / "*.safetensors")) and "config.json" not in left, left
     assert glob.glob(str(staged / "*.safetensors"))  # the partial shards are where the marker says
+    rerun = subprocess.run([script("mergekit-yaml"), recipe, str(out)], env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert rerun.returncode == 0  # the killed run's lock died with it; the rerun clears the marker
+    left = sorted(os.listdir(out))
+    assert MARKER_FILE not in left and STAGING_DIR not in left and "config.json" in left
 
 
 def test_same_inputs_give_byte_identical_files(bf16_models: ModelSet, tmp_path) -> None:
