@@ -50,8 +50,13 @@ def snapshot(folder: str) -> dict[str, bytes]:
     return found
 
 
-def fault_env(fault: Optional[str], **extra: str) -> dict[str, str]:
-    env = {"PYTHONPATH": os.pathsep.join(filter(None, [FAULTS, os.environ.get("PYTHONPATH")])), **extra}
+def fault_env(fault: Optional[str] = None, **extra: str) -> dict[str, str]:
+    """The fault hook on PYTHONPATH; a fixed hash seed, since mergekit's card lists models from a set."""
+    env = {
+        "PYTHONPATH": os.pathsep.join(filter(None, [FAULTS, os.environ.get("PYTHONPATH")])),
+        "PYTHONHASHSEED": "0",
+        **extra,
+    }
     if fault:
         env["MERGEKIT_RAM_TEST_FAULT"] = fault
     return env
@@ -68,13 +73,13 @@ class World:
         self.old_recipe = write_recipe(os.path.join(root, "old.yml"), self.models.recipe("ram"))
         self.new_recipe = write_recipe(os.path.join(root, "new.yml"), self.models.recipe("ram_plus"))
         self.template = os.path.join(root, "template", "out")
-        run_script("mergekit-yaml", self.old_recipe, self.template, "--out-shard-size", "8K")
+        run_script("mergekit-yaml", self.old_recipe, self.template, "--out-shard-size", "8K", env=fault_env())
         for name, data in USER_FILES.items():
             with open(os.path.join(self.template, name), "wb") as handle:
                 handle.write(data)
         self.old = snapshot(self.template)
         reference = self.copy_old("reference")
-        self.log = run_script("mergekit-yaml", self.new_recipe, reference, "-v").stderr
+        self.log = run_script("mergekit-yaml", self.new_recipe, reference, "-v", env=fault_env()).stderr
         self.new = snapshot(reference)
 
     def copy_old(self, name: str) -> str:
@@ -152,7 +157,7 @@ def test_a_killed_publish_is_marked_and_the_rerun_clears_it(world: World) -> Non
     after = {k: v for k, v in snapshot(recovered).items() if not k.startswith((STAGING_DIR, MARKER_FILE, LOCK_FILE))}
     assert after == world.old
 
-    run_script("mergekit-yaml", world.new_recipe, out)  # the lock the killed run held is gone with it
+    run_script("mergekit-yaml", world.new_recipe, out, env=fault_env())  # the lock the killed run held is gone with it
     assert snapshot(out) == world.new
 
 
@@ -170,7 +175,7 @@ def test_a_second_merge_into_a_busy_folder_is_refused_at_once(world: World) -> N
             time.sleep(0.05)
         assert os.path.exists(release + ".waiting"), "the first merge never reached the merge"
         during = snapshot(out)
-        second = run_script("mergekit-yaml", world.old_recipe, out, check=False)
+        second = run_script("mergekit-yaml", world.old_recipe, out, env=fault_env(), check=False)
         assert second.returncode != 0
         assert f"another merge is writing to {out}" in second.stderr
         assert snapshot(out) == during

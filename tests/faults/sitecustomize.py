@@ -4,7 +4,8 @@
 
 - ``open:NAME``: a file named NAME opened for writing; ACTION runs after it is closed
   (the file is complete), so a signal lands between two of mergekit's writes;
-- ``replace:TEXT``: ``os.replace`` with TEXT in its source path; ACTION runs after the rename;
+- ``replace:TEXT``: ``os.replace`` with TEXT in its source path (not a ``*.partial`` temporary
+  file); ACTION runs after the rename;
 - ``kernel:prepass`` / ``kernel:merge``: the RAM kernel counting (pre-pass) or merging a tensor.
 
 ACTION: ``SIGINT``, ``SIGTERM``, ``SIGKILL`` (sent to this process), ``ENOSPC`` (raise
@@ -72,7 +73,7 @@ def _install(where, what, target, action):
 
         def fault_replace(src, dst, *args, **kwargs):
             original_replace(src, dst, *args, **kwargs)
-            if what in os.fspath(src) and hit():
+            if what in os.fspath(src) and not os.fspath(src).endswith(".partial") and hit():
                 _act(action)
 
         os.replace = fault_replace
