@@ -2,8 +2,8 @@
 
 - the registry's table (to replace mergekit's built-in ``ram``, which has no public API);
 - ``MergePlanner.plan_to_disk`` / ``plan_in_memory`` (recipe check, pre-pass, statistics);
-- ``mergekit.merge.run_merge`` (the model card section);
-- ``mergekit.scripts.merge_raw_pytorch.plan_flat_merge`` (``mergekit-pytorch``).
+- ``mergekit.merge.run_merge`` (the output transaction of ``staging``, the model card section);
+- ``mergekit.scripts.merge_raw_pytorch.plan_flat_merge`` and its command (``mergekit-pytorch``).
 
 Each patch is idempotent and checks that the internals it relies on are still there,
 failing with the mergekit version in the message if they moved.
@@ -221,6 +221,7 @@ def patch_raw_pytorch(raw: ModuleType) -> None:
             files = [entry.model for entry in config.models] + ([config.base_model] if config.base_model else [])
             folders = [(file, os.path.dirname(os.path.abspath(file))) for file in files]
             folders += [(file, os.path.dirname(os.path.realpath(file))) for file in files]
+            folders += [(file, file) for file in files if os.path.isdir(file)]
             staging.refuse_input_folder(out_path, folders)
             with staging.output_transaction(out_path) as staged:
                 return original(**{**kwargs, "out_path": staged})
