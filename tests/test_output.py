@@ -51,7 +51,9 @@ def snapshot(folder: str) -> dict[str, bytes]:
             path = os.path.join(root, name)
             with open(path, "rb") as handle:
                 data = handle.read()
-            found[os.path.relpath(path, folder)] = b"\n".join(sorted(data.split(b"\n"))) if name == "README.md" else data
+            if name == "README.md":
+                data = b"\n".join(sorted(data.split(b"\n")))
+            found[os.path.relpath(path, folder)] = data
     return found
 
 
