@@ -117,9 +117,9 @@ class Transaction:
         """Publish the staged merge, then drop the marker, the staging folder and the lock file."""
         with signals_held():
             publish(self.out_path, self.staged)
+            self.done = True
             _remove(os.path.join(self.out_path, MARKER_FILE))
             shutil.rmtree(self.root, ignore_errors=True)
-            self.done = True
 
     def abandon(self) -> None:
         """After a failure or a signal: the folder as it was before (or gone, if the merge made it)."""
@@ -156,42 +156,46 @@ def output_transaction(out_path: str) -> Iterator[str]:
     On any exception, KeyboardInterrupt or SIGTERM the folder is rolled back and the
     exception re-raised (SIGTERM: re-sent once the folder is clean, so the exit status says so).
     """
-    with signals_held():
-        transaction = begin(out_path)
+    transaction: Optional[Transaction] = None
     try:
         with _sigterm_raises():
+            with signals_held():  # a signal held here arrives once ``transaction`` is set
+                transaction = begin(out_path)
             yield transaction.staged
             transaction.commit()
     except Terminated:
-        transaction.abandon()
-        transaction.release()
+        if transaction is not None:
+            transaction.abandon()
+            transaction.release()
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGTERM)
         raise SystemExit(128 + signal.SIGTERM) from None
     except BaseException:
-        transaction.abandon()
+        if transaction is not None:
+            transaction.abandon()
         raise
     finally:
-        transaction.release()
+        if transaction is not None:
+            transaction.release()
 
 
 def begin(out_path: str) -> Transaction:
     """Lock ``out_path`` (created if missing), recover a killed run's journal, mark it incomplete."""
     created = _make_folder(out_path)
     lock = _lock(out_path)
+    name = os.path.basename(out_path)
+    staged = os.path.join(staging_path(out_path), _NEW, "" if name in (".", "..") else name)
+    transaction = Transaction(out_path=out_path, staged=staged, created=created, lock=lock)
     try:
         recover(out_path)
-        root = staging_path(out_path)
-        shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(transaction.root, ignore_errors=True)
         write_atomically(os.path.join(out_path, MARKER_FILE), MARKER_TEXT)
-        name = os.path.basename(out_path)
-        staged = os.path.join(root, _NEW, "" if name in (".", "..") else name)
         os.makedirs(staged)
     except BaseException:
-        if lock is not None:
-            os.close(lock)
+        transaction.abandon()
+        transaction.release()
         raise
-    return Transaction(out_path=out_path, staged=staged, created=created, lock=lock)
+    return transaction
 
 
 def _make_folder(out_path: str) -> bool:
