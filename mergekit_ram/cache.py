@@ -6,9 +6,17 @@ dtype casts, tokenizer alignment settings, LoRA references), its resolved epsilo
 fingerprint of every file read, and the versions of mergekit-ram and mergekit. r, alpha,
 the rule and pinned values are not in it.
 
-A file's fingerprint is its resolved path, size, modification time and a hash of its
-first megabyte (the safetensors header) and 16 blocks spread over the rest: rewriting,
-replacing or editing a model changes it without hashing whole checkpoints.
+A file's fingerprint is its resolved path, its identity (device and inode), size,
+modification time, change time and a hash of its first megabyte (the safetensors header)
+and 16 blocks spread over the rest. Replacing a file (``rsync -a``: a new inode) or
+rewriting it in place (``cp -p``: the same inode, but a new change time, which no user
+call can set back) changes it even when size and modification time are kept, without
+hashing whole checkpoints.
+
+The cache only ever helps: an entry that cannot be read, has the wrong shape, or does not
+match the planned merge (tensors in order, models, element counts) is ignored, and a cache
+that cannot be written is skipped, each with a warning naming the path and
+``MERGEKIT_RAM_CACHE=off``; the pre-pass then runs as if there were no cache.
 
 Environment: ``MERGEKIT_RAM_CACHE`` = ``on`` (default), ``off``, or ``refresh`` (recompute
 and overwrite); ``MERGEKIT_RAM_CACHE_DIR`` (default ``$XDG_CACHE_HOME/mergekit-ram`` or
@@ -20,15 +28,18 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 from typing import Any, Mapping, Optional, Sequence
 
 from mergekit.common import ImmutableMap
 from mergekit.merge_methods.task_adapter import ExecuteMergeMethodTask
 from pydantic import BaseModel
+from safetensors import safe_open
 
 from mergekit_ram import __version__
-from mergekit_ram.checks import task_inputs
+from mergekit_ram.checks import _aligns_vocabulary, task_inputs
+from mergekit_ram.staging import write_atomically
 from mergekit_ram.stats import TensorCounts, package_versions
 
 LOG = logging.getLogger(__name__)
@@ -38,6 +49,9 @@ DIRECTORY_VARIABLE = "MERGEKIT_RAM_CACHE_DIR"
 _HEAD_BYTES = 1 << 20
 _SAMPLES = 16
 _SAMPLE_BYTES = 1 << 16
+#: Entries hold one item per planned merge task, null where the task has no counts.
+_FORMAT = "entries aligned with merge tasks (2)"
+_ADVICE = f"{MODE_VARIABLE}=off skips the cache"
 
 
 def mode() -> str:
@@ -55,9 +69,10 @@ def directory() -> str:
 
 
 def fingerprint(path: str) -> str:
-    """Resolved path, size, mtime, and a hash of the head and 16 sampled blocks."""
+    """Resolved path, device, inode, size, mtime, ctime, and a hash of the head and 16 sampled blocks."""
     real = os.path.realpath(path)
     status = os.stat(real)
+    identity = f"{status.st_dev}:{status.st_ino}:{status.st_size}:{status.st_mtime_ns}:{status.st_ctime_ns}"
     digest = hashlib.blake2b(digest_size=16)
     with open(real, "rb") as handle:
         digest.update(handle.read(_HEAD_BYTES))
@@ -66,7 +81,7 @@ def fingerprint(path: str) -> str:
             for sample in range(_SAMPLES):
                 handle.seek(_HEAD_BYTES + sample * step)
                 digest.update(handle.read(_SAMPLE_BYTES))
-    return f"{real}:{status.st_size}:{status.st_mtime_ns}:{digest.hexdigest()}"
+    return f"{real}:{identity}:{digest.hexdigest()}"
 
 
 def describe(value: Any) -> str:
@@ -85,7 +100,7 @@ def describe(value: Any) -> str:
 def cache_key(merge_tasks: Sequence[ExecuteMergeMethodTask]) -> str:
     digest = hashlib.sha256()
     versions = package_versions()
-    digest.update(f"mergekit-ram {__version__}; mergekit {versions['mergekit']}\n".encode())
+    digest.update(f"mergekit-ram {__version__}; mergekit {versions['mergekit']}; {_FORMAT}\n".encode())
     files: set[str] = set()
     for task in merge_tasks:
         digest.update(task.output_weight.name.encode())
@@ -103,28 +118,84 @@ def _entry_path(key: str) -> str:
     return os.path.join(directory(), "prepass", f"{key}.json")
 
 
-def load(key: str) -> Optional[list[TensorCounts]]:
-    path = _entry_path(key)
-    if mode() != "on" or not os.path.exists(path):
+def load(key: str, merge_tasks: Sequence[ExecuteMergeMethodTask]) -> Optional[list[Optional[TensorCounts]]]:
+    """The cached counts for ``key`` (one per merge task), or None: missing, off, or unusable."""
+    if mode() != "on":
         return None
+    path = _entry_path(key)
     try:
         with open(path, encoding="utf-8") as handle:
-            entries = json.load(handle)["tensors"]
-        counts = [TensorCounts.from_dict(entry) for entry in entries]
-    except (OSError, ValueError, KeyError) as error:
-        LOG.warning("ignoring unreadable pre-pass cache entry %s: %s", path, error)
+            data = json.load(handle)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as error:
+        LOG.warning("ignoring unreadable pre-pass cache entry %s (%s); %s", path, error, _ADVICE)
+        return None
+    try:
+        counts = _matching_counts(data, merge_tasks)
+    except (TypeError, ValueError, KeyError, AttributeError) as error:
+        LOG.warning("ignoring pre-pass cache entry %s: %s; counting afresh (%s)", path, error, _ADVICE)
         return None
     LOG.info("ram_plus pre-pass: using cached counts %s (%s=refresh recomputes)", path, MODE_VARIABLE)
     return counts
 
 
-def store(key: str, counts: Sequence[TensorCounts]) -> None:
+def _matching_counts(data: Any, merge_tasks: Sequence[ExecuteMergeMethodTask]) -> list[Optional[TensorCounts]]:
+    """The entry's counts if they fit the planned merge task by task; ValueError/TypeError otherwise."""
+    if not isinstance(data, dict) or not isinstance(data.get("tensors"), list):
+        raise ValueError("it is not an object with a list of tensors")
+    entries = data["tensors"]
+    if len(entries) != len(merge_tasks):
+        raise ValueError(f"it lists {len(entries)} tensors, the merge has {len(merge_tasks)}")
+    counts: list[Optional[TensorCounts]] = []
+    for entry, task in zip(entries, merge_tasks):
+        if entry is None:
+            counts.append(None)
+            continue
+        if not isinstance(entry, dict):
+            raise ValueError(f"the entry for {task.output_weight.name} is not an object")
+        found = TensorCounts.from_dict(entry)
+        expected_models = tuple(str(model) for model in task.model_order if model != task.base_model)
+        if found.name != task.output_weight.name:
+            raise ValueError(f"it has {found.name!r} where the merge has {task.output_weight.name!r}")
+        if found.models != expected_models:
+            raise ValueError(f"its models for {found.name} are not the merge's")
+        numel = _planned_numel(task)
+        n = len(found.models)
+        if (numel is not None and found.numel != numel) or found.numel < 0:
+            raise ValueError(f"its element count for {found.name} is {found.numel}, the tensor has {numel}")
+        if len(found.histograms) != n or any(
+            len(row) != n or min(row, default=0) < 0 or sum(row) > found.numel for row in found.histograms
+        ):
+            raise ValueError(f"its histograms for {found.name} do not fit {n} models and {found.numel} elements")
+        counts.append(found)
+    return counts
+
+
+def _planned_numel(task: ExecuteMergeMethodTask) -> Optional[int]:
+    """Elements of the task's tensor from a safetensors header; None where alignment reshapes it."""
+    if _aligns_vocabulary(task):
+        return None
+    for _model, file, name in task_inputs(task):
+        if file is not None and file.endswith(".safetensors"):
+            try:
+                with safe_open(file, framework="pt") as handle:
+                    return math.prod(handle.get_slice(name).get_shape())
+            except Exception:  # noqa: BLE001 - the header check has reported unreadable files already
+                return None
+    return None
+
+
+def store(key: str, counts: Sequence[Optional[TensorCounts]]) -> None:
+    """Write the entry atomically; a cache that cannot be written is skipped with a warning."""
     if mode() == "off":
         return
     path = _entry_path(key)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    partial = f"{path}.{os.getpid()}.partial"
-    with open(partial, "w", encoding="utf-8") as handle:
-        json.dump({"tensors": [c.to_dict() for c in counts]}, handle)
-    os.replace(partial, path)
+    text = json.dumps({"tensors": [None if c is None else c.to_dict() for c in counts]})
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        write_atomically(path, text)
+    except OSError as error:
+        LOG.warning("could not write the pre-pass cache entry %s (%s); the merge goes on (%s)", path, error, _ADVICE)
+        return
     LOG.info("ram_plus pre-pass: counts cached in %s", path)

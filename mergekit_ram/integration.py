@@ -2,8 +2,8 @@
 
 - the registry's table (to replace mergekit's built-in ``ram``, which has no public API);
 - ``MergePlanner.plan_to_disk`` / ``plan_in_memory`` (recipe check, pre-pass, statistics);
-- ``mergekit.merge.run_merge`` (the model card section);
-- ``mergekit.scripts.merge_raw_pytorch.plan_flat_merge`` (``mergekit-pytorch``).
+- ``mergekit.merge.run_merge`` (the output transaction of ``staging``, the model card section);
+- ``mergekit.scripts.merge_raw_pytorch.plan_flat_merge`` and its command (``mergekit-pytorch``).
 
 Each patch is idempotent and checks that the internals it relies on are still there,
 failing with the mergekit version in the message if they moved.
@@ -18,7 +18,6 @@ import logging
 import os
 import sys
 import warnings
-from contextvars import ContextVar
 from types import ModuleType
 from typing import Any, Callable, Iterator, Optional
 
@@ -118,10 +117,6 @@ def _is_ours(method_name: str) -> bool:
         return False
 
 
-#: The output folder of the run_merge call in progress; its planner leaves publishing to it.
-_RUN_MERGE_OUT: ContextVar[Optional[str]] = ContextVar("mergekit_ram_run_merge_out", default=None)
-
-
 def check_config(method: str, config: Any) -> None:
     """Parameters, base model and model paths of a RAM recipe, before anything is read."""
     from mergekit_ram.checks import check_models
@@ -143,11 +138,8 @@ def patch_planner(plan: ModuleType) -> None:
                 return original(self, *args, **kwargs)
             check_config(method, self.config)
             targets = original(self, *args, **kwargs)
-            if not to_disk:
-                return attach_ram_plan(targets, self.options, None)
-            out_path = args[0] if args else kwargs["out_path"]
-            publish_in_graph = _RUN_MERGE_OUT.get() != out_path
-            return attach_ram_plan(targets, self.options, out_path, publish_in_graph=publish_in_graph)
+            out_path = (args[0] if args else kwargs["out_path"]) if to_disk else None
+            return attach_ram_plan(targets, self.options, out_path)
 
         return planned
 
@@ -156,26 +148,29 @@ def patch_planner(plan: ModuleType) -> None:
 
 
 def patch_run_merge(merge: ModuleType) -> None:
-    """Checks first; weights published only when the whole merge succeeded; card section."""
+    """RAM merges: inputs' folders refused, checks first, everything staged and published at once.
+
+    mergekit's own ``run_merge`` writes into the staging folder of an output transaction
+    (``staging.output_transaction``): weights, config, tokenizer, card and statistics reach
+    ``out_path`` together, or not at all. Other methods run exactly as mergekit has them.
+    """
     from mergekit_ram import staging
 
     def make(original: Callable) -> Callable:
         def run_merge(merge_config: Any, out_path: str, options: Any, config_source: Optional[str] = None) -> Any:
             if not _is_ours(merge_config.merge_method):
                 return original(merge_config, out_path, options=options, config_source=config_source)
+            staging.refuse_input_folder(out_path, _model_folders(merge_config))
             check_config(merge_config.merge_method, merge_config)
-            created = staging.begin(out_path)
-            token = _RUN_MERGE_OUT.set(out_path)
-            try:
-                result = original(merge_config, out_path, options=options, config_source=config_source)
-                staging.publish(out_path)
-            except BaseException:
-                staging.abandon(out_path, created)
-                raise
-            finally:
-                _RUN_MERGE_OUT.reset(token)
-            if options.write_model_card:
-                append_card_section(out_path)
+            with staging.output_transaction(out_path) as staged:
+                result = original(merge_config, staged, options=options, config_source=config_source)
+                if not os.path.isdir(staged):
+                    raise RuntimeError(
+                        f"mergekit moved its output out of {staged} (an architecture with post_fill_parameters); "
+                        "mergekit-ram cannot publish it"
+                    )
+                if options.write_model_card:
+                    append_card_section(staged)
             return result
 
         return run_merge
@@ -188,15 +183,19 @@ def patch_run_merge(merge: ModuleType) -> None:
             module.run_merge = patched
 
 
-#: The staged output of the mergekit-pytorch run in progress: (out_path, created).
-_RAW_OUT: ContextVar[Optional[tuple[str, bool]]] = ContextVar("mergekit_ram_raw_out", default=None)
+def _model_folders(merge_config: Any) -> Iterator[tuple[str, str]]:
+    """(model as the recipe names it, local folder) for every model and LoRA the recipe reads."""
+    for model in merge_config.referenced_models():
+        for reference in (model.model, model.lora):
+            if reference is not None:
+                yield str(model), os.path.expanduser(reference.path)
 
 
 def patch_raw_pytorch(raw: ModuleType) -> None:
-    """``mergekit-pytorch`` plans its own flat merge: give it the same checks and pre-pass.
+    """``mergekit-pytorch`` plans its own flat merge: the same checks, pre-pass and transaction.
 
-    Its weights are published by the graph's last task; its command is wrapped so that a
-    failure during the merge removes what was staged.
+    Its command is wrapped: a RAM recipe (read once more here, a few bytes) runs inside an
+    output transaction whose staging folder is the ``out_path`` mergekit sees.
     """
     from mergekit_ram import staging
     from mergekit_ram.prepass import attach_ram_plan
@@ -209,29 +208,39 @@ def patch_raw_pytorch(raw: ModuleType) -> None:
                 return original(config, out_path, tensor_union, tensor_intersection, options)
             check_config(config.merge_method, config)
             targets = original(config, out_path, tensor_union, tensor_intersection, options)
-            targets = attach_ram_plan(targets, options, out_path, publish_in_graph=True)
-            _RAW_OUT.set((out_path, staging.begin(out_path)))
-            return targets
+            return attach_ram_plan(targets, options, out_path)
 
         return plan_flat_merge
 
     def make_command(original: Callable) -> Callable:
         def command(*args: Any, **kwargs: Any) -> Any:
-            token = _RAW_OUT.set(None)
-            try:
+            config = _raw_config(raw, kwargs.get("config_path"))
+            if args or config is None or "out_path" not in kwargs or not _is_ours(config.merge_method):
                 return original(*args, **kwargs)
-            except BaseException:
-                staged = _RAW_OUT.get()
-                if staged is not None:
-                    staging.abandon(*staged)
-                raise
-            finally:
-                _RAW_OUT.reset(token)
+            out_path = kwargs["out_path"]
+            files = [entry.model for entry in config.models] + ([config.base_model] if config.base_model else [])
+            folders = [(file, os.path.dirname(os.path.abspath(file))) for file in files]
+            folders += [(file, os.path.dirname(os.path.realpath(file))) for file in files]
+            folders += [(file, file) for file in files if os.path.isdir(file)]
+            staging.refuse_input_folder(out_path, folders)
+            with staging.output_transaction(out_path) as staged:
+                return original(**{**kwargs, "out_path": staged})
 
         return command
 
     _wrap(raw, "plan_flat_merge", make_plan)
     _wrap(_require(raw, "main"), "callback", make_command)
+
+
+def _raw_config(raw: ModuleType, path: Optional[str]) -> Any:
+    """The ``mergekit-pytorch`` recipe at ``path``, or None (mergekit then reports the problem)."""
+    import yaml
+
+    try:
+        with open(str(path), encoding="utf-8") as handle:
+            return _require(raw, "RawPyTorchMergeConfig").model_validate(yaml.safe_load(handle))
+    except Exception:  # noqa: BLE001 - mergekit's own code reads it again and says what is wrong
+        return None
 
 
 def plan_merge_tasks(config: Any, options: Any) -> list[Any]:

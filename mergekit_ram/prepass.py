@@ -157,11 +157,7 @@ class WriteRamStatistics(Task[RamStatistics]):
 
 def write_statistics(statistics: RamStatistics, out_path: str) -> None:
     """Write the JSON file atomically, so a reader never sees half of it."""
-    path = os.path.join(out_path, STATISTICS_FILE)
-    partial = path + ".partial"
-    with open(partial, "w", encoding="utf-8") as handle:
-        handle.write(statistics.to_json())
-    os.replace(partial, path)
+    staging.write_atomically(os.path.join(out_path, STATISTICS_FILE), statistics.to_json())
 
 
 @dataclass(frozen=True)
@@ -225,7 +221,7 @@ def plan_ram(merge_tasks: Sequence[ExecuteMergeMethodTask], options: MergeOption
 def counted_prepass(merge_tasks: Sequence[ExecuteMergeMethodTask], options: MergeOptions) -> list[TensorCounts]:
     """The pre-pass counts, from the cache when nothing they depend on changed."""
     key = cache.cache_key(merge_tasks) if cache.mode() != "off" else None
-    counts = cache.load(key) if key is not None else None
+    counts = cache.load(key, merge_tasks) if key is not None else None
     if counts is None:
         started = time.perf_counter()
         LOG.info("ram_plus pre-pass: counting changed parameters over %d tensors", len(merge_tasks))
@@ -233,11 +229,11 @@ def counted_prepass(merge_tasks: Sequence[ExecuteMergeMethodTask], options: Merg
         LOG.info("ram_plus pre-pass done in %.1f s", time.perf_counter() - started)
         if key is not None:
             cache.store(key, counts)
-    return counts
+    return [value for value in counts if value is not None]
 
 
-def run_prepass(merge_tasks: Sequence[ExecuteMergeMethodTask], options: MergeOptions) -> list[TensorCounts]:
-    """One streaming pass over the merge's own inputs; counts in merge-task order."""
+def run_prepass(merge_tasks: Sequence[ExecuteMergeMethodTask], options: MergeOptions) -> list[Optional[TensorCounts]]:
+    """One streaming pass over the merge's own inputs; counts per merge task (None: no counts)."""
     count_tasks = [PrePassCount(merge_task=task) for task in merge_tasks]
     order = {task: index for index, task in enumerate(count_tasks)}
     if options.multi_gpu:
@@ -255,47 +251,36 @@ def run_prepass(merge_tasks: Sequence[ExecuteMergeMethodTask], options: MergeOpt
     counts: list[Optional[TensorCounts]] = [None] * len(count_tasks)
     for task, value in results:
         counts[order[task]] = value
-    return [value for value in counts if value is not None]
+    return counts
 
 
-def attach_ram_plan(
-    targets: list[Task], options: MergeOptions, out_path: Optional[str], publish_in_graph: bool = False
-) -> list[Task]:
+def attach_ram_plan(targets: list[Task], options: MergeOptions, out_path: Optional[str]) -> list[Task]:
     """Rewrite planned targets (SaveTensor or ReturnTensor) for a RAM merge.
 
-    On disk, weights and statistics go to the staging folder (see ``staging``); with
-    ``publish_in_graph`` the graph's last task moves them into ``out_path``.
+    On disk, ``ram_statistics.json`` is written into ``out_path`` after the weights. Under
+    ``run_merge`` and ``mergekit-pytorch`` that is the staging folder of an output
+    transaction (see ``staging``), which publishes everything once the merge is complete.
     """
     outputs = [task for task in targets if isinstance(task, (SaveTensor, ReturnTensor))]
     plan = plan_ram([task.tensor_task for task in outputs], options)
-    staged = staging.staging_path(out_path) if out_path is not None else None
-    replaced: dict[int, Task] = {}
-    for old, new in zip(outputs, plan.tasks):
-        update: dict[str, Any] = {"tensor_task": new}
-        if isinstance(old, SaveTensor):
-            update["writer_task"] = old.writer_task.model_copy(update={"out_path": staged})
-        replaced[id(old)] = old.model_copy(update=update)
+    replaced = {id(old): old.model_copy(update={"tensor_task": new}) for old, new in zip(outputs, plan.tasks)}
     rewritten: list[Task] = []
     finalize: Optional[FinalizeModel] = None
     for task in targets:
         if isinstance(task, FinalizeModel):
             task = finalize = task.model_copy(
-                update={
-                    "tensor_save_tasks": tuple(replaced.get(id(t), t) for t in task.tensor_save_tasks),
-                    "writer_task": task.writer_task.model_copy(update={"out_path": staged}),
-                }
+                update={"tensor_save_tasks": tuple(replaced.get(id(t), t) for t in task.tensor_save_tasks)}
             )
         rewritten.append(replaced.get(id(task), task))
-    write = WriteRamStatistics(
-        out_path=staged,
-        context=plan.context,
-        statistics_json=plan.statistics.to_json() if plan.statistics is not None else None,
-        counts=plan.counts,
-        after=finalize,
+    rewritten.append(
+        WriteRamStatistics(
+            out_path=out_path,
+            context=plan.context,
+            statistics_json=plan.statistics.to_json() if plan.statistics is not None else None,
+            counts=plan.counts,
+            after=finalize,
+        )
     )
-    rewritten.append(write)
-    if out_path is not None and publish_in_graph:
-        rewritten.append(staging.PublishOutput(out_path=out_path, after=write))
     return rewritten
 
 

@@ -16,7 +16,7 @@ import signal
 import subprocess
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import pytest
 import torch
@@ -40,6 +40,7 @@ class Case:
     make: Callable[[ModelSet, str], dict[str, Any]]  # (good models, scratch dir) -> recipe
     expected: str  # a part of the message that must appear
     script: str = "run_merge"  # or "mergekit-pytorch", which merges every tensor of the files
+    out: Optional[Callable[[ModelSet, str], str]] = None  # the output folder; default <dir>/out
 
 
 def _copy(path: str, root: str, name: str) -> str:
@@ -142,6 +143,16 @@ def _integer_buffers(differ: bool) -> Callable[[ModelSet, str], dict[str, Any]]:
     return make
 
 
+def _base_folder_spelled_with_dots(models: ModelSet, root: str) -> str:
+    return os.path.join(models.base, os.pardir, os.path.basename(models.base)) + os.sep
+
+
+def _finetune_folder_through_a_link(models: ModelSet, root: str) -> str:
+    link = os.path.join(root, "link")
+    os.symlink(models.agents[0], link)
+    return link
+
+
 CASES = [
     Case("no `base_model`", _no_base, "ram_plus needs `base_model`"),
     Case("the base also listed as a fine-tune", _base_as_finetune, "is also listed under `models`"),
@@ -170,6 +181,19 @@ CASES = [
         "Non-floating buffer 'model.step_counter' differs between inputs",
         script="mergekit-pytorch",
     ),
+    Case(
+        "the output folder is the base's folder (spelled `<models>/base/../base/`)",
+        lambda models, root: models.recipe("ram_plus"),
+        "is the folder of the input",
+        out=_base_folder_spelled_with_dots,
+    ),
+    Case(
+        "`mergekit-pytorch` into the folder of an input file (through a symbolic link)",
+        lambda models, root: models.recipe("ram"),
+        "is the folder of the input",
+        script="mergekit-pytorch",
+        out=_finetune_folder_through_a_link,
+    ),
 ]
 
 
@@ -180,8 +204,23 @@ def _merge(recipe: dict[str, Any], out: str) -> None:
 _OUTCOMES: dict[str, tuple[str, list[str]]] = {}
 
 
+def _contents(folder: str) -> dict[str, bytes]:
+    """The files directly in ``folder`` ({} if it does not exist)."""
+    if not os.path.isdir(folder):
+        return {}
+    found = {}
+    for name in os.listdir(folder):
+        path = os.path.join(folder, name)
+        if os.path.isfile(path):
+            with open(path, "rb") as handle:
+                found[name] = handle.read()
+        else:
+            found[name] = b"<folder>"
+    return found
+
+
 def _outcome(title: str, models: ModelSet, root: str) -> tuple[str, list[str]]:
-    """The message a user gets for a case, and what the output folder holds afterwards (run once)."""
+    """The message a user gets for a case, and the files the merge changed in the output folder (run once)."""
     if title not in _OUTCOMES:
         _OUTCOMES[title] = _run_case(title, models, root)
     return _OUTCOMES[title]
@@ -191,8 +230,9 @@ def _run_case(title: str, models: ModelSet, root: str) -> tuple[str, list[str]]:
     case = next(case for case in CASES if case.title == title)
     scratch = os.path.join(root, re.sub(r"\W+", "-", title))
     os.makedirs(scratch)
-    out = os.path.join(scratch, "out")
+    out = case.out(models, scratch) if case.out is not None else os.path.join(scratch, "out")
     recipe = case.make(models, scratch)
+    before = _contents(out)
     if case.script == "mergekit-pytorch":
         message = _pytorch_error(recipe, scratch, out)
     else:
@@ -202,8 +242,9 @@ def _run_case(title: str, models: ModelSet, root: str) -> tuple[str, list[str]]:
             message = str(error).splitlines()[0]
         else:
             raise AssertionError(f"{title}: the merge succeeded")
-    left = sorted(os.listdir(out)) if os.path.exists(out) else []
-    return message.replace(scratch, "<dir>").replace(os.path.dirname(models.base), "<models>"), left
+    after = _contents(out)
+    changed = sorted(name for name in {*before, *after} if before.get(name) != after.get(name))
+    return message.replace(scratch, "<dir>").replace(os.path.dirname(models.base), "<models>"), changed
 
 
 def _pytorch_error(recipe: dict[str, Any], scratch: str, out: str) -> str:
@@ -225,9 +266,9 @@ def scratch_root(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.mark.parametrize("case", CASES, ids=[case.title for case in CASES])
 def test_bad_input_is_refused_and_nothing_is_written(case: Case, bf16_models: ModelSet, scratch_root: str) -> None:
-    message, left = _outcome(case.title, bf16_models, scratch_root)
+    message, changed = _outcome(case.title, bf16_models, scratch_root)
     assert case.expected in message
-    assert left == [], f"the output folder should not exist after a failed merge; it holds {left}"
+    assert changed == [], f"the failed merge changed {changed} in the output folder"
 
 
 def _table(models: ModelSet, root: str) -> str:
@@ -299,7 +340,7 @@ def test_interrupted_merge_leaves_nothing_that_looks_finished(tmp_path) -> None:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    staged = out / STAGING_DIR
+    staged = out / STAGING_DIR / "new" / "out"  # mergekit writes into the staging folder of the transaction
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and process.poll() is None:
         if staged.exists() and len(os.listdir(staged)) >= 2:
@@ -312,6 +353,10 @@ def test_interrupted_merge_leaves_nothing_that_looks_finished(tmp_path) -> None:
     assert MARKER_FILE in left
     assert not glob.glob(str(out / "*.safetensors")) and "config.json" not in left, left
     assert glob.glob(str(staged / "*.safetensors"))  # the partial shards are where the marker says
+    rerun = subprocess.run([script("mergekit-yaml"), recipe, str(out)], env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert rerun.returncode == 0  # the killed run's lock died with it; the rerun clears the marker
+    left = sorted(os.listdir(out))
+    assert MARKER_FILE not in left and STAGING_DIR not in left and "config.json" in left
 
 
 def test_same_inputs_give_byte_identical_files(bf16_models: ModelSet, tmp_path) -> None:

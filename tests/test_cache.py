@@ -1,0 +1,153 @@
+"""The pre-pass cache only ever helps (case 7): any problem is a warning and a fresh pre-pass.
+
+Entries are planted where the real key of a real planned merge points; the counts that come
+back must equal a pre-pass without the cache, and the log must name the entry and the way
+to switch the cache off.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+import time
+from typing import Any, Callable
+
+import pytest
+from mergekit.config import MergeConfiguration
+from mergekit.merge import run_merge
+from mergekit.options import MergeOptions
+
+from mergekit_ram import cache
+from mergekit_ram.integration import plan_merge_tasks
+from mergekit_ram.prepass import counted_prepass
+from tests.conftest import ModelSet, load_statistics
+
+OPTIONS = MergeOptions(quiet=True)
+
+
+@pytest.fixture(scope="module")
+def planned(bf16_models: ModelSet) -> tuple[list[Any], str, list[Any]]:
+    """The merge tasks of a real ram_plus recipe, their cache key, and their uncached counts."""
+    tasks = plan_merge_tasks(MergeConfiguration.model_validate(bf16_models.recipe("ram_plus")), OPTIONS)
+    return tasks, cache.cache_key(tasks), counted_prepass(tasks, OPTIONS)
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch: pytest.MonkeyPatch) -> str:
+    monkeypatch.setenv(cache.MODE_VARIABLE, "on")
+    monkeypatch.setenv(cache.DIRECTORY_VARIABLE, str(tmp_path / "cache"))
+    return str(tmp_path / "cache")
+
+
+def _entry(key: str) -> str:
+    return os.path.join(cache.directory(), "prepass", f"{key}.json")
+
+
+def _valid(planned: tuple[list[Any], str, list[Any]]) -> dict[str, Any]:
+    tasks, key, _ = planned
+    counted_prepass(tasks, OPTIONS)  # writes the entry
+    with open(_entry(key), encoding="utf-8") as handle:
+        return json.load(handle)
+
+
+def _edit(change: Callable[[dict[str, Any]], Any]) -> Callable[[dict[str, Any]], Any]:
+    def edited(entry: dict[str, Any]) -> Any:
+        change(entry)
+        return entry
+
+    return edited
+
+
+BROKEN = {
+    "not JSON": lambda entry: "{ truncated",
+    "a list": lambda entry: [1, 2, 3],
+    "tensors not a list": lambda entry: {"tensors": 5},
+    "null histograms": _edit(lambda entry: entry["tensors"][0].update(histograms=None)),
+    "a tensor fewer": _edit(lambda entry: entry["tensors"].pop(3)),
+    "tensors in another order": _edit(lambda entry: entry["tensors"].reverse()),
+    "another model": _edit(lambda entry: entry["tensors"][2]["models"].__setitem__(0, "/elsewhere/agent")),
+    "a wrong element count": _edit(lambda entry: entry["tensors"][1].update(numel=entry["tensors"][1]["numel"] + 1)),
+    "a histogram row too long": _edit(lambda entry: entry["tensors"][4]["histograms"][0].append(0)),
+}
+
+
+@pytest.mark.parametrize("damage", list(BROKEN), ids=list(BROKEN))
+def test_a_broken_entry_is_a_warning_and_a_fresh_prepass(
+    planned: tuple[list[Any], str, list[Any]], cache_dir: str, damage: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    tasks, key, fresh = planned
+    broken = BROKEN[damage](_valid(planned))
+    with open(_entry(key), "w", encoding="utf-8") as handle:
+        handle.write(broken if isinstance(broken, str) else json.dumps(broken))
+    with caplog.at_level(logging.INFO):
+        counts = counted_prepass(tasks, OPTIONS)
+    assert counts == fresh
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and _entry(key) in warnings[0] and "MERGEKIT_RAM_CACHE=off" in warnings[0], warnings
+    assert any("pre-pass done" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        assert counted_prepass(tasks, OPTIONS) == fresh  # the entry was rewritten and is used again
+    assert any("using cached counts" in r.getMessage() for r in caplog.records)
+
+
+def test_an_unwritable_cache_is_a_warning_and_the_merge_goes_on(
+    bf16_models: ModelSet, planned: tuple[list[Any], str, list[Any]], cache_dir: str, tmp_path, caplog
+) -> None:
+    tasks, key, fresh = planned
+    # A file where the cache directory should be: a real merge still succeeds.
+    with open(cache_dir, "w", encoding="utf-8") as handle:
+        handle.write("in the way\n")
+    out = str(tmp_path / "out")
+    with caplog.at_level(logging.WARNING):
+        run_merge(MergeConfiguration.model_validate(bf16_models.recipe("ram_plus")), out, options=OPTIONS)
+    assert load_statistics(out)["tensors"] == [counts.to_dict() for counts in fresh]
+    messages = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any(_entry(key) in m and "MERGEKIT_RAM_CACHE=off" in m and "the merge goes on" in m for m in messages)
+
+    # A full disk (the temporary file is /dev/full): a warning, and no .partial file is left.
+    os.remove(cache_dir)
+    os.makedirs(os.path.dirname(_entry(key)))
+    os.symlink("/dev/full", f"{_entry(key)}.{os.getpid()}.partial")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        assert counted_prepass(tasks, OPTIONS) == fresh
+    assert any("No space left on device" in r.getMessage() and _entry(key) in r.getMessage() for r in caplog.records)
+    assert os.listdir(os.path.dirname(_entry(key))) == []
+
+
+def _same_size_and_mtime_copy(file: str, work: str) -> str:
+    """A copy of ``file`` with bytes changed between the fingerprint's sampled blocks, same mtime."""
+    with open(file, "rb") as handle:
+        data = bytearray(handle.read())
+    offset = (1 << 20) + (1 << 16) + 100  # after the first MiB and the first sampled block
+    assert len(data) > offset + (1 << 20)
+    data[offset : offset + 8] = bytes(255 - b for b in data[offset : offset + 8])
+    variant = os.path.join(work, "variant.safetensors")
+    with open(variant, "wb") as handle:
+        handle.write(bytes(data))
+    status = os.stat(file)
+    os.utime(variant, ns=(status.st_atime_ns, status.st_mtime_ns))
+    return variant
+
+
+@pytest.mark.parametrize("tool", ["cp -p", "rsync -a"])
+def test_fingerprint_sees_a_file_replaced_with_the_same_size_and_mtime(tmp_path, tool: str) -> None:
+    """Case 7: the change falls between the sampled blocks; identity and change time catch it."""
+    file = str(tmp_path / "model.safetensors")
+    with open(file, "wb") as handle:
+        handle.write(os.urandom(4 << 20))
+    before = cache.fingerprint(file)
+    variant = _same_size_and_mtime_copy(file, str(tmp_path))
+    time.sleep(0.05)  # change times have the kernel clock's resolution
+    if tool == "cp -p":
+        subprocess.run(["cp", "-p", variant, file], check=True)  # rewrites the same inode
+    else:
+        shutil.copy2(variant, file + ".tmp")  # what rsync -a does: a new file renamed over the old
+        os.replace(file + ".tmp", file)
+    status = os.stat(file)
+    assert (status.st_size, status.st_mtime_ns) == (4 << 20, os.stat(variant).st_mtime_ns)
+    assert cache.fingerprint(file) != before

@@ -1,0 +1,261 @@
+"""A RAM merge never destroys data: the output transaction, the lock, protected inputs.
+
+Every run is the real console script in a subprocess, on real files. Faults are injected by
+``tests/faults/sitecustomize.py`` (put on the subprocess's PYTHONPATH; the library has no test
+hooks): a signal or a full disk at a named moment, and each outcome is compared byte for byte
+with the folder before the merge ("old") and with the same merge run without a fault ("new").
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+from typing import Any, Optional
+
+import pytest
+import yaml
+from mergekit.config import MergeConfiguration
+from mergekit.merge import run_merge
+from mergekit.options import MergeOptions
+
+from mergekit_ram import staging
+from mergekit_ram.checks import InputError
+from mergekit_ram.staging import LOCK_FILE, MANIFEST_FILE, MARKER_FILE, MARKER_TEXT, STAGING_DIR
+from tests.conftest import ModelSet, run_script, script, write_recipe
+from tests.test_prepass import save_tokenizer
+
+FAULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "faults")
+USER_FILES = {
+    "notes.txt": b"my notes\n",
+    "adapter_model.safetensors": b"not really an adapter",
+    "my_embeddings.safetensors": b"user embeddings",
+    "pytorch_model_backup.bin": b"a backup",
+    "adapter_config.json": b"{}\n",
+}
+NEW_PUBLISH = ".mergekit-ram-partial/new"  # the source path of every publish rename
+
+
+def snapshot(folder: str) -> dict[str, bytes]:
+    """Every file under ``folder`` (hidden ones too), by relative path.
+
+    mergekit's card lists the models in the order of a set of ModelReference, whose hash
+    includes its class's id: ``README.md`` counts as its lines, in sorted order.
+    """
+    found = {}
+    for root, _dirs, files in os.walk(folder):
+        for name in files:
+            path = os.path.join(root, name)
+            with open(path, "rb") as handle:
+                data = handle.read()
+            if name == "README.md":
+                data = b"\n".join(sorted(data.split(b"\n")))
+            found[os.path.relpath(path, folder)] = data
+    return found
+
+
+def fault_env(fault: Optional[str] = None, **extra: str) -> dict[str, str]:
+    """The fault hook on PYTHONPATH (it does nothing without a fault)."""
+    env = {
+        "PYTHONPATH": os.pathsep.join(filter(None, [FAULTS, os.environ.get("PYTHONPATH")])),
+        **extra,
+    }
+    if fault:
+        env["MERGEKIT_RAM_TEST_FAULT"] = fault
+    return env
+
+
+class World:
+    """Models with a tokenizer, an earlier sharded `ram` merge beside user files, the new merge."""
+
+    def __init__(self, root: str, models: ModelSet) -> None:
+        self.root = root
+        base = shutil.copytree(models.base, os.path.join(root, "base"))
+        save_tokenizer(base, ["<unk>"] + [f"t{i}" for i in range(1, 64)])
+        self.models = ModelSet(base=base, agents=models.agents, design=models.design)
+        self.old_recipe = write_recipe(os.path.join(root, "old.yml"), self.models.recipe("ram"))
+        self.new_recipe = write_recipe(os.path.join(root, "new.yml"), self.models.recipe("ram_plus"))
+        self.template = os.path.join(root, "template", "out")
+        run_script("mergekit-yaml", self.old_recipe, self.template, "--out-shard-size", "8K", env=fault_env())
+        for name, data in USER_FILES.items():
+            with open(os.path.join(self.template, name), "wb") as handle:
+                handle.write(data)
+        self.old = snapshot(self.template)
+        reference = self.copy_old("reference")
+        self.log = run_script("mergekit-yaml", self.new_recipe, reference, "-v", env=fault_env()).stderr
+        self.new = snapshot(reference)
+
+    def copy_old(self, name: str) -> str:
+        out = os.path.join(self.root, name, "out")
+        shutil.copytree(self.template, out, symlinks=True)
+        return out
+
+
+@pytest.fixture(scope="module")
+def world(bf16_models: ModelSet, tmp_path_factory: pytest.TempPathFactory) -> World:
+    return World(str(tmp_path_factory.mktemp("output")), bf16_models)
+
+
+def test_a_merge_replaces_only_what_merges_wrote(world: World) -> None:
+    """Case 1: user files survive, weight-like or not; the earlier merge's shards are replaced."""
+    old_shards = sorted(name for name in world.old if name.startswith("model-0"))
+    assert len(old_shards) > 3 and "model.safetensors.index.json" in world.old
+    for name, data in USER_FILES.items():
+        assert world.new[name] == data
+    assert not [name for name in world.new if name.startswith("model-0")]
+    assert "model.safetensors.index.json" not in world.new
+    assert {"model.safetensors", "config.json", "tokenizer.json", "README.md", "ram_statistics.json"} <= set(world.new)
+    assert not {MARKER_FILE, LOCK_FILE} & set(world.new)
+    assert not [name for name in world.new if name.startswith(STAGING_DIR)]
+    manifest = json.loads(world.new[MANIFEST_FILE])
+    assert manifest["weights"] == ["model.safetensors"] and "tokenizer.json" in manifest["files"]
+    assert "removed model-00001-of-" in world.log and "model.safetensors.index.json" in world.log
+    assert "replaced its earlier" in world.log and "config.json" in world.log
+    with open(os.path.join(world.root, "reference", "out", "README.md"), encoding="utf-8") as handle:
+        card = handle.read()
+    assert card.startswith("---") and "\n# out\n" in card and "## RAM statistics" in card
+
+
+FAULT_CASES = [
+    # (fault, outcome): "old" = byte for byte the folder before, "new" = the complete new merge
+    ("kernel:prepass:3:SIGINT", "old"),
+    ("kernel:merge:5:SIGTERM", "old"),
+    ("open:config.json:1:SIGINT", "old"),  # mergekit wrote the new config (case 5)
+    ("open:tokenizer.json:1:SIGTERM", "old"),
+    ("open:README.md:1:ENOSPC", "old"),  # disk full while the card is written (case 5)
+    ("replace:" + NEW_PUBLISH + ":1:SIGINT", "new"),  # signals are held while publishing (case 6)
+    ("replace:" + NEW_PUBLISH + ":5:SIGTERM", "new"),
+    ("replace:" + NEW_PUBLISH + ":3:ENOSPC", "old"),  # a failed rename: the journal rolls back
+]
+
+
+@pytest.mark.parametrize(("fault", "outcome"), FAULT_CASES, ids=[fault for fault, _ in FAULT_CASES])
+def test_a_fault_leaves_the_old_folder_or_the_complete_new_merge(world: World, fault: str, outcome: str) -> None:
+    out = world.copy_old(fault.replace(":", "-").replace("/", "-"))
+    completed = run_script("mergekit-yaml", world.new_recipe, out, env=fault_env(fault), check=False)
+    assert completed.returncode != 0, "the fault did not fire"
+    action = fault.rsplit(":", 1)[1]
+    if action == "SIGTERM":
+        assert completed.returncode == -signal.SIGTERM
+    else:
+        assert {"SIGINT": "Aborted!", "ENOSPC": "No space left on device"}[action] in completed.stderr
+        assert "Traceback" not in completed.stderr or action == "ENOSPC", completed.stderr[-3000:]
+    expected = world.old if outcome == "old" else world.new
+    assert snapshot(out) == expected, completed.stderr[-3000:]
+
+
+def test_a_killed_publish_is_marked_and_the_rerun_clears_it(world: World) -> None:
+    """SIGKILL in the middle of publishing: marked, not loadable; recovery gives old; a rerun gives new."""
+    out = world.copy_old("killed")
+    fault = f"replace:{NEW_PUBLISH}:3:SIGKILL"
+    completed = run_script("mergekit-yaml", world.new_recipe, out, env=fault_env(fault), check=False)
+    assert completed.returncode == -signal.SIGKILL
+    left = os.listdir(out)
+    assert MARKER_FILE in left and "config.json" not in left  # neither transformers nor --lazy takes it
+    with open(os.path.join(out, MARKER_FILE), encoding="utf-8") as handle:
+        assert handle.read() == MARKER_TEXT  # case 8: it says what it means and when deleting it is safe
+    assert "does\nnot remove this file" in MARKER_TEXT and "Deleting it" in MARKER_TEXT
+
+    recovered = shutil.copytree(out, os.path.join(world.root, "recovered", "out"), symlinks=True)
+    staging.recover(recovered)
+    after = {k: v for k, v in snapshot(recovered).items() if not k.startswith((STAGING_DIR, MARKER_FILE, LOCK_FILE))}
+    assert after == world.old
+
+    run_script("mergekit-yaml", world.new_recipe, out, env=fault_env())  # the lock the killed run held is gone with it
+    assert snapshot(out) == world.new
+
+
+def test_a_second_merge_into_a_busy_folder_is_refused_at_once(world: World) -> None:
+    """Case 4: one merge per output folder, by an OS lock."""
+    out = world.copy_old("busy")
+    release = os.path.join(world.root, "busy", "release")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", **fault_env("kernel:merge:2:wait", MERGEKIT_RAM_TEST_RELEASE=release)}
+    first = subprocess.Popen(
+        [script("mergekit-yaml"), world.new_recipe, out], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not os.path.exists(release + ".waiting") and time.monotonic() < deadline and first.poll() is None:
+            time.sleep(0.05)
+        assert os.path.exists(release + ".waiting"), "the first merge never reached the merge"
+        during = snapshot(out)
+        second = run_script("mergekit-yaml", world.old_recipe, out, env=fault_env(), check=False)
+        assert second.returncode != 0
+        assert f"another merge is writing to {out}" in second.stderr
+        assert snapshot(out) == during
+    finally:
+        open(release, "w").close()
+        first.wait(120)
+    assert first.returncode == 0, first.stderr.read().decode()[-3000:] if first.stderr else ""
+    assert snapshot(out) == world.new
+
+
+def _spellings(folder: str, root: str) -> list[str]:
+    link = os.path.join(root, "link-to-" + os.path.basename(folder))
+    if not os.path.lexists(link):
+        os.symlink(folder, link)
+    parent, name = os.path.split(folder)
+    return [folder, folder + "/", os.path.join(parent, "..", os.path.basename(parent), name), link, link + "/"]
+
+
+def test_an_input_folder_is_refused_however_spelled(world: World, tmp_path) -> None:
+    """Case 3: the base's or a fine-tune's folder as the output, refused before anything is read."""
+    before = {path: snapshot(path) for path in [world.models.base, world.models.agents[1]]}
+    config = MergeConfiguration.model_validate(world.models.recipe("ram_plus"))
+    for folder, label in ((world.models.base, world.models.base), (world.models.agents[1], world.models.agents[1])):
+        for spelling in _spellings(folder, str(tmp_path)):
+            with pytest.raises(InputError, match="is the folder of the input") as raised:
+                run_merge(config, spelling, options=MergeOptions(quiet=True))
+            assert label in str(raised.value) and spelling in str(raised.value)
+    assert {path: snapshot(path) for path in before} == before
+
+
+def _pytorch_recipe(models: ModelSet, root: str, method: str = "ram_plus") -> str:
+    recipe: dict[str, Any] = {
+        "merge_method": method,
+        "base_model": os.path.join(models.base, "model.safetensors"),
+        "models": [{"model": os.path.join(path, "model.safetensors")} for path in models.agents],
+    }
+    return write_recipe(os.path.join(root, f"pytorch-{method}.yml"), recipe)
+
+
+def test_mergekit_pytorch_refuses_an_input_folder_and_publishes_all_or_nothing(world: World, tmp_path) -> None:
+    """Case 2, and the same transaction under mergekit-pytorch."""
+    recipe = _pytorch_recipe(world.models, str(tmp_path))
+    agent = world.models.agents[0]
+    before = snapshot(agent)
+    link = _spellings(agent, str(tmp_path))[3] + "/"
+    refused = run_script("mergekit-pytorch", recipe, link, check=False)
+    assert refused.returncode != 0
+    assert f"is the folder of the input {os.path.join(agent, 'model.safetensors')}" in refused.stderr
+    assert snapshot(agent) == before
+
+    out = world.copy_old("pytorch")
+    failed = run_script("mergekit-pytorch", recipe, out, env=fault_env(f"replace:{NEW_PUBLISH}:2:ENOSPC"), check=False)
+    assert failed.returncode != 0 and snapshot(out) == world.old
+    run_script("mergekit-pytorch", recipe, out)
+    merged = snapshot(out)
+    assert {name: merged[name] for name in USER_FILES} == USER_FILES
+    assert merged["config.json"] == world.old["config.json"]  # mergekit-pytorch writes no config
+    assert not [name for name in merged if name.startswith("model-0")] and MARKER_FILE not in merged
+
+
+def test_mergekit_multi_lazy_reruns_a_stage_killed_while_publishing(world: World, tmp_path) -> None:
+    """A stage killed mid-publish has no config.json, so --lazy merges it again instead of skipping it."""
+    stages = tmp_path / "stages"
+    recipe = dict(yaml.safe_load(open(world.new_recipe, encoding="utf-8")), name="stage")
+    config = str(tmp_path / "multi.yml")
+    with open(config, "w", encoding="utf-8") as handle:
+        yaml.safe_dump(recipe, handle, sort_keys=False)
+    killed = run_script(
+        "mergekit-multi", config, "-I", str(stages), env=fault_env(f"replace:{NEW_PUBLISH}:2:SIGKILL"), check=False
+    )
+    assert killed.returncode == -signal.SIGKILL
+    assert MARKER_FILE in os.listdir(stages / "stage") and "config.json" not in os.listdir(stages / "stage")
+    rerun = run_script("mergekit-multi", config, "-I", str(stages), "--lazy", "-v")
+    assert "already exists" not in rerun.stderr
+    left = os.listdir(stages / "stage")
+    assert MARKER_FILE not in left and STAGING_DIR not in left and "config.json" in left
