@@ -254,7 +254,7 @@ def patch_raw_pytorch(raw: ModuleType) -> None:
 
     def make_command(original: Callable) -> Callable:
         def command(*args: Any, **kwargs: Any) -> Any:
-            check_recipe_file(kwargs.get("config_path"), raw.RawPyTorchMergeConfig)
+            check_recipe_file(kwargs.get("config_path"), _require(raw, "RawPyTorchMergeConfig"))
             token = _RAW_OUT.set(None)
             try:
                 return original(*args, **kwargs)

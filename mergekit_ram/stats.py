@@ -321,7 +321,8 @@ PROJECT_URL = "https://github.com/mergekit-ram/mergekit-ram"
 _WITHOUT_PLUGIN = {
     "ram": "Without mergekit-ram, mergekit silently runs its own built-in `ram` instead: it computes in "
     "the checkpoints' dtype, so on bfloat16 or float16 checkpoints its numbers differ from this model's "
-    "(mergekit-ram computes in float32 and rounds once), and it writes no `ram_statistics.json`.",
+    "(mergekit-ram computes in float32, or the inputs' precision if wider, and rounds once) unless the "
+    "recipe sets `dtype: float32`, and it writes no `ram_statistics.json`.",
     "ram_plus": "Without mergekit-ram, mergekit refuses `ram_plus` (an unknown merge method); its own "
     "`ramplus_tl` is a different, tensor-local rule.",
 }
