@@ -1,7 +1,7 @@
 """Registers mergekit-ram with mergekit the moment mergekit is imported.
 
 Imported at interpreter start by ``mergekit_ram_autoload.pth``; standard library only,
-so it costs well under a millisecond. A ``sys.meta_path`` finder watches four mergekit
+so it costs well under a millisecond. A ``sys.meta_path`` finder watches five mergekit
 modules; when one finishes executing, the matching function of
 ``mergekit_ram.integration`` patches it. Every other import passes straight through.
 Set ``MERGEKIT_RAM_AUTOLOAD=0`` to switch it off; ``mergekit_ram.register()`` then does
@@ -19,6 +19,7 @@ HOOKS = {
     "mergekit.plan": "patch_planner",
     "mergekit.merge": "patch_run_merge",
     "mergekit.scripts.merge_raw_pytorch": "patch_raw_pytorch",
+    "mergekit.scripts.multimerge": "patch_multimerge",
 }
 
 

@@ -25,21 +25,14 @@ class InputError(ValueError):
 
 
 def check_models(config: Any) -> None:
-    """A base model is set and is not also listed as a fine-tune; local paths exist."""
+    """A base model is set; every model is listed once (however spelled); local paths exist."""
     base = getattr(config, "base_model", None)
     if base is None:
         raise InputError(
             f"{config.merge_method} needs `base_model`: RAM merges task vectors (fine-tune minus base) and "
             "has no meaning without the common base"
         )
-    base_path = base if isinstance(base, str) else base.model.path
-    for entry in getattr(config, "models", None) or []:
-        path = entry.model if isinstance(entry.model, str) else entry.model.model.path
-        if entry.model == base or os.path.normpath(path) == os.path.normpath(base_path):
-            raise InputError(
-                f"the base model {base_path} is also listed under `models`: list only the fine-tuned models "
-                "(RAM would otherwise merge one agent fewer than you expect)"
-            )
+    check_listed_once(base, _model_lists(config))
     headers = _Headers()
     for model in [base, *_listed_models(config)]:
         for path in _local_paths(model):
@@ -50,11 +43,67 @@ def check_models(config: Any) -> None:
                 headers.read(str(model), file)
 
 
+def model_identity(model: Any) -> tuple[Optional[str], ...]:
+    """What makes two references one model: the real path of a local model (``./ft``, ``ft/``,
+    symlinks and ``~`` resolved) or the Hub id, with its revision, LoRA and architecture override."""
+    if isinstance(model, str):
+        return (_real_path(model), None, None, None, None)
+    lora = model.lora
+    return (
+        _real_path(model.model.path),
+        model.model.revision,
+        _real_path(lora.path) if lora is not None else None,
+        lora.revision if lora is not None else None,
+        model.override_architecture,
+    )
+
+
+def _real_path(path: str) -> str:
+    """A local path as the file system resolves it (mergekit takes an existing path as local); else the id."""
+    expanded = os.path.expanduser(path)
+    return os.path.realpath(expanded) if os.path.exists(expanded) else path
+
+
+def check_listed_once(base: Any, model_lists: Iterable[tuple[str, list[Any]]]) -> None:
+    """No model twice in one list, and the base not among the fine-tunes, under any spelling.
+
+    mergekit compares references as written, so ``ft`` and ``./ft/`` would be two agents and
+    RAM would count one model's changes twice (its updates would all look shared).
+    """
+    base_identity = model_identity(base)
+    base_path = str(base) if isinstance(base, str) else base.model.path
+    for where, models in model_lists:
+        seen: dict[tuple[Optional[str], ...], Any] = {}
+        for model in models:
+            identity = model_identity(model)
+            if identity == base_identity and (where.endswith("models") or model != base):
+                raise InputError(
+                    f"the base model {base_path} is also listed under `{where}` as {model}: list only the "
+                    "fine-tuned models, each once (RAM would otherwise merge one agent fewer than you expect)"
+                )
+            if identity in seen:
+                raise InputError(
+                    f"{model} and {seen[identity]} in `{where}` are the same model ({identity[0]}): list each "
+                    "fine-tuned model once (RAM would count its changes twice, all as shared)"
+                )
+            seen[identity] = model
+
+
+def _model_lists(config: Any) -> Iterator[tuple[str, list[Any]]]:
+    """Each list of a recipe's input models, with where it is: models, each slice's sources, modules."""
+    if getattr(config, "models", None):
+        yield "models", [entry.model for entry in config.models]
+    for index, output_slice in enumerate(getattr(config, "slices", None) or []):
+        yield f"slices[{index}].sources", [source.model for source in output_slice.sources]
+    for name, module in (getattr(config, "modules", None) or {}).items():
+        if module.models:
+            yield f"modules.{name}.models", [entry.model for entry in module.models]
+        for index, output_slice in enumerate(module.slices or []):
+            yield f"modules.{name}.slices[{index}].sources", [source.model for source in output_slice.sources]
+
+
 def _listed_models(config: Any) -> list[Any]:
-    models = [entry.model for entry in getattr(config, "models", None) or []]
-    for output_slice in getattr(config, "slices", None) or []:
-        models += [source.model for source in output_slice.sources]
-    return models
+    return [model for _, models in _model_lists(config) for model in models]
 
 
 def _local_paths(model: Any) -> Iterator[str]:

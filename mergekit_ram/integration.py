@@ -11,19 +11,31 @@ failing with the mergekit version in the message if they moved.
 
 from __future__ import annotations
 
+import difflib
 import functools
 import importlib.metadata
 import json
 import logging
 import os
 import sys
+import types
 import warnings
 from types import ModuleType
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, NamedTuple, Optional, Union, get_args, get_origin
 
+import yaml
 from pydantic import BaseModel
 
-from mergekit_ram.parameters import ParameterError, check_parameter, parameter_info
+from mergekit_ram.parameters import (
+    ParameterError,
+    RecipeError,
+    check_lambda_range,
+    check_parameter,
+    close_name,
+    declared_names,
+    parameter_info,
+    unknown_parameter,
+)
 
 LOG = logging.getLogger(__name__)
 
@@ -49,11 +61,13 @@ def register() -> None:
     import mergekit.merge_methods
     import mergekit.plan
     import mergekit.scripts.merge_raw_pytorch
+    import mergekit.scripts.multimerge
 
     register_methods(mergekit.merge_methods)
     patch_planner(mergekit.plan)
     patch_run_merge(mergekit.merge)
     patch_raw_pytorch(mergekit.scripts.merge_raw_pytorch)
+    patch_multimerge(mergekit.scripts.multimerge)
 
 
 def _require(owner: Any, name: str) -> Any:
@@ -67,8 +81,19 @@ def _require(owner: Any, name: str) -> Any:
     return getattr(owner, name)
 
 
+#: Set to 1 to keep mergekit's own ``ram`` (``ram_plus`` stays mergekit-ram's); read at registration.
+BUILTIN_RAM_VARIABLE = "MERGEKIT_RAM_BUILTIN_RAM"
+
+
+def keep_builtin_ram() -> bool:
+    return os.environ.get(BUILTIN_RAM_VARIABLE, "").strip().lower() in ("1", "true", "yes", "on")
+
+
 def register_methods(merge_methods: ModuleType) -> None:
-    """Add ``ram_plus``; replace the built-in ``ram`` (and only that one) with ours."""
+    """Add ``ram_plus``; replace the built-in ``ram`` (and only that one) with ours.
+
+    With ``MERGEKIT_RAM_BUILTIN_RAM=1`` mergekit's built-in ``ram`` stays (or is put back).
+    """
     version = mergekit_version()
     if version not in TESTED_MERGEKIT:
         warnings.warn(
@@ -82,13 +107,21 @@ def register_methods(merge_methods: ModuleType) -> None:
     from mergekit_ram.methods import METHODS
 
     table = _require(registry, "_METHODS")
+    builtin = getattr(builtin_ram, "ram_merge", None)
     for name, method in METHODS.items():
         current = table.get(name)
-        if current is method:
+        if name == "ram" and keep_builtin_ram() and builtin is not None and current in (method, builtin):
+            table[name] = builtin
+            LOG.warning(
+                "mergekit-ram: %s=1: keeping mergekit's built-in 'ram' (arithmetic in the checkpoint dtype, "
+                "no ram_statistics.json); 'ram_plus' is mergekit-ram's",
+                BUILTIN_RAM_VARIABLE,
+            )
+        elif current is method:
             continue
-        if current is None:
+        elif current is None:
             registry.register(method)
-        elif name == "ram" and current is getattr(builtin_ram, "ram_merge", None):
+        elif name == "ram" and current is builtin:
             table[name] = method
             LOG.info("mergekit-ram: replaced mergekit's built-in 'ram' (checkpoint-dtype arithmetic) with float32 RAM")
         else:
@@ -117,16 +150,20 @@ def _is_ours(method_name: str) -> bool:
         return False
 
 
-def check_config(method: str, config: Any) -> None:
-    """Parameters, base model and model paths of a RAM recipe, before anything is read."""
+def check_config(method: str, config: Any, source: Optional[str] = None) -> None:
+    """Keys (when the recipe's YAML ``source`` is at hand), parameters, base model and model
+    paths of a RAM recipe, before anything is read."""
     from mergekit_ram.checks import check_models
 
+    if source is not None:
+        check_recipe_keys(method, yaml.safe_load(source), type(config))
     check_recipe(method, config)
     check_models(config)
 
 
 def patch_planner(plan: ModuleType) -> None:
     """Check RAM recipes before planning; run the pre-pass and add statistics after."""
+    from mergekit_ram import staging
     from mergekit_ram.prepass import attach_ram_plan
 
     planner = _require(plan, "MergePlanner")
@@ -136,9 +173,10 @@ def patch_planner(plan: ModuleType) -> None:
             method = self.config.merge_method
             if not _is_ours(method):
                 return original(self, *args, **kwargs)
-            check_config(method, self.config)
-            targets = original(self, *args, **kwargs)
             out_path = (args[0] if args else kwargs["out_path"]) if to_disk else None
+            if out_path is None or not staging.is_staging_folder(out_path):  # else run_merge checked it already
+                check_config(method, self.config)
+            targets = original(self, *args, **kwargs)
             return attach_ram_plan(targets, self.options, out_path)
 
         return planned
@@ -161,7 +199,7 @@ def patch_run_merge(merge: ModuleType) -> None:
             if not _is_ours(merge_config.merge_method):
                 return original(merge_config, out_path, options=options, config_source=config_source)
             staging.refuse_input_folder(out_path, _model_folders(merge_config))
-            check_config(merge_config.merge_method, merge_config)
+            check_config(merge_config.merge_method, merge_config, config_source)
             with staging.output_transaction(out_path) as staged:
                 result = original(merge_config, staged, options=options, config_source=config_source)
                 if not os.path.isdir(staged):
@@ -214,6 +252,7 @@ def patch_raw_pytorch(raw: ModuleType) -> None:
 
     def make_command(original: Callable) -> Callable:
         def command(*args: Any, **kwargs: Any) -> Any:
+            check_recipe_file(kwargs.get("config_path"), _require(raw, "RawPyTorchMergeConfig"))
             config = _raw_config(raw, kwargs.get("config_path"))
             if args or config is None or "out_path" not in kwargs or not _is_ours(config.merge_method):
                 return original(*args, **kwargs)
@@ -266,7 +305,25 @@ def plan_merge_tasks(config: Any, options: Any) -> list[Any]:
     return [task for _, task in _require(planner, "_tensors")]
 
 
+def patch_multimerge(multimerge: ModuleType) -> None:
+    """``mergekit-multi`` validates each stage of its file and rebuilds it without the keys it
+    dropped; check the raw stages of RAM recipes for unknown keys first."""
+
+    def make(original: Callable) -> Callable:
+        def load_config(config_source: str, intermediate_dir: str) -> Any:
+            for document in yaml.safe_load_all(config_source):
+                if isinstance(document, dict):
+                    stage = {key: value for key, value in document.items() if key != "name"}
+                    _check_raw_keys(stage, _require(multimerge, "MergeConfiguration"))
+            return original(config_source, intermediate_dir)
+
+        return load_config
+
+    _wrap(multimerge, "load_config", make)
+
+
 def append_card_section(out_path: str) -> None:
+    """Tag the card ``mergekit-ram`` and add how to reproduce the merge and its statistics."""
     from mergekit_ram.stats import STATISTICS_FILE, RamStatistics
 
     card = os.path.join(out_path, "README.md")
@@ -275,33 +332,133 @@ def append_card_section(out_path: str) -> None:
         return
     with open(statistics_path, encoding="utf-8") as handle:
         statistics = RamStatistics.from_dict(json.load(handle))
-    with open(card, "a", encoding="utf-8") as handle:
-        handle.write("\n" + statistics.markdown())
+    with open(card, encoding="utf-8") as handle:
+        text = handle.read()
+    with open(card, "w", encoding="utf-8") as handle:
+        handle.write(with_card_tag(text, CARD_TAG) + "\n" + statistics.markdown())
+
+
+#: The Hub tag of every model merged with mergekit-ram's methods.
+CARD_TAG = "mergekit-ram"
+
+
+def with_card_tag(card: str, tag: str) -> str:
+    """``card`` with ``tag`` appended to the ``tags`` of its YAML front matter (as mergekit dumps it)."""
+    if not card.startswith("---\n"):
+        return card
+    end = card.find("\n---\n", 4)
+    if end < 0:
+        return card
+    metadata = yaml.safe_load(card[4:end]) or {}
+    if not isinstance(metadata, dict):
+        return card
+    tags = list(metadata.get("tags") or [])
+    if tag in tags:
+        return card
+    metadata["tags"] = [*tags, tag]
+    return "---\n" + yaml.dump(metadata) + card[end + 1 :]
 
 
 # Recipe checks ------------------------------------------------------------------
 
 
+class RecipeSetting(NamedTuple):
+    """One parameter set in a recipe: where (``models[1].parameters``), name, setting, and whether
+    the block is a model's own (``models[i]``, ``slices[j].sources[i]``)."""
+
+    where: str
+    name: str
+    value: Any
+    per_model: bool
+
+
 def check_recipe(method: str, config: BaseModel) -> None:
-    """Refuse unknown names and invalid values in every ``parameters`` block of a recipe.
+    """Every parameter of a RAM recipe: known, in a block where it applies, with a valid value.
 
-    mergekit silently drops parameters a method does not declare; for RAM a typo such
-    as ``apha`` would quietly merge with the default, so it is an error here.
+    mergekit silently drops parameters a method does not declare. A name another registered
+    method declares (``weight``, ``density``, ...) is ignored with a warning, as mergekit's
+    built-in ``ram`` ignored it; a near miss of one of ours (``apha``) or a name no method
+    declares is an error. Shared settings (``epsilon``, ``r``, ``alpha``, ``rule``) set in a
+    model's block would be ignored by mergekit, so they are refused there.
     """
-    for where, name, value in _parameter_settings(config):
-        parameter_info(method, name, where)
-        for scalar in _scalars(value):
-            check_parameter(method, name, scalar, where)
+    others = _declared_by_other_methods(method)
+    ignored: dict[str, list[str]] = {}
+    values: dict[str, list[tuple[Any, str]]] = {}
+    for setting in _parameter_settings(config):
+        if setting.name not in declared_names(method):
+            if setting.name in others and close_name(method, setting.name) is None:
+                ignored.setdefault(setting.name, []).append(setting.where)
+                continue
+            raise unknown_parameter(method, setting.name, setting.where)
+        info = parameter_info(method, setting.name, setting.where)
+        if setting.per_model and not info.per_model:
+            raise ParameterError(
+                f"{method}: parameter {setting.name!r} in {setting.where} is set for one model, but "
+                f"{setting.name} applies to the whole merge and mergekit would ignore it there: move it to "
+                f"the top-level `parameters:`{_SHARED_SCOPE.get(setting.name, '')}"
+            )
+        for scalar in _scalars(setting.value):
+            values.setdefault(setting.name, []).append(
+                (check_parameter(method, setting.name, scalar, setting.where), setting.where)
+            )
+    for name, places in ignored.items():
+        hint = "; set merge_method: ram_plus to use it" if name in declared_names("ram_plus") else ""
+        LOG.warning(
+            "%s ignores parameter %r (in %s): it is a parameter of %s, not of %s%s",
+            method,
+            name,
+            ", ".join(places),
+            _listing(others[name]),
+            method,
+            hint,
+        )
+    if method == "ram_plus":
+        r, where = max(values.get("r", [(parameter_info(method, "r").default, "the defaults")]))
+        alphas = [value for value, _ in values.get("alpha", [(parameter_info(method, "alpha").default, "")])]
+        rules = [value for value, _ in values.get("rule", [(parameter_info(method, "rule").default, "")])]
+        check_lambda_range(method, r, alphas, rules, where)
 
 
-def _parameter_settings(node: Any, where: str = "") -> Iterator[tuple[str, str, Any]]:
+_SHARED_SCOPE = {
+    "epsilon": " (epsilon may vary per tensor with `filter`, or per slice in `slices[i].parameters`, "
+    "but not per model)",
+    "r": " (lambda_t = 1 + r * clip(rho_t, 0, alpha) is global: one r, one alpha, one rule per merge)",
+    "alpha": " (lambda_t = 1 + r * clip(rho_t, 0, alpha) is global: one r, one alpha, one rule per merge)",
+    "rule": " (lambda_t = 1 + r * clip(rho_t, 0, alpha) is global: one r, one alpha, one rule per merge)",
+}
+
+
+def _declared_by_other_methods(method: str) -> dict[str, list[str]]:
+    """Parameter name -> the other registered mergekit methods that declare it, asked of the registry now."""
+    from mergekit.merge_methods import registry
+
+    declared: dict[str, list[str]] = {}
+    for other in _require(registry, "registered_methods")():
+        spec = getattr(other, "spec", None)
+        if spec is None or spec.name == method:
+            continue
+        for parameter in spec.parameters:
+            declared.setdefault(parameter.name, []).append(spec.name)
+    return declared
+
+
+def _listing(names: list[str], shown: int = 4) -> str:
+    names = sorted(set(names))
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
+
+
+def _parameter_settings(node: Any, where: str = "") -> Iterator[RecipeSetting]:
+    """Every ``parameters`` entry of a recipe, depth first, with its location."""
     if isinstance(node, BaseModel):
-        for field_name in type(node).model_fields:
+        fields = type(node).model_fields
+        per_model = "model" in fields  # models[i], slices[j].sources[i]: one model's block
+        for field_name in fields:
             value = getattr(node, field_name)
             location = f"{where}.{field_name}" if where else field_name
             if field_name == "parameters" and isinstance(value, dict):
                 for name, setting in value.items():
-                    yield location, name, setting
+                    yield RecipeSetting(location, name, setting, per_model)
             elif field_name != "parameters":
                 yield from _parameter_settings(value, location)
     elif isinstance(node, (list, tuple)):
@@ -323,4 +480,95 @@ def _scalars(setting: Any) -> Iterator[Any]:
         yield setting
 
 
-__all__ = ["ParameterError", "register", "check_recipe"]
+def check_recipe_file(path: Optional[str], schema: type[BaseModel]) -> None:
+    """Unknown keys in the recipe file at ``path`` (a RAM one), before mergekit drops them."""
+    if path is None or not os.path.isfile(path):
+        return
+    with open(path, encoding="utf-8") as handle:
+        _check_raw_keys(yaml.safe_load(handle), schema)
+
+
+def _check_raw_keys(raw: Any, schema: type[BaseModel]) -> None:
+    method = raw.get("merge_method") if isinstance(raw, dict) else None
+    if isinstance(method, str) and _is_ours(method):
+        check_recipe_keys(method, raw, schema)
+
+
+def check_recipe_keys(method: str, raw: Any, schema: type[BaseModel]) -> None:
+    """Refuse keys mergekit's recipe classes do not have (``paramaters:``, a top-level ``rule:``).
+
+    pydantic drops unknown keys silently, so such a setting would merge with the defaults.
+    """
+    for where, key, valid in _unknown_keys(raw, schema, ""):
+        place = f"in `{where}`" if where else "at the top level of the recipe"
+        if key in declared_names(method) and "parameters" in valid:
+            per_model = parameter_info(method, key).per_model and where
+            target = f"`{where}.parameters:`" if per_model else "the top-level `parameters:`"
+            fix = f": {key!r} is a parameter of {method}; set it under {target}"
+        else:
+            hint = close_key(key, valid)
+            fix = f" (did you mean {hint!r}?)" if hint else ""
+        raise RecipeError(
+            f"{method} recipe: unknown key {key!r} {place}, which mergekit would ignore{fix}; "
+            f"valid keys there: {', '.join(valid)}"
+        )
+
+
+def close_key(key: str, valid: tuple[str, ...]) -> Optional[str]:
+    hint = difflib.get_close_matches(key, valid, n=1)
+    return hint[0] if hint else None
+
+
+#: Recipe classes whose keys are checked; others (model references, tokenizer settings) are leaves.
+_RECIPE_MODULES = ("mergekit.config", "mergekit.scripts.merge_raw_pytorch")
+
+
+def _unknown_keys(raw: Any, annotation: Any, where: str) -> Iterator[tuple[str, str, tuple[str, ...]]]:
+    """(where, key, valid keys) for each key of ``raw`` that its recipe class does not have."""
+    if isinstance(raw, dict):
+        classes = _recipe_classes(annotation)
+        if len(classes) == 1:
+            fields = classes[0].model_fields
+            for key, value in raw.items():
+                if key not in fields:
+                    yield where, str(key), tuple(fields)
+                else:
+                    yield from _unknown_keys(value, fields[key].annotation, f"{where}.{key}" if where else str(key))
+            return
+        members = _members(annotation, dict)
+        if len(members) == 1:
+            for key, value in raw.items():
+                yield from _unknown_keys(value, members[0], f"{where}.{key}" if where else str(key))
+    elif isinstance(raw, list):
+        members = _members(annotation, list)
+        if members:
+            item = members[0] if len(members) == 1 else Union[tuple(members)]
+            for index, value in enumerate(raw):
+                yield from _unknown_keys(value, item, f"{where}[{index}]")
+
+
+def _alternatives(annotation: Any) -> tuple[Any, ...]:
+    """The arms of a Union / Optional, or the annotation itself."""
+    if get_origin(annotation) in (Union, types.UnionType):
+        return tuple(arm for arg in get_args(annotation) for arm in _alternatives(arg))
+    return (annotation,)
+
+
+def _recipe_classes(annotation: Any) -> list[type[BaseModel]]:
+    return [
+        arm
+        for arm in _alternatives(annotation)
+        if isinstance(arm, type) and issubclass(arm, BaseModel) and arm.__module__ in _RECIPE_MODULES
+    ]
+
+
+def _members(annotation: Any, container: type) -> list[Any]:
+    """The item types of the ``list`` arms, or the value types of the ``dict`` arms, of an annotation."""
+    found = []
+    for arm in _alternatives(annotation):
+        if get_origin(arm) is container and get_args(arm) and get_args(arm)[-1] not in found:
+            found.append(get_args(arm)[-1])
+    return found
+
+
+__all__ = ["ParameterError", "RecipeError", "register", "check_recipe"]

@@ -8,12 +8,26 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional
+from typing import Any, Iterable, Literal, Optional
 
-from pydantic import Field, TypeAdapter, ValidationError
+from pydantic import BeforeValidator, Field, TypeAdapter, ValidationError
 from typing_extensions import Annotated
 
-NonNegative = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+#: The largest float32; a value above it becomes inf in the float32 arithmetic.
+FLOAT32_MAX = float.fromhex("0x1.fffffep+127")
+#: Above this a lambda is warned about: the paper's are about 1.2 (r = 0.1, alpha = 2);
+#: 4 would mean a model's unique updates are applied four-fold.
+PLAUSIBLE_LAMBDA = 4.0
+
+
+def _not_a_boolean(value: Any) -> Any:
+    """YAML's ``true`` / ``false`` are not numbers here (pydantic would read them as 1.0 / 0.0)."""
+    if isinstance(value, bool):
+        raise ValueError("a boolean is not a number")
+    return value
+
+
+NonNegative = Annotated[float, BeforeValidator(_not_a_boolean), Field(ge=0, allow_inf_nan=False)]
 
 
 @dataclass(frozen=True)
@@ -49,8 +63,32 @@ METHOD_PARAMETERS: dict[str, tuple[ParameterInfo, ...]] = {
 }
 
 
-class ParameterError(ValueError):
+class RecipeError(ValueError):
+    """A RAM recipe that would silently merge something else; the message names the place and the fix."""
+
+
+class ParameterError(RecipeError):
     """A recipe parameter a RAM method refuses; the message names it and where it was set."""
+
+
+def declared_names(method: str) -> list[str]:
+    return [info.name for info in METHOD_PARAMETERS[method]]
+
+
+def close_name(method: str, name: str) -> Optional[str]:
+    """The method's parameter ``name`` looks like a misspelling of (difflib's default cutoff), if any."""
+    hint = difflib.get_close_matches(name, [n for n in declared_names(method) if n != name], n=1)
+    return hint[0] if hint else None
+
+
+def unknown_parameter(method: str, name: str, where: str) -> ParameterError:
+    """The error for a name neither the method nor any other method declares, or a near miss."""
+    hint = close_name(method, name)
+    suggestion = f" (did you mean {hint!r}?)" if hint else ""
+    return ParameterError(
+        f"{method}: unknown parameter {name!r} in {where}{suggestion}; "
+        f"valid names: {', '.join(sorted(declared_names(method)))}"
+    )
 
 
 def parameter_info(method: str, name: str, where: str = "parameters") -> ParameterInfo:
@@ -58,19 +96,42 @@ def parameter_info(method: str, name: str, where: str = "parameters") -> Paramet
     declared = {info.name: info for info in METHOD_PARAMETERS[method]}
     if name in declared:
         return declared[name]
-    hint = difflib.get_close_matches(name, list(declared), n=1)
-    suggestion = f" (did you mean {hint[0]!r}?)" if hint else ""
-    raise ParameterError(
-        f"{method}: unknown parameter {name!r} in {where}{suggestion}; valid names: {', '.join(sorted(declared))}"
-    )
+    raise unknown_parameter(method, name, where)
 
 
 def check_parameter(method: str, name: str, value: Any, where: str = "parameters") -> Any:
-    """Validate one scalar value, naming the parameter and where it was set on refusal."""
+    """Validate one scalar value, naming the parameter and where it was set on refusal.
+
+    Numbers must also fit float32 (the arithmetic's precision): 1e300 would become inf.
+    """
     info = parameter_info(method, name, where)
     try:
-        return info.validate(value)
+        validated = info.validate(value)
     except ValidationError:
+        boolean = " (true/false is a boolean, not a number)" if isinstance(value, bool) else ""
         raise ParameterError(
-            f"{method}: parameter {name!r} in {where} must be {info.requirement}; got {value!r}"
+            f"{method}: parameter {name!r} in {where} must be {info.requirement}; got {value!r}{boolean}"
         ) from None
+    if isinstance(validated, float) and validated > FLOAT32_MAX:
+        raise ParameterError(
+            f"{method}: parameter {name!r} in {where} is {validated:g}, above the largest float32 "
+            f"({FLOAT32_MAX:g}) the merge computes in"
+        )
+    return validated
+
+
+def largest_lambda(r: float, alphas: Iterable[float], rules: Iterable[str]) -> float:
+    """The largest lambda_t the settings allow: 1 + r * alpha (clip) or 1 + r (soft), any rho."""
+    bounds = [1.0 + r * alpha for alpha in alphas] if "clip" in set(rules) else []
+    return max([*bounds, 1.0 + r])
+
+
+def check_lambda_range(method: str, r: float, alphas: Iterable[float], rules: Iterable[str], where: str) -> None:
+    """lambda_t = 1 + r * clip(rho, 0, alpha) must fit float32, or the merged values overflow."""
+    alphas, rules = list(alphas), list(rules)
+    bound = largest_lambda(r, alphas, rules)
+    if bound > FLOAT32_MAX:
+        raise ParameterError(
+            f"{method}: r = {r:g} in {where} allows lambda up to {bound:g}, above the largest float32 "
+            f"({FLOAT32_MAX:g}): lower r or alpha (the paper uses r = 0.1, alpha = 2: lambda at most 1.2)"
+        )

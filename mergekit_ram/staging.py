@@ -149,6 +149,12 @@ def staging_path(out_path: str) -> str:
     return os.path.join(out_path, STAGING_DIR)
 
 
+def is_staging_folder(path: str) -> bool:
+    """Whether ``path`` is the folder a transaction gave mergekit (``OUT/.mergekit-ram-partial/new/NAME``)."""
+    parts = os.path.normpath(os.path.abspath(path)).split(os.sep)
+    return parts[-3:-1] == [STAGING_DIR, _NEW] or parts[-2:] == [STAGING_DIR, _NEW]
+
+
 @contextlib.contextmanager
 def output_transaction(out_path: str) -> Iterator[str]:
     """Yield the folder mergekit is to write into; publish it into ``out_path`` on success.

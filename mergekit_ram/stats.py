@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Literal, Mapping, Optional, Sequence
 
 from mergekit_ram.kernel import Rule, overlap_ratio, rescale_factor
+from mergekit_ram.parameters import PLAUSIBLE_LAMBDA
 
 LOG = logging.getLogger(__name__)
 
@@ -264,9 +265,22 @@ class RamStatistics:
         return short if len(set(short.values())) == len(models) else {model: model for model in models}
 
     def markdown(self) -> str:
-        """The "RAM statistics" section of a model card."""
+        """The model card's mergekit-ram sections: where the method comes from, how to rerun
+        the merge, and the statistics."""
         settings = ", ".join(f"`{key}` = {value}" for key, value in self.parameters.items())
         lines = [
+            "## Reproducing this merge",
+            "",
+            f"The `{self.method}` merge method comes from [mergekit-ram]({PROJECT_URL}), a plugin for "
+            f"mergekit (here mergekit-ram {self.versions.get('mergekit-ram', '?')}, mergekit "
+            f"{self.versions.get('mergekit', '?')}, torch {self.versions.get('torch', '?')}). To rerun it, "
+            "install mergekit-ram into mergekit's Python environment (from a clone of the project: "
+            "`pip install .`; from a built wheel: `pip install dist/mergekit_ram-*.whl`; once released: "
+            "`pip install mergekit-ram`), then run `mergekit-yaml mergekit_config.yml <output folder>` "
+            "with the configuration above (saved beside the weights).",
+            "",
+            _WITHOUT_PLUGIN.get(self.method, ""),
+            "",
             "## RAM statistics",
             "",
             f"Merged with `{self.method}` ({settings}); counts from the {self.source}, "
@@ -300,6 +314,18 @@ class RamStatistics:
                 f" ({stats.pinned} pinned)" if stats.pinned else "",
             )
 
+
+#: Where the card sends readers for the plugin.
+PROJECT_URL = "https://github.com/mergekit-ram/mergekit-ram"
+
+_WITHOUT_PLUGIN = {
+    "ram": "Without mergekit-ram, mergekit silently runs its own built-in `ram` instead: it computes in "
+    "the checkpoints' dtype, so on bfloat16 or float16 checkpoints its numbers differ from this model's "
+    "(mergekit-ram computes in float32, or the inputs' precision if wider, and rounds once) unless the "
+    "recipe sets `dtype: float32`, and it writes no `ram_statistics.json`.",
+    "ram_plus": "Without mergekit-ram, mergekit refuses `ram_plus` (an unknown merge method); its own "
+    "`ramplus_tl` is a different, tensor-local rule.",
+}
 
 MODULES = ("embeddings", "attention", "mlp", "norms", "output head", "other")
 
@@ -365,6 +391,13 @@ def _warnings(
             f"every model changed at least {100 * DENSE:.0f}% of its parameters ({densities}): RAM's premise of "
             "sparse, mostly disjoint updates does not hold here; TIES or DARE suit dense task vectors better"
         )
+    for stats in models:
+        if stats.lambda_ > PLAUSIBLE_LAMBDA:
+            found.append(
+                f"{stats.model}: lambda {stats.lambda_:g} is implausibly large (the paper's are about 1.2; "
+                f"above {PLAUSIBLE_LAMBDA:g} its unique updates are applied more than {PLAUSIBLE_LAMBDA:g}-fold): "
+                "check r and alpha, or the pinned lambda"
+            )
     for stats in counted:
         if stats.active == 0:
             found.append(

@@ -86,3 +86,30 @@ def bf16_models(tmp_path_factory: pytest.TempPathFactory) -> ModelSet:
 @pytest.fixture(scope="session")
 def fp32_models(tmp_path_factory: pytest.TempPathFactory) -> ModelSet:
     return _build(str(tmp_path_factory.mktemp("fp32")), torch.float32)
+
+
+@dataclass(frozen=True)
+class Merged:
+    """A finished mergekit-yaml run: its output folder, recipe file and stderr."""
+
+    out: str
+    recipe: str
+    stderr: str
+
+
+def upstream_ram_recipe(models: ModelSet) -> dict[str, Any]:
+    """The shape of mergekit 0.1.5's tests/test_basic_merges.py::TestBasicMerges::test_ram_merge:
+    ``weight`` on every model (its helper sets it for every method), bfloat16, a base, no parameters."""
+    recipe = models.recipe("ram", dtype="bfloat16")
+    for entry, weight in zip(recipe["models"], (0.6, 0.4, 0.2)):
+        entry["parameters"] = {"weight": weight}
+    return recipe
+
+
+@pytest.fixture(scope="session")
+def upstream_ram_merge(bf16_models: ModelSet, tmp_path_factory: pytest.TempPathFactory) -> Merged:
+    """One plugin ``ram`` merge of that shape through the real mergekit-yaml, shared by several tests."""
+    root = tmp_path_factory.mktemp("upstream-ram")
+    recipe = write_recipe(str(root / "recipe.yml"), upstream_ram_recipe(bf16_models))
+    completed = run_script("mergekit-yaml", recipe, str(root / "out"))
+    return Merged(out=str(root / "out"), recipe=recipe, stderr=completed.stderr)

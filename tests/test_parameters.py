@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import glob
+import logging
 import os
 from typing import Any
 
@@ -10,12 +10,14 @@ import pytest
 import torch
 from mergekit.config import MergeConfiguration
 from mergekit.merge import run_merge
+from mergekit.merge_methods.base import TensorGroup
 from mergekit.options import MergeOptions
 
 from mergekit_ram import merge_state_dicts
+from mergekit_ram.integration import check_recipe
 from mergekit_ram.parameters import ParameterError
 from tests import reference
-from tests.conftest import ModelSet, load_statistics, load_weights, run_script, write_recipe
+from tests.conftest import Merged, ModelSet, load_statistics, load_weights, run_script, write_recipe
 
 
 def merge(recipe: dict[str, Any], out: str) -> None:
@@ -34,6 +36,27 @@ def merge(recipe: dict[str, Any], out: str) -> None:
         ({"r": [{"filter": "mlp", "value": -1}, {"value": 0.1}]}, None, "parameter 'r' in parameters must be"),
         (None, {"lamda": 1.1}, "unknown parameter 'lamda' in models[1].parameters (did you mean 'lambda'?)"),
         (None, {"rho": -3}, "parameter 'rho' in models[1].parameters must be a finite number >= 0"),
+        # multislerp declares `eps`, but it is a near miss of ours: an error, not a warning.
+        (None, {"eps": 1e-3}, "unknown parameter 'eps' in models[1].parameters (did you mean 'epsilon'?)"),
+        ({"gamma_prime": 1}, None, "unknown parameter 'gamma_prime' in parameters; valid names: alpha, epsilon"),
+        # YAML booleans are not numbers (pydantic alone reads true as 1.0, false as 0.0).
+        ({"r": True}, None, "parameter 'r' in parameters must be a finite number >= 0; got True (true/false is a"),
+        ({"epsilon": False}, None, "parameter 'epsilon' in parameters must be a finite number >= 0; got False"),
+        (None, {"lambda": True}, "parameter 'lambda' in models[1].parameters must be a finite number >= 0"),
+        # Beyond float32: refused with the parameter named (1e300 gave NaN or an unnamed overflow).
+        (None, {"lambda": 1e300}, "ram_plus: parameter 'lambda' in models[1].parameters is 1e+300, above the largest"),
+        (
+            {"r": 1e300},
+            None,
+            "ram_plus: parameter 'r' in parameters is 1e+300, above the largest float32 (3.40282e+38)",
+        ),
+        ({"r": 1e20, "alpha": 1e20}, None, "ram_plus: r = 1e+20 in parameters allows lambda up to 1e+40, above"),
+        ({"r": 1e39, "rule": "soft"}, None, "parameter 'r' in parameters is 1e+39, above the largest float32"),
+        # Whole-merge settings in one model's block: mergekit would ignore them there.
+        (None, {"r": 0.2}, "parameter 'r' in models[1].parameters is set for one model, but r applies to the whole"),
+        (None, {"alpha": 1}, "'alpha' in models[1].parameters is set for one model, but alpha applies to the whole"),
+        (None, {"rule": "soft"}, "'rule' in models[1].parameters is set for one model, but rule applies to the whole"),
+        (None, {"epsilon": 1e-3}, "move it to the top-level `parameters:` (epsilon may vary per tensor with"),
     ],
 )
 def test_invalid_parameters_are_refused_before_anything_is_read(
@@ -48,12 +71,99 @@ def test_invalid_parameters_are_refused_before_anything_is_read(
     with pytest.raises(ParameterError) as error:
         merge(recipe, out)
     assert message in str(error.value)
-    assert not glob.glob(os.path.join(out, "*.safetensors"))
+    assert not os.path.exists(out)  # refused before the output folder (or any tensor) was touched
 
 
-def test_ram_accepts_only_epsilon(bf16_models: ModelSet, tmp_path) -> None:
-    with pytest.raises(ParameterError, match="ram: unknown parameter 'r' in parameters; valid names: epsilon"):
-        merge(bf16_models.recipe("ram", parameters={"r": 0.1}), str(tmp_path / "out"))
+def test_slice_sources_are_model_blocks_too(bf16_models: ModelSet, tmp_path) -> None:
+    sources = [{"model": path, "layer_range": [0, 2]} for path in [*bf16_models.agents, bf16_models.base]]
+    sources[2]["parameters"] = {"epsilon": 1e-3}
+    recipe = {"merge_method": "ram", "base_model": bf16_models.base, "slices": [{"sources": sources}]}
+    with pytest.raises(
+        ParameterError, match=r"'epsilon' in slices\[0\]\.sources\[2\]\.parameters is set for one model"
+    ):
+        merge(recipe, str(tmp_path / "out"))
+    assert not os.path.exists(tmp_path / "out")
+    recipe["slices"][0]["parameters"] = {"epsilon": 1e-3}  # a slice's own block is shared: accepted
+    del sources[2]["parameters"]
+    check_recipe("ram", MergeConfiguration.model_validate(recipe))
+
+
+def test_other_methods_parameters_are_ignored_with_a_warning(bf16_models: ModelSet, caplog) -> None:
+    """mergekit's built-in ram ignored them; so do ours, saying so (the names come from the registry)."""
+    recipe = bf16_models.recipe("ram", parameters={"r": 0.1, "density": 0.5})
+    recipe["models"][0]["parameters"] = {"weight": 0.6, "lambda": 1.2}
+    recipe["models"][1]["parameters"] = {"weight": 0.4}
+    with caplog.at_level(logging.WARNING, logger="mergekit_ram.integration"):
+        check_recipe("ram", MergeConfiguration.model_validate(recipe))
+        check_recipe("ram_plus", MergeConfiguration.model_validate({**recipe, "merge_method": "ram_plus"}))
+    assert caplog.messages == [  # in recipe order: models, then the top-level parameters
+        "ram ignores parameter 'weight' (in models[0].parameters, models[1].parameters): it is a parameter of "
+        "breadcrumbs, breadcrumbs_ties, dare_linear, dare_ties and 7 more, not of ram",
+        "ram ignores parameter 'lambda' (in models[0].parameters): it is a parameter of breadcrumbs, "
+        "breadcrumbs_ties, dare_linear, dare_ties and 5 more, not of ram; set merge_method: ram_plus to use it",
+        "ram ignores parameter 'r' (in parameters): it is a parameter of ram_plus, ramplus_tl, not of ram; "
+        "set merge_method: ram_plus to use it",
+        "ram ignores parameter 'density' (in parameters): it is a parameter of breadcrumbs, breadcrumbs_ties, "
+        "dare_linear, dare_ties and 4 more, not of ram",
+        "ram_plus ignores parameter 'weight' (in models[0].parameters, models[1].parameters): it is a parameter "
+        "of breadcrumbs, breadcrumbs_ties, dare_linear, dare_ties and 7 more, not of ram_plus",
+        "ram_plus ignores parameter 'density' (in parameters): it is a parameter of breadcrumbs, "
+        "breadcrumbs_ties, dare_linear, dare_ties and 4 more, not of ram_plus",
+    ]
+
+
+def test_declared_names_are_asked_of_the_registry_at_check_time(bf16_models: ModelSet, caplog) -> None:
+    """A method registered after mergekit-ram (another plugin) makes its parameter names known."""
+    from mergekit.merge_methods import registry
+    from mergekit.merge_methods.easy_define import merge_method
+
+    recipe = MergeConfiguration.model_validate(bf16_models.recipe("ram_plus", parameters={"zeta_scale": 2.0}))
+    with pytest.raises(ParameterError, match="unknown parameter 'zeta_scale' in parameters; valid names"):
+        check_recipe("ram_plus", recipe)
+
+    @merge_method(name="zeta_test_method", pretty_name="Zeta", reference_url="https://example.org")
+    def zeta(group: TensorGroup, zeta_scale: float = 1.0) -> torch.Tensor:
+        return group.tensors[0] * zeta_scale
+
+    registry.register(zeta)
+    try:
+        with caplog.at_level(logging.WARNING, logger="mergekit_ram.integration"):
+            check_recipe("ram_plus", recipe)
+        assert caplog.messages == [
+            "ram_plus ignores parameter 'zeta_scale' (in parameters): it is a parameter of zeta_test_method, "
+            "not of ram_plus"
+        ]
+    finally:
+        registry._METHODS.pop("zeta_test_method", None)
+
+
+def test_the_upstream_ram_recipe_merges_with_a_warning(bf16_models: ModelSet, upstream_ram_merge: Merged) -> None:
+    """mergekit's own test_ram_merge recipe shape (weight on each model) merges, as with the built-in."""
+    assert (
+        "ram ignores parameter 'weight' (in models[0].parameters, models[1].parameters, models[2].parameters): "
+        "it is a parameter of breadcrumbs, breadcrumbs_ties, dare_linear, dare_ties and 7 more, not of ram"
+    ) in upstream_ram_merge.stderr
+    assert load_statistics(upstream_ram_merge.out)["method"] == "ram"
+    base = load_weights(bf16_models.base)
+    finetunes = [load_weights(path) for path in bf16_models.agents]
+    for name, tensor in load_weights(upstream_ram_merge.out).items():  # weight changed nothing
+        expected = reference.merge(base[name], [ft[name] for ft in finetunes], 1e-5, [1.0, 1.0, 1.0])
+        assert torch.equal(tensor, expected.to(torch.bfloat16)), name
+
+
+def test_implausible_lambda_is_a_warning_naming_the_model(bf16_models: ModelSet, tmp_path, caplog) -> None:
+    recipe = bf16_models.recipe("ram_plus")
+    for entry, value in zip(recipe["models"], (4.5, 1.2, 4.0)):
+        entry["parameters"] = {"lambda": value}
+    out = str(tmp_path / "out")
+    with caplog.at_level(logging.WARNING):
+        merge(recipe, out)
+    expected = (
+        f"{bf16_models.agents[0]}: lambda 4.5 is implausibly large (the paper's are about 1.2; above 4 its unique "
+        "updates are applied more than 4-fold): check r and alpha, or the pinned lambda"
+    )
+    assert load_statistics(out)["warnings"] == [expected]  # 4.0 itself is not warned about
+    assert expected in caplog.messages
 
 
 def test_r_must_be_one_value_for_the_whole_merge(bf16_models: ModelSet, tmp_path) -> None:
@@ -63,11 +173,18 @@ def test_r_must_be_one_value_for_the_whole_merge(bf16_models: ModelSet, tmp_path
 
 
 def test_the_command_line_shows_the_message(bf16_models: ModelSet, tmp_path) -> None:
-    recipe = write_recipe(str(tmp_path / "r.yml"), bf16_models.recipe("ram_plus", parameters={"apha": 2}))
-    completed = run_script("mergekit-yaml", recipe, str(tmp_path / "out"), check=False)
-    assert completed.returncode != 0
-    assert "unknown parameter 'apha' in parameters (did you mean 'alpha'?)" in completed.stderr
-    assert not os.path.exists(str(tmp_path / "out" / "model.safetensors"))
+    """`lambda: 1e300` made 96% of the output NaN; now mergekit-yaml stops on one line naming it."""
+    recipe = bf16_models.recipe("ram_plus")
+    recipe["models"][1]["parameters"] = {"lambda": 1e300}
+    completed = run_script(
+        "mergekit-yaml", write_recipe(str(tmp_path / "r.yml"), recipe), str(tmp_path / "out"), check=False
+    )
+    assert completed.returncode == 1
+    assert completed.stderr.strip().splitlines()[-1] == (
+        "mergekit_ram.parameters.ParameterError: ram_plus: parameter 'lambda' in models[1].parameters is 1e+300, "
+        "above the largest float32 (3.40282e+38) the merge computes in"
+    )
+    assert not os.path.exists(str(tmp_path / "out"))
 
 
 @pytest.mark.parametrize("kind", ["rho", "lambda"])
@@ -94,6 +211,8 @@ def test_in_memory_api_refuses_bad_values(bf16_models: ModelSet) -> None:
     base = load_weights(bf16_models.base)
     with pytest.raises(ParameterError, match="parameter 'alpha' in merge_state_dicts arguments must be"):
         merge_state_dicts(base, [base], alpha=-1.0)
+    with pytest.raises(ParameterError, match="parameter 'r' in merge_state_dicts arguments must be .* got True"):
+        merge_state_dicts(base, [base], r=True)
     with pytest.raises(ParameterError, match="rho pinned for unknown model 'coder'"):
         merge_state_dicts(base, {"coding": base}, rho={"coder": 1.0})
 

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+import yaml
 from mergekit.config import MergeConfiguration
 from mergekit.options import MergeOptions
 from safetensors.torch import load_file, save_file
@@ -93,6 +94,16 @@ def test_every_merge_leaves_its_statistics(bf16_models: ModelSet, tmp_path) -> N
     for model in statistics["models"]:
         assert f"| {model['model']} | {100 * model['density']:.2f}% | {model['changed']:,} |" in card
         assert f"{model['lambda']:.4f}" in card
+    # Reproducible from the card: the plugin named, linked, tagged, and how to install it.
+    front_matter = yaml.safe_load(card[4 : card.index("\n---\n", 4)])
+    assert front_matter["tags"] == ["mergekit", "merge", "mergekit-ram"]
+    assert "The `ram_plus` merge method comes from [mergekit-ram](https://github.com/mergekit-ram/mergekit-ram)" in card
+    assert (
+        "(from a clone of the project: `pip install .`; from a built wheel: `pip install dist/mergekit_ram-*.whl`"
+        in card
+    )
+    assert "Without mergekit-ram, mergekit refuses `ram_plus` (an unknown merge method)" in card
+    assert "silently runs its own built-in `ram`" not in card  # that note is for ram only
 
 
 def _planned_key(recipe: dict[str, Any]) -> str:

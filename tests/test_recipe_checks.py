@@ -1,0 +1,286 @@
+"""Recipes that would silently merge something else, the built-in switch, and the model card.
+
+Refusals come before any model is read or the output folder created; the messages name
+the key or model and the fix.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+import yaml
+from mergekit.config import MergeConfiguration
+from mergekit.merge import run_merge
+from mergekit.options import MergeOptions
+from mergekit.scripts.multimerge import load_config
+
+from mergekit_ram.checks import InputError
+from mergekit_ram.integration import BUILTIN_RAM_VARIABLE, register_methods, with_card_tag
+from mergekit_ram.parameters import RecipeError
+from tests import reference
+from tests.conftest import (
+    Merged,
+    ModelSet,
+    load_statistics,
+    load_weights,
+    run_script,
+    write_recipe,
+)
+
+
+def merge_yaml(recipe: dict[str, Any], out: str) -> None:
+    """What mergekit-yaml does with a recipe file: validate it, pass its text along."""
+    source = yaml.safe_dump(recipe, sort_keys=False)
+    run_merge(MergeConfiguration.model_validate(yaml.safe_load(source)), out, MergeOptions(quiet=True), source)
+
+
+# Unknown keys -----------------------------------------------------------------------
+
+KEY_CASES = [
+    (
+        {"paramaters": {"r": 0.2}},
+        "ram_plus recipe: unknown key 'paramaters' at the top level of the recipe, which mergekit would ignore "
+        "(did you mean 'parameters'?); valid keys there: modules, slices, models, merge_method, base_model",
+    ),
+    (
+        {"rule": "soft"},
+        "unknown key 'rule' at the top level of the recipe, which mergekit would ignore: 'rule' is a parameter "
+        "of ram_plus; set it under the top-level `parameters:`",
+    ),
+    (
+        {"parameters": {"epsilon": [{"fliter": "mlp", "value": 1e-3}, {"value": 1e-5}]}},
+        "unknown key 'fliter' in `parameters.epsilon[0]`, which mergekit would ignore (did you mean 'filter'?); "
+        "valid keys there: value, filter",
+    ),
+]
+
+
+@pytest.mark.parametrize(("extra", "message"), KEY_CASES)
+def test_unknown_keys_are_refused(bf16_models: ModelSet, tmp_path, extra: dict[str, Any], message: str) -> None:
+    out = str(tmp_path / "out")
+    with pytest.raises(RecipeError) as error:
+        merge_yaml(bf16_models.recipe("ram_plus", **extra), out)
+    assert message in str(error.value)
+    assert not os.path.exists(out)
+
+
+def test_a_model_level_key_names_the_model_block(bf16_models: ModelSet, tmp_path) -> None:
+    recipe = bf16_models.recipe("ram_plus")
+    recipe["models"][1]["lambda"] = 1.3
+    with pytest.raises(RecipeError, match=r"unknown key 'lambda' in `models\[1\]`, which mergekit would ignore: "):
+        merge_yaml(recipe, str(tmp_path / "out"))
+    with pytest.raises(RecipeError, match=r"set it under `models\[1\]\.parameters:`; valid keys there: model, param"):
+        merge_yaml(recipe, str(tmp_path / "out"))
+
+
+def test_other_methods_keep_mergekits_leniency(bf16_models: ModelSet) -> None:
+    """Only ram / ram_plus recipes are checked: a ties recipe with a stray key loads as before."""
+    source = yaml.safe_dump(bf16_models.recipe("ties", paramaters={"density": 0.5}))
+    configs, _ = load_config(source, "/tmp/unused")
+    assert configs[None].merge_method == "ties"
+
+
+def test_mergekit_multi_stages_are_checked(bf16_models: ModelSet) -> None:
+    """mergekit-multi validates each stage and drops unknown keys before run_merge sees the recipe."""
+    first = {"name": "stage-one", **bf16_models.recipe("ram_plus")}
+    second = {**bf16_models.recipe("ram"), "epsilon": 1e-3}
+    second["models"] = [{"model": "stage-one"}]
+    source = yaml.safe_dump_all([first, second], sort_keys=False)
+    with pytest.raises(RecipeError, match="ram recipe: unknown key 'epsilon' at the top level of the recipe"):
+        load_config(source, "/tmp/unused")
+    second["parameters"] = {"epsilon": second.pop("epsilon")}
+    configs, dependencies = load_config(yaml.safe_dump_all([first, second], sort_keys=False), "/tmp/unused")
+    assert dependencies[None] == {"stage-one"}
+
+
+def test_mergekit_yaml_refuses_a_misspelled_key(bf16_models: ModelSet, tmp_path) -> None:
+    recipe = write_recipe(str(tmp_path / "r.yml"), bf16_models.recipe("ram_plus", paramaters={"r": 0.2}))
+    completed = run_script("mergekit-yaml", recipe, str(tmp_path / "out"), check=False)
+    assert completed.returncode == 1
+    assert (
+        completed.stderr.strip()
+        .splitlines()[-1]
+        .startswith(
+            "mergekit_ram.parameters.RecipeError: ram_plus recipe: unknown key 'paramaters' at the top level of "
+            "the recipe, which mergekit would ignore (did you mean 'parameters'?)"
+        )
+    )
+    assert not os.path.exists(str(tmp_path / "out"))
+
+
+def test_mergekit_pytorch_recipes_are_checked(bf16_models: ModelSet, tmp_path) -> None:
+    """mergekit-pytorch's own recipe class (models are files), through its real command, in-process."""
+    from mergekit.scripts.merge_raw_pytorch import main
+
+    files = [os.path.join(path, "model.safetensors") for path in [bf16_models.base, *bf16_models.agents]]
+    recipe = {
+        "merge_method": "ram",
+        "base_model": files[0],
+        "models": [{"model": file, "parameter": {"epsilon": 0}} for file in files[1:]],
+    }
+    path = write_recipe(str(tmp_path / "r.yml"), recipe)
+    with pytest.raises(RecipeError, match=r"unknown key 'parameter' in `models\[0\]`.*\(did you mean 'parameters'\?\)"):
+        main.main(args=[path, str(tmp_path / "out")], standalone_mode=False)
+    assert not os.path.exists(str(tmp_path / "out"))
+
+
+# Each model once --------------------------------------------------------------------
+
+
+def _spellings(models: ModelSet, tmp_path) -> dict[str, str]:
+    agent = models.agents[0]
+    link = str(tmp_path / "linked-agent")
+    os.symlink(agent, link)
+    relative = os.path.relpath(agent)
+    return {
+        "trailing slash": agent + "/",
+        "./ relative": "./" + relative if not relative.startswith(".") else relative,
+        "bare relative": relative,
+        "symlink": link,
+        "dot segments": os.path.join(os.path.dirname(agent), ".", os.path.basename(agent)),
+    }
+
+
+@pytest.mark.parametrize("spelling", ["trailing slash", "./ relative", "bare relative", "symlink", "dot segments"])
+def test_the_same_finetune_twice_is_refused(bf16_models: ModelSet, tmp_path, spelling: str) -> None:
+    recipe = bf16_models.recipe("ram_plus")
+    other = _spellings(bf16_models, tmp_path)[spelling]
+    recipe["models"].append({"model": other})
+    out = str(tmp_path / "out")
+    with pytest.raises(InputError) as error:
+        merge_yaml(recipe, out)
+    real = os.path.realpath(bf16_models.agents[0])
+    assert str(error.value) == (
+        f"{other} and {bf16_models.agents[0]} in `models` are the same model ({real}): "
+        "list each fine-tuned model once (RAM would count its changes twice, all as shared)"
+    )
+    assert not os.path.exists(out)
+
+
+def test_the_base_under_another_spelling_is_refused(bf16_models: ModelSet, tmp_path) -> None:
+    recipe = bf16_models.recipe("ram")
+    recipe["models"].append({"model": bf16_models.base + "/"})
+    with pytest.raises(InputError, match="is also listed under `models` as .*base/: list only the fine-tuned models"):
+        merge_yaml(recipe, str(tmp_path / "out"))
+    sources = [{"model": path, "layer_range": [0, 2]} for path in [*bf16_models.agents, bf16_models.base]]
+    sliced = {"merge_method": "ram", "base_model": bf16_models.base, "slices": [{"sources": sources}]}
+    sources.append({"model": bf16_models.agents[1] + "/", "layer_range": [0, 2]})
+    with pytest.raises(InputError, match=r"in `slices\[0\]\.sources` are the same model"):
+        merge_yaml(sliced, str(tmp_path / "out"))
+    sources[-1] = {"model": bf16_models.base + "/", "layer_range": [0, 2]}
+    with pytest.raises(InputError, match=r"the base model .* is also listed under `slices\[0\]\.sources` as"):
+        merge_yaml(sliced, str(tmp_path / "out"))
+
+
+def test_mergekit_yaml_refuses_a_symlinked_duplicate(bf16_models: ModelSet, tmp_path) -> None:
+    link = str(tmp_path / "same-agent")
+    os.symlink(bf16_models.agents[1], link)
+    recipe = bf16_models.recipe("ram_plus")
+    recipe["models"].append({"model": link})
+    completed = run_script(
+        "mergekit-yaml", write_recipe(str(tmp_path / "r.yml"), recipe), str(tmp_path / "out"), check=False
+    )
+    assert completed.returncode == 1
+    assert completed.stderr.strip().splitlines()[-1] == (
+        f"mergekit_ram.checks.InputError: {link} and {bf16_models.agents[1]} in `models` are the same model "
+        f"({os.path.realpath(bf16_models.agents[1])}): list each fine-tuned model once (RAM would count its "
+        "changes twice, all as shared)"
+    )
+    assert not os.path.exists(str(tmp_path / "out"))
+
+
+# MERGEKIT_RAM_BUILTIN_RAM -----------------------------------------------------------
+
+
+def test_the_switch_keeps_mergekits_builtin_ram(monkeypatch) -> None:
+    import mergekit.merge_methods as merge_methods
+    from mergekit.merge_methods.ram import ram_merge as builtin
+
+    from mergekit_ram.methods import RAM, RAM_PLUS
+
+    assert merge_methods.get("ram") is RAM
+    monkeypatch.setenv(BUILTIN_RAM_VARIABLE, "1")
+    try:
+        register_methods(merge_methods)
+        assert merge_methods.get("ram") is builtin
+        assert merge_methods.get("ram_plus") is RAM_PLUS
+    finally:
+        monkeypatch.delenv(BUILTIN_RAM_VARIABLE)
+        register_methods(merge_methods)
+    assert merge_methods.get("ram") is RAM
+
+
+def test_the_switch_runs_the_builtin_and_ours_is_exact(
+    bf16_models: ModelSet, upstream_ram_merge: Merged, tmp_path
+) -> None:
+    """Same recipe, same bf16 models: the built-in's bf16 arithmetic differs; ours equals the float32 reference."""
+    out = str(tmp_path / "builtin")
+    completed = run_script("mergekit-yaml", upstream_ram_merge.recipe, out, env={BUILTIN_RAM_VARIABLE: "1"})
+    assert (
+        "mergekit-ram: MERGEKIT_RAM_BUILTIN_RAM=1: keeping mergekit's built-in 'ram' (arithmetic in the checkpoint "
+        "dtype, no ram_statistics.json); 'ram_plus' is mergekit-ram's"
+    ) in completed.stderr
+    assert "ignores parameter 'weight'" not in completed.stderr  # mergekit's own path, unchecked
+    assert not os.path.exists(os.path.join(out, "ram_statistics.json"))
+    assert "mergekit-ram" not in open(os.path.join(out, "README.md"), encoding="utf-8").read()
+
+    base = load_weights(bf16_models.base)
+    finetunes = [load_weights(path) for path in bf16_models.agents]
+    builtin, ours = load_weights(out), load_weights(upstream_ram_merge.out)
+    differing = 0
+    for name, tensor in ours.items():
+        expected = reference.merge(base[name], [ft[name] for ft in finetunes], 1e-5, [1.0, 1.0, 1.0])
+        assert torch.equal(tensor, expected.to(torch.bfloat16)), name
+        differing += int((builtin[name] != tensor).sum())
+    assert differing > 0
+
+
+# The model card ---------------------------------------------------------------------
+
+
+def _front_matter(card: str) -> dict[str, Any]:
+    assert card.startswith("---\n")
+    return yaml.safe_load(card[4 : card.index("\n---\n", 4)])
+
+
+def test_the_card_says_how_to_reproduce_a_ram_merge(upstream_ram_merge: Merged) -> None:
+    card = open(os.path.join(upstream_ram_merge.out, "README.md"), encoding="utf-8").read()
+    assert _front_matter(card)["tags"] == ["mergekit", "merge", "mergekit-ram"]
+    assert "## Reproducing this merge" in card
+    assert (
+        "The `ram` merge method comes from [mergekit-ram](https://github.com/mergekit-ram/mergekit-ram), a plugin "
+        "for mergekit" in card
+    )
+    for install in (
+        "`pip install .`",
+        "`pip install dist/mergekit_ram-*.whl`",
+        "once released: `pip install mergekit-ram`",
+    ):
+        assert install in card
+    assert "run `mergekit-yaml mergekit_config.yml <output folder>`" in card
+    assert os.path.exists(os.path.join(upstream_ram_merge.out, "mergekit_config.yml"))
+    assert (
+        "Without mergekit-ram, mergekit silently runs its own built-in `ram` instead: it computes in the "
+        "checkpoints' dtype, so on bfloat16 or float16 checkpoints its numbers differ from this model's"
+    ) in card
+    assert card.index("## Reproducing this merge") < card.index("## RAM statistics")
+
+
+def test_card_tag_is_added_once_and_only_to_front_matter() -> None:
+    card = "---\nbase_model: []\nlibrary_name: transformers\ntags:\n- mergekit\n- merge\n---\n# out\n\ntext\n"
+    tagged = with_card_tag(card, "mergekit-ram")
+    assert tagged == card.replace("- merge\n", "- merge\n- mergekit-ram\n")
+    assert with_card_tag(tagged, "mergekit-ram") == tagged
+    assert with_card_tag("# no front matter\n", "mergekit-ram") == "# no front matter\n"
+    assert with_card_tag("---\nlibrary_name: x\n---\nbody\n", "t") == "---\nlibrary_name: x\ntags:\n- t\n---\nbody\n"
+
+
+def test_statistics_parameters_round_trip(upstream_ram_merge: Merged) -> None:
+    """The card's figures are the JSON's (one object renders both)."""
+    statistics = load_statistics(upstream_ram_merge.out)
+    card = open(os.path.join(upstream_ram_merge.out, "README.md"), encoding="utf-8").read()
+    assert "Merged with `ram` (`epsilon` = 1e-05)" in card
+    assert [m["lambda"] for m in statistics["models"]] == [1.0, 1.0, 1.0]
