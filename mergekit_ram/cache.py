@@ -29,6 +29,7 @@ from pydantic import BaseModel
 
 from mergekit_ram import __version__
 from mergekit_ram.checks import task_inputs
+from mergekit_ram.errors import SettingError
 from mergekit_ram.stats import TensorCounts, package_versions
 
 LOG = logging.getLogger(__name__)
@@ -43,7 +44,7 @@ _SAMPLE_BYTES = 1 << 16
 def mode() -> str:
     value = os.environ.get(MODE_VARIABLE, "on").strip().lower()
     if value not in ("on", "off", "refresh"):
-        raise ValueError(f"{MODE_VARIABLE} must be on, off or refresh; got {value!r}")
+        raise SettingError(f"{MODE_VARIABLE} must be on, off or refresh; got {value!r}")
     return value
 
 

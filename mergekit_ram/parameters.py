@@ -13,6 +13,8 @@ from typing import Any, Literal, Optional
 from pydantic import Field, TypeAdapter, ValidationError
 from typing_extensions import Annotated
 
+from mergekit_ram.errors import RamError
+
 NonNegative = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 
 
@@ -49,7 +51,7 @@ METHOD_PARAMETERS: dict[str, tuple[ParameterInfo, ...]] = {
 }
 
 
-class ParameterError(ValueError):
+class ParameterError(RamError, ValueError):
     """A recipe parameter a RAM method refuses; the message names it and where it was set."""
 
 
