@@ -235,7 +235,7 @@ def probe(
         if index:
             click.echo("")
         settings = ", ".join(f"{key} = {value}" for key, value in statistics.parameters.items())
-        of = recipe if selection.single or chosen.name is None else f"{recipe}, stage {chosen.name}"
+        of = recipe if chosen.name is None else f"{recipe}, stage {chosen.name}"
         click.echo(f"{statistics.method} probe of {of} ({settings})\n")
         click.echo(statistics.table())
         click.echo("\nChanged parameters by how many models changed them (k):\n")
