@@ -318,7 +318,7 @@ def check_device(options: Any) -> None:
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if index < count:
         return
-    flag = "--cuda" if options.cuda else "--gpu-rich" if options.gpu_rich else f"--device {device}"
+    flag = "--gpu-rich" if options.gpu_rich else "--cuda" if options.cuda else f"--device {device}"
     build = "CPU build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
     if count == 0:
         raise DeviceError(f"{flag} was given but no CUDA device is available (torch {torch.__version__}, {build})")
