@@ -1,9 +1,9 @@
 """Registers mergekit-ram with mergekit the moment mergekit is imported.
 
 Imported at interpreter start by ``mergekit_ram_autoload.pth``; standard library only,
-so it costs well under a millisecond. A ``sys.meta_path`` finder watches five mergekit
-modules; when one finishes executing, the matching function of
-``mergekit_ram.integration`` patches it. Every other import passes straight through.
+so it costs well under a millisecond. A ``sys.meta_path`` finder watches six mergekit
+modules; when one finishes executing, the matching functions of
+``mergekit_ram.integration`` patch it. Every other import passes straight through.
 Set ``MERGEKIT_RAM_AUTOLOAD=0`` to switch it off; ``mergekit_ram.register()`` then does
 the same explicitly.
 """
@@ -13,13 +13,14 @@ import sys
 
 ENVIRONMENT_VARIABLE = "MERGEKIT_RAM_AUTOLOAD"
 
-# module -> function of mergekit_ram.integration that patches it once it has executed
+# module -> functions of mergekit_ram.integration that patch it once it has executed, in order
 HOOKS = {
-    "mergekit.merge_methods": "register_methods",
-    "mergekit.plan": "patch_planner",
-    "mergekit.merge": "patch_run_merge",
-    "mergekit.scripts.merge_raw_pytorch": "patch_raw_pytorch",
-    "mergekit.scripts.multimerge": "patch_multimerge",
+    "mergekit.merge_methods": ("register_methods",),
+    "mergekit.plan": ("patch_planner",),
+    "mergekit.merge": ("patch_run_merge",),
+    "mergekit.scripts.run_yaml": ("patch_script",),
+    "mergekit.scripts.multimerge": ("patch_multimerge", "patch_script"),
+    "mergekit.scripts.merge_raw_pytorch": ("patch_raw_pytorch", "patch_script"),
 }
 
 
@@ -47,21 +48,22 @@ class MergekitFinder:
         return spec
 
 
-def _after(exec_module, hook_name):
+def _after(exec_module, hook_names):
     def exec_and_patch(module):
         exec_module(module)
-        try:
-            from mergekit_ram import integration
+        for hook_name in hook_names:
+            try:
+                from mergekit_ram import integration
 
-            getattr(integration, hook_name)(module)
-        except Exception as error:  # never break mergekit's own import
-            import warnings
+                getattr(integration, hook_name)(module)
+            except Exception as error:  # never break mergekit's own import
+                import warnings
 
-            warnings.warn(
-                f"mergekit-ram could not hook {module.__name__}: {error!r}. "
-                f"Call mergekit_ram.register() explicitly, or set {ENVIRONMENT_VARIABLE}=0.",
-                stacklevel=2,
-            )
+                warnings.warn(
+                    f"mergekit-ram could not hook {module.__name__}: {error!r}. "
+                    f"Call mergekit_ram.register() explicitly, or set {ENVIRONMENT_VARIABLE}=0.",
+                    stacklevel=2,
+                )
 
     return exec_and_patch
 

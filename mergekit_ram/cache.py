@@ -39,6 +39,7 @@ from safetensors import safe_open
 
 from mergekit_ram import __version__
 from mergekit_ram.checks import _aligns_vocabulary, task_inputs
+from mergekit_ram.errors import SettingError
 from mergekit_ram.staging import write_atomically
 from mergekit_ram.stats import TensorCounts, package_versions
 
@@ -57,7 +58,7 @@ _ADVICE = f"{MODE_VARIABLE}=off skips the cache"
 def mode() -> str:
     value = os.environ.get(MODE_VARIABLE, "on").strip().lower()
     if value not in ("on", "off", "refresh"):
-        raise ValueError(f"{MODE_VARIABLE} must be on, off or refresh; got {value!r}")
+        raise SettingError(f"{MODE_VARIABLE} must be on, off or refresh; got {value!r}")
     return value
 
 

@@ -17,10 +17,12 @@ from mergekit.io.tasks import GatherTensors, LoaderCache
 from mergekit.merge_methods.task_adapter import ExecuteMergeMethodTask, TensorDictWrapper
 from safetensors import SafetensorError, safe_open
 
+from mergekit_ram.errors import RamError
+
 LOG = logging.getLogger(__name__)
 
 
-class InputError(ValueError):
+class InputError(RamError, ValueError):
     """A model or tensor a RAM merge cannot use; the message names it."""
 
 

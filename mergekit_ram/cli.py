@@ -22,8 +22,30 @@ MERGEKIT_SCRIPTS = {
 }
 
 
+def _print_versions(context: click.Context, _: click.Parameter, value: bool) -> None:
+    """``--version``: mergekit-ram, the mergekit it plugs into, and torch (with its build)."""
+    if not value or context.resilient_parsing:
+        return
+    import torch
+
+    from mergekit_ram.stats import package_versions
+
+    versions = package_versions()
+    build = "CPU build" if torch.version.cuda is None else f"CUDA {torch.version.cuda} build"
+    for name, version in versions.items():
+        click.echo(f"{name} {version}" + (f" ({build})" if name == "torch" else ""))
+    context.exit()
+
+
 @click.group()
-@click.version_option(package_name="mergekit-ram")
+@click.option(
+    "--version",
+    is_flag=True,
+    expose_value=False,
+    is_eager=True,
+    callback=_print_versions,
+    help="Show the versions of mergekit-ram, mergekit and torch, and exit.",
+)
 def main() -> None:
     """Reinforced Agent Merging (RAM, RAM+) for mergekit."""
 
@@ -62,7 +84,10 @@ def console_script(name: str) -> str:
         return candidate
     found = shutil.which(name)
     if found is None:
-        raise click.ClickException(f"{name} is not installed; install mergekit (pip install mergekit-ram pulls it in)")
+        raise click.ClickException(
+            f"{name} is not installed; install mergekit into this environment (pip install mergekit), "
+            "or install mergekit-ram from a clone or wheel as the README says"
+        )
     return found
 
 
@@ -121,6 +146,13 @@ def demo(out_dir: str, architecture: str, seed: int) -> None:
 
 @main.command()
 @click.argument("recipe", type=click.Path(exists=True, dir_okay=False))
+@click.option("--stage", "--name", "stage", default=None, help="Probe only this stage of a mergekit-multi file.")
+@click.option(
+    "-I",
+    "--intermediate-dir",
+    default="",
+    help="Where mergekit-multi wrote the stages: lets a stage that merges an earlier one's output be probed.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the statistics as JSON on stdout.")
 @click.option("--by-module", is_flag=True, help="Also split by embeddings, attention, MLP, norms, output head.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Write the paper's Figure 2 as a PNG.")
@@ -130,9 +162,11 @@ def demo(out_dir: str, architecture: str, seed: int) -> None:
 @click.option("--lora-merge-cache", default=None, help="Where mergekit merges LoRA inputs (as mergekit-yaml).")
 @click.option("--trust-remote-code", is_flag=True, help="As mergekit-yaml.")
 @click.option("-j", "--num-threads", type=int, default=None, help="Torch CPU threads.")
-@click.option("-v", "--verbose", is_flag=True, help="Log the pre-pass.")
+@click.option("-v", "--verbose", is_flag=True, help="Log the pre-pass; show the traceback of an error.")
 def probe(
     recipe: str,
+    stage: str | None,
+    intermediate_dir: str,
     as_json: bool,
     by_module: bool,
     plot_path: str | None,
@@ -148,16 +182,25 @@ def probe(
 
     Per model: parameters changed (count and density), shared and unique counts, the
     histogram by how many models changed each parameter, rho, and lambda under the
-    recipe's r / alpha / rule. Nothing is merged or written (but the cache and --plot).
+    recipe's r / alpha / rule. A mergekit-multi file: every ram / ram_plus stage (or the
+    one --stage names). Nothing is merged or written (but the cache and --plot).
     """
     from mergekit.options import MergeOptions
 
     from mergekit_ram import cache
-    from mergekit_ram.probe import histogram_table, module_table, probe_json, probe_recipe
+    from mergekit_ram.errors import RamError, exit_on_one_line
+    from mergekit_ram.integration import check_device
+    from mergekit_ram.plot import check_plot_extra, plot_statistics
+    from mergekit_ram.probe import (
+        histogram_table,
+        module_table,
+        probe_config,
+        probe_report_json,
+        select_stages,
+        stage_plot_path,
+    )
 
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING)
-    if refresh:
-        os.environ[cache.MODE_VARIABLE] = "refresh"
     options = MergeOptions(
         cuda=cuda,
         device=device,
@@ -166,30 +209,41 @@ def probe(
         num_threads=num_threads,
         quiet=as_json or not verbose,
     )
-    if num_threads is not None:
-        import torch
-
-        torch.set_num_threads(num_threads)
     try:
-        statistics = probe_recipe(recipe, options)
-    except ValueError as error:  # ParameterError, InputError, NaN: the message says it all
-        raise click.ClickException(str(error)) from None
-    if plot_path is not None:
-        from mergekit_ram.plot import plot_statistics
+        if plot_path is not None:
+            check_plot_extra()  # before any work, and before the cache can answer
+        check_device(options)
+        if refresh:
+            os.environ[cache.MODE_VARIABLE] = "refresh"
+        if num_threads is not None:
+            import torch
 
-        plot_statistics(statistics, plot_path)
+            torch.set_num_threads(num_threads)
+        selection = select_stages(recipe, stage, intermediate_dir)
+        for note in selection.not_probed:
+            click.echo(f"note: {note}", err=True)
+        reports = [(chosen, probe_config(chosen.config, options)) for chosen in selection.stages]
+        if plot_path is not None:
+            for chosen, statistics in reports:
+                plot_statistics(statistics, stage_plot_path(plot_path, chosen, selection))
+    except RamError as error:
+        exit_on_one_line(error, verbose)
     if as_json:
-        click.echo(json.dumps(probe_json(statistics, by_module), indent=2))
+        click.echo(json.dumps(probe_report_json(selection, reports, by_module), indent=2))
         return
-    settings = ", ".join(f"{key} = {value}" for key, value in statistics.parameters.items())
-    click.echo(f"{statistics.method} probe of {recipe} ({settings})\n")
-    click.echo(statistics.table())
-    click.echo("\nChanged parameters by how many models changed them (k):\n")
-    click.echo(histogram_table(statistics))
-    if by_module:
-        click.echo("\nBy part of the network (rho local to that part; lambda uses the global rho):\n")
-        click.echo(module_table(statistics))
-    for warning in statistics.warnings:
-        click.echo(f"\nwarning: {warning}", err=True)
-    if plot_path is not None:
-        click.echo(f"\nFigure written to {plot_path}")
+    for index, (chosen, statistics) in enumerate(reports):
+        if index:
+            click.echo("")
+        settings = ", ".join(f"{key} = {value}" for key, value in statistics.parameters.items())
+        of = recipe if chosen.name is None else f"{recipe}, stage {chosen.name}"
+        click.echo(f"{statistics.method} probe of {of} ({settings})\n")
+        click.echo(statistics.table())
+        click.echo("\nChanged parameters by how many models changed them (k):\n")
+        click.echo(histogram_table(statistics))
+        if by_module:
+            click.echo("\nBy part of the network (rho local to that part; lambda uses the global rho):\n")
+            click.echo(module_table(statistics))
+        for warning in statistics.warnings:
+            click.echo(f"\nwarning: {warning}", err=True)
+        if plot_path is not None:
+            click.echo(f"\nFigure written to {stage_plot_path(plot_path, chosen, selection)}")

@@ -3,7 +3,9 @@
 - the registry's table (to replace mergekit's built-in ``ram``, which has no public API);
 - ``MergePlanner.plan_to_disk`` / ``plan_in_memory`` (recipe check, pre-pass, statistics);
 - ``mergekit.merge.run_merge`` (the output transaction of ``staging``, the model card section);
-- ``mergekit.scripts.merge_raw_pytorch.plan_flat_merge`` and its command (``mergekit-pytorch``).
+- ``mergekit.scripts.merge_raw_pytorch.plan_flat_merge`` and its command (``mergekit-pytorch``);
+- the click commands of ``mergekit-yaml``, ``mergekit-multi`` and ``mergekit-pytorch``
+  (one-line errors, the CUDA check, the statistics table).
 
 Each patch is idempotent and checks that the internals it relies on are still there,
 failing with the mergekit version in the message if they moved.
@@ -26,6 +28,7 @@ from typing import Any, Callable, Iterator, NamedTuple, Optional, Union, get_arg
 import yaml
 from pydantic import BaseModel
 
+from mergekit_ram.errors import RamError
 from mergekit_ram.parameters import (
     ParameterError,
     RecipeError,
@@ -44,7 +47,7 @@ RAM_METHODS = ("ram", "ram_plus")
 _MARK = "__mergekit_ram_wrapped__"
 
 
-class MergekitMovedError(RuntimeError):
+class MergekitMovedError(RamError, RuntimeError):
     """A mergekit internal this plugin relies on is not where mergekit 0.1.5 had it."""
 
 
@@ -62,12 +65,15 @@ def register() -> None:
     import mergekit.plan
     import mergekit.scripts.merge_raw_pytorch
     import mergekit.scripts.multimerge
+    import mergekit.scripts.run_yaml
 
     register_methods(mergekit.merge_methods)
     patch_planner(mergekit.plan)
     patch_run_merge(mergekit.merge)
     patch_raw_pytorch(mergekit.scripts.merge_raw_pytorch)
     patch_multimerge(mergekit.scripts.multimerge)
+    for script in (mergekit.scripts.run_yaml, mergekit.scripts.multimerge, mergekit.scripts.merge_raw_pytorch):
+        patch_script(script)
 
 
 def _require(owner: Any, name: str) -> Any:
@@ -128,12 +134,13 @@ def register_methods(merge_methods: ModuleType) -> None:
             LOG.warning("mergekit-ram: merge method %r is already registered by someone else; leaving it", name)
 
 
-def _wrap(owner: Any, name: str, make: Callable[[Callable], Callable]) -> None:
+def _wrap(owner: Any, name: str, make: Callable[[Callable], Callable], mark: str = _MARK) -> None:
+    """Replace ``owner.name`` by ``make(original)`` once; ``mark`` tells this patch's wrapper."""
     original = _require(owner, name)
-    if getattr(original, _MARK, False):
+    if getattr(original, mark, False):
         return
     wrapper = functools.wraps(original)(make(original))
-    setattr(wrapper, _MARK, True)
+    setattr(wrapper, mark, True)
     setattr(owner, name, wrapper)
 
 
@@ -209,6 +216,7 @@ def patch_run_merge(merge: ModuleType) -> None:
                     )
                 if options.write_model_card:
                     append_card_section(staged)
+            report_summary(out_path, options)
             return result
 
         return run_merge
@@ -282,6 +290,119 @@ def _raw_config(raw: ModuleType, path: Optional[str]) -> Any:
         return None
 
 
+# Console scripts ------------------------------------------------------------------
+
+#: mergekit's console scripts: module -> (command name, the argument that names the recipe file)
+SCRIPTS = {
+    "mergekit.scripts.run_yaml": ("mergekit-yaml", "config_file"),
+    "mergekit.scripts.multimerge": ("mergekit-multi", "config_file"),
+    "mergekit.scripts.merge_raw_pytorch": ("mergekit-pytorch", "config_path"),
+}
+_CLI_MARK = "__mergekit_ram_cli__"
+
+
+def patch_script(script: ModuleType) -> None:
+    """The plugin's errors as one line (``Error: ...``, exit 1; the traceback with ``-v``).
+
+    The plugin's own errors are told by type (``RamError``). A YAML or schema error and a
+    missing CUDA device are reported so only for a file that asks for ``ram``/``ram_plus``:
+    for every other recipe mergekit's output stays as it was. ``mergekit-pytorch`` (which
+    has no ``run_merge``) also shows the statistics table here.
+    """
+    name, recipe_argument = SCRIPTS[script.__name__]
+
+    def make(original: Callable) -> Callable:
+        def callback(*args: Any, **kwargs: Any) -> Any:
+            try:
+                options = check_script_recipe(script, name, kwargs.get(recipe_argument), kwargs)
+                result = original(*args, **kwargs)
+            except RamError as error:
+                from mergekit_ram.errors import exit_on_one_line
+
+                exit_on_one_line(error, verbose=bool(kwargs.get("verbosity")))
+            if options is not None and name == "mergekit-pytorch":
+                report_summary(kwargs["out_path"], options)
+            return result
+
+        return callback
+
+    _wrap(_require(script, "main"), "callback", make, mark=_CLI_MARK)
+
+
+def check_script_recipe(script: ModuleType, name: str, path: Optional[str], arguments: dict[str, Any]) -> Any:
+    """For a recipe file that asks for a RAM method: read and validate it as ``name`` will,
+    check the device, and return the command's MergeOptions; None for any other file."""
+    from mergekit.config import MergeConfiguration
+    from mergekit.options import MergeOptions
+
+    from mergekit_ram.recipe_file import names_ram_method, read_single_document, read_stages, read_text, validate
+
+    text = read_text(path) if path else None
+    if text is None or not names_ram_method(text):
+        return None
+    if name == "mergekit-multi":
+        configs = [stage.config for stage in read_stages(path, text, arguments.get("intermediate_dir") or "")]
+    else:
+        schema = _require(script, "RawPyTorchMergeConfig") if name == "mergekit-pytorch" else MergeConfiguration
+        configs = [validate(path, read_single_document(path, text, name), schema)]
+    if not any(_is_ours(config.merge_method) for config in configs):
+        return None
+    options = MergeOptions(**{key: value for key, value in arguments.items() if key in MergeOptions.model_fields})
+    check_device(options)
+    return options
+
+
+def check_device(options: Any) -> None:
+    """A CUDA device was asked for (``--cuda``, ``--gpu-rich``, ``--device cuda...``): it exists."""
+    device = str(options.device or "cpu")
+    if not device.startswith("cuda"):
+        return
+    import torch
+
+    from mergekit_ram.errors import DeviceError
+
+    index = int(device.partition(":")[2] or 0)
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if index < count:
+        return
+    flag = "--gpu-rich" if options.gpu_rich else "--cuda" if options.cuda else f"--device {device}"
+    build = "CPU build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
+    if count == 0:
+        raise DeviceError(f"{flag} was given but no CUDA device is available (torch {torch.__version__}, {build})")
+    raise DeviceError(f"{flag} was given but only {count} CUDA device(s) are visible (cuda:0 to cuda:{count - 1})")
+
+
+def read_statistics(out_path: str) -> Optional[Any]:
+    """The RamStatistics a merge wrote into ``out_path``, or None if it wrote none."""
+    from mergekit_ram.stats import STATISTICS_FILE, RamStatistics
+
+    path = os.path.join(out_path, STATISTICS_FILE)
+    if not os.path.exists(path):
+        return None
+    with open(path, encoding="utf-8") as handle:
+        return RamStatistics.from_dict(json.load(handle))
+
+
+def report_summary(out_path: str, options: Any) -> None:
+    """After a RAM merge: model, density, rho and lambda on stderr, next to mergekit's own
+    progress output and, like it, not with ``--quiet``."""
+    if getattr(options, "quiet", False):
+        return
+    statistics = read_statistics(out_path)
+    if statistics is None:
+        return
+    import click
+
+    from mergekit_ram.stats import STATISTICS_FILE
+
+    settings = ", ".join(f"{key} = {value}" for key, value in statistics.parameters.items())
+    click.echo(
+        f"{statistics.method} merge written to {out_path} ({settings}); "
+        f"per-tensor counts in {STATISTICS_FILE}\n{statistics.compact_table()}",
+        err=True,
+    )
+
+
 def plan_merge_tasks(config: Any, options: Any) -> list[Any]:
     """Plan a recipe exactly as ``run_merge`` would, without running it: its merge tasks."""
     import mergekit.merge
@@ -324,14 +445,10 @@ def patch_multimerge(multimerge: ModuleType) -> None:
 
 def append_card_section(out_path: str) -> None:
     """Tag the card ``mergekit-ram`` and add how to reproduce the merge and its statistics."""
-    from mergekit_ram.stats import STATISTICS_FILE, RamStatistics
-
     card = os.path.join(out_path, "README.md")
-    statistics_path = os.path.join(out_path, STATISTICS_FILE)
-    if not (os.path.exists(card) and os.path.exists(statistics_path)):
+    statistics = read_statistics(out_path) if os.path.exists(card) else None
+    if statistics is None:
         return
-    with open(statistics_path, encoding="utf-8") as handle:
-        statistics = RamStatistics.from_dict(json.load(handle))
     with open(card, encoding="utf-8") as handle:
         text = handle.read()
     with open(card, "w", encoding="utf-8") as handle:

@@ -24,6 +24,8 @@ from mergekit.merge_methods.base import (
     TensorGroup,
 )
 
+from mergekit_ram.checks import InputError
+from mergekit_ram.errors import RamError
 from mergekit_ram.kernel import NonFiniteInputError, ram_merge, rescale_factor
 from mergekit_ram.parameters import METHOD_PARAMETERS
 from mergekit_ram.stats import TensorCounts
@@ -59,7 +61,7 @@ def count_request(merge: bool) -> Iterator[CountRequest]:
         _COUNT_REQUEST.reset(token)
 
 
-class MissingStatisticsError(RuntimeError):
+class MissingStatisticsError(RamError, RuntimeError):
     """ram_plus was asked to merge without a model's global rho or lambda."""
 
 
@@ -101,7 +103,7 @@ class RamMergeMethod(GroupMergeMethod):
             )
         except NonFiniteInputError as error:
             model = group.base.id if error.index is None else finetunes[error.index].id
-            raise ValueError(f"{model}: tensor {group.metadata.name} contains NaN or Inf") from None
+            raise InputError(f"{model}: tensor {group.metadata.name} contains NaN or Inf") from None
         if request is not None:
             request.counts = TensorCounts(
                 name=group.metadata.name or "",

@@ -13,6 +13,8 @@ from typing import Any, Iterable, Literal, Optional
 from pydantic import BeforeValidator, Field, TypeAdapter, ValidationError
 from typing_extensions import Annotated
 
+from mergekit_ram.errors import RecipeError
+
 #: The largest float32; a value above it becomes inf in the float32 arithmetic.
 FLOAT32_MAX = float.fromhex("0x1.fffffep+127")
 #: Above this a lambda is warned about: the paper's are about 1.2 (r = 0.1, alpha = 2);
@@ -61,10 +63,6 @@ METHOD_PARAMETERS: dict[str, tuple[ParameterInfo, ...]] = {
     "ram": (EPSILON,),
     "ram_plus": (EPSILON, R, ALPHA, RULE, RHO, LAMBDA),
 }
-
-
-class RecipeError(ValueError):
-    """A RAM recipe that would silently merge something else; the message names the place and the fix."""
 
 
 class ParameterError(RecipeError):

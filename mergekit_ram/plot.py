@@ -1,6 +1,6 @@
 """The paper's Figure 2 for a probe: density per model, and its changes by overlap count.
 
-Needs matplotlib (``pip install mergekit-ram[plot]``).
+Needs matplotlib (``pip install matplotlib``, or the extra ``mergekit-ram[plot]``).
 """
 
 from __future__ import annotations
@@ -8,15 +8,26 @@ from __future__ import annotations
 from mergekit_ram.stats import RamStatistics
 
 
+def check_plot_extra() -> None:
+    """matplotlib is importable: checked before the probe does any work."""
+    from mergekit_ram.errors import MissingExtraError
+
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise MissingExtraError(
+            "--plot needs matplotlib, which is not installed here: pip install matplotlib "
+            "(what the extra 'mergekit-ram[plot]' installs)"
+        ) from None
+
+
 def plot_statistics(statistics: RamStatistics, path: str) -> None:
     """Left: share of parameters each model changed. Right: how many models changed them."""
-    try:
-        import matplotlib
+    check_plot_extra()
+    import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as error:
-        raise ImportError("--plot needs matplotlib: pip install 'mergekit-ram[plot]'") from error
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
 
     names = statistics.display_names()
     labels = [names[stats.model] for stats in statistics.models]

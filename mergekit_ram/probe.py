@@ -3,36 +3,96 @@
 Same tensors, filters, slices and casts as the merge (the planner's own tasks), same
 cache; prints per model the parameters changed, shared and unique counts, the histogram
 by how many models changed each parameter, rho, and lambda under the recipe's settings.
+A mergekit-multi file is read as mergekit-multi reads it: every RAM stage, or the one named.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+import os
+from dataclasses import dataclass
+from typing import Any, Optional
 
-import yaml
-
+from mergekit_ram.recipe_file import Stage
 from mergekit_ram.stats import RamStatistics, format_table
 
 
-def probe_recipe(recipe_path: str, options: Any) -> RamStatistics:
-    """Run only the pre-pass of a ``ram`` / ``ram_plus`` recipe; return its statistics."""
-    from mergekit.config import MergeConfiguration
+@dataclass(frozen=True)
+class ProbeSelection:
+    """The stages of a recipe file to probe, and one line for each RAM stage that cannot be yet."""
 
-    from mergekit_ram.integration import plan_merge_tasks
+    stages: tuple[Stage, ...]
+    not_probed: tuple[str, ...]
+    single: bool  # one recipe (one document, or one stage chosen by name): reported as before
+
+
+def select_stages(recipe_path: str, stage_name: Optional[str] = None, intermediate_dir: str = "") -> ProbeSelection:
+    """The ``ram`` / ``ram_plus`` stages of a recipe file whose inputs exist.
+
+    A stage that merges an earlier stage's output can be probed only once mergekit-multi
+    has written that output under ``intermediate_dir``.
+    """
+    from mergekit_ram.errors import RecipeError
     from mergekit_ram.parameters import METHOD_PARAMETERS, ParameterError
-    from mergekit_ram.prepass import checked_context, counted_prepass
+    from mergekit_ram.recipe_file import read_stages, read_text, stage_output
 
-    with open(recipe_path, encoding="utf-8") as handle:
-        config = MergeConfiguration.model_validate(yaml.safe_load(handle))
-    if config.merge_method not in METHOD_PARAMETERS:
+    text = read_text(recipe_path)
+    if text is None:
+        raise RecipeError(f"cannot read {recipe_path} as UTF-8 text")
+    stages = read_stages(recipe_path, text, intermediate_dir)
+    candidates = stages
+    if stage_name is not None:
+        candidates = [stage for stage in stages if stage.name == stage_name]
+        if not candidates:
+            raise RecipeError(
+                f"{recipe_path} has no stage named {stage_name!r}; its stages: "
+                + ", ".join(stage.label for stage in stages)
+            )
+    ram_stages = [stage for stage in candidates if stage.config.merge_method in METHOD_PARAMETERS]
+    if not ram_stages:
+        methods = ", ".join(dict.fromkeys(stage.config.merge_method for stage in candidates))
         raise ParameterError(
-            f"probe reads ram and ram_plus recipes; this one says merge_method: {config.merge_method} "
+            f"probe reads ram and ram_plus recipes; this one says merge_method: {methods} "
             "(set merge_method: ram_plus to look at its task vectors)"
         )
+    ready, not_probed = [], []
+    for stage in ram_stages:
+        missing = [name for name in stage.depends_on if stage_output(intermediate_dir, name) is None]
+        if not missing:
+            ready.append(stage)
+            continue
+        where = (
+            f"nothing is at {os.path.join(intermediate_dir, missing[0])}"
+            if intermediate_dir
+            else "then give the probe mergekit-multi's --intermediate-dir"
+        )
+        not_probed.append(
+            f"stage {stage.label} cannot be probed yet: it merges the output of stage {missing[0]}, "
+            f"which exists only once mergekit-multi has run that stage ({where})"
+        )
+    if not ready:
+        raise RecipeError(not_probed[0])
+    return ProbeSelection(
+        stages=tuple(ready), not_probed=tuple(not_probed), single=stage_name is not None or len(stages) == 1
+    )
+
+
+def probe_config(config: Any, options: Any) -> RamStatistics:
+    """Run only the pre-pass of a ``ram`` / ``ram_plus`` MergeConfiguration; its statistics."""
+    from mergekit_ram.integration import plan_merge_tasks
+    from mergekit_ram.prepass import checked_context, counted_prepass
+
     merge_tasks = plan_merge_tasks(config, options)
     context = checked_context(merge_tasks)
     return context.build(counted_prepass(merge_tasks, options), source="pre-pass")
+
+
+def stage_plot_path(path: str, stage: Stage, selection: ProbeSelection) -> str:
+    """``--plot`` PATH for one recipe; ``PATH-stem.<stage>.png`` per stage of a multi-stage file."""
+    if selection.single:
+        return path
+    root, extension = os.path.splitext(path)
+    return f"{root}.{stage.name or 'final'}{extension or '.png'}"
 
 
 def histogram_table(statistics: RamStatistics) -> str:
@@ -70,6 +130,18 @@ def module_table(statistics: RamStatistics) -> str:
                 ]
             )
     return format_table(rows, left_columns=2)
+
+
+def probe_report_json(
+    selection: ProbeSelection, reports: list[tuple[Stage, RamStatistics]], by_module: bool
+) -> dict[str, Any]:
+    """One recipe: its statistics as before; a multi-stage file: ``{"stages": {name: ...}, "not_probed": [...]}``."""
+    if selection.single:
+        return probe_json(reports[0][1], by_module)
+    return {
+        "stages": {stage.name or "final": probe_json(statistics, by_module) for stage, statistics in reports},
+        "not_probed": list(selection.not_probed),
+    }
 
 
 def probe_json(statistics: RamStatistics, by_module: bool) -> dict[str, Any]:

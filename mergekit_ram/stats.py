@@ -258,6 +258,22 @@ class RamStatistics:
             )
         return format_table(rows)
 
+    def compact_table(self) -> str:
+        """The table shown after a merge: model, density, rho, lambda (pins marked *)."""
+        names = self.display_names()
+        rows = [("model", "density", "rho", "lambda")]
+        for stats in self.models:
+            rows.append(
+                (
+                    names[stats.model],
+                    f"{100 * stats.density:.2f}%",
+                    _format_rho(stats.rho) + ("*" if stats.pinned == "rho" else ""),
+                    f"{stats.lambda_:.4f}" + ("*" if stats.pinned == "lambda" else ""),
+                )
+            )
+        table = format_table(rows)
+        return table + ("\n* pinned in the recipe" if any(stats.pinned for stats in self.models) else "")
+
     def display_names(self) -> dict[str, str]:
         """Local paths as their last component when that is unambiguous."""
         models = [stats.model for stats in self.models]

@@ -10,9 +10,36 @@ import sys
 import torch
 import yaml
 
+from mergekit_ram.stats import RamStatistics
 from tests.conftest import ModelSet, load_statistics, load_weights, run_script, write_recipe
 
 OFF = {"MERGEKIT_RAM_AUTOLOAD": "0"}
+
+
+def summary_rows(stderr: str, out: str) -> dict[str, list[str]]:
+    """The table printed after the RAM merge into ``out``: model -> [density, rho, lambda]."""
+    lines = stderr.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"ram_plus merge written to {out} ("))
+    assert lines[start + 1].split() == ["model", "density", "rho", "lambda"]
+    rows = {}
+    for line in lines[start + 3 :]:
+        cells = line.split()
+        if len(cells) != 4 or not cells[1].endswith("%"):
+            break
+        rows[cells[0]] = cells[1:]
+    return rows
+
+
+def expected_rows(statistics: dict) -> dict[str, list[str]]:
+    names = RamStatistics.from_dict(statistics).display_names()
+    return {
+        names[m["model"]]: [
+            f"{100 * m['density']:.2f}%",
+            "inf" if m["rho"] is None else f"{m['rho']:.4f}",
+            f"{m['lambda']:.4f}",
+        ]
+        for m in statistics["models"]
+    }
 
 
 def python(code: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -77,9 +104,12 @@ def test_opt_out_mergekit_yaml_does_not_know_ram_plus(bf16_models: ModelSet, tmp
 def test_fallback_console_script(bf16_models: ModelSet, tmp_path) -> None:
     recipe = write_recipe(str(tmp_path / "r.yml"), bf16_models.recipe("ram_plus"))
     reference_out = str(tmp_path / "reference")
-    run_script("mergekit-yaml", recipe, reference_out)
+    shown = run_script("mergekit-yaml", recipe, reference_out)
+    assert summary_rows(shown.stderr, reference_out) == expected_rows(load_statistics(reference_out))
+    assert len(expected_rows(load_statistics(reference_out))) == 3
     out = str(tmp_path / "out")
-    run_script("mergekit-ram", "yaml", recipe, out, "--quiet", env=OFF)
+    quiet = run_script("mergekit-ram", "yaml", recipe, out, "--quiet", env=OFF)
+    assert "merge written to" not in quiet.stderr and "lambda" not in quiet.stderr + quiet.stdout
     assert load_statistics(out)["models"] == load_statistics(reference_out)["models"]
     expected = load_weights(reference_out)
     assert all(torch.equal(tensor, expected[name]) for name, tensor in load_weights(out).items())
@@ -102,8 +132,10 @@ def test_mergekit_multi_with_a_ram_stage(bf16_models: ModelSet, tmp_path) -> Non
         yaml.safe_dump_all(stages, handle, sort_keys=False)
     intermediate = str(tmp_path / "stages")
     final = str(tmp_path / "final")
-    run_script("mergekit-multi", config, "--intermediate-dir", intermediate, "--out-path", final)
+    completed = run_script("mergekit-multi", config, "--intermediate-dir", intermediate, "--out-path", final)
     statistics = load_statistics(os.path.join(intermediate, "agents"))
+    assert summary_rows(completed.stderr, os.path.join(intermediate, "agents")) == expected_rows(statistics)
+    assert completed.stderr.count("merge written to") == 1  # the RAM stage; the linear one has none
     assert statistics["method"] == "ram_plus" and statistics["source"] == "pre-pass"
     assert "## RAM statistics" in open(os.path.join(intermediate, "agents", "README.md"), encoding="utf-8").read()
     ram_weights = load_weights(os.path.join(intermediate, "agents"))
@@ -122,8 +154,11 @@ def test_mergekit_pytorch_uses_global_rho(bf16_models: ModelSet, tmp_path) -> No
         "models": [{"model": os.path.join(path, "model.safetensors")} for path in bf16_models.agents],
     }
     raw_out = str(tmp_path / "raw")
-    run_script("mergekit-pytorch", write_recipe(str(tmp_path / "raw.yml"), raw_recipe), raw_out)
+    completed = run_script("mergekit-pytorch", write_recipe(str(tmp_path / "raw.yml"), raw_recipe), raw_out)
     raw_lambdas = [m["lambda"] for m in load_statistics(raw_out)["models"]]
+    rows = summary_rows(completed.stderr, raw_out)
+    assert rows == expected_rows(load_statistics(raw_out)) and len(rows) == 3
+    assert [row[2] for row in rows.values()] == [f"{value:.4f}" for value in raw_lambdas]
     assert raw_lambdas == [m["lambda"] for m in load_statistics(yaml_out)["models"]]
     expected = load_weights(yaml_out)
     actual = load_weights(raw_out)

@@ -1,0 +1,133 @@
+"""Reading recipe files as mergekit's scripts do, with one-line errors for RAM recipes.
+
+``mergekit-yaml`` and ``mergekit-pytorch`` read one YAML document, ``mergekit-multi`` a
+file of stages (documents with a ``name``; a stage may merge an earlier stage's output by
+naming it). The probe reads both. Syntax errors, a file of several documents given where
+one is expected, and recipes that do not validate become a ``RecipeError`` naming the file,
+the place and the fix, instead of a yaml or pydantic traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from mergekit_ram.errors import RecipeError
+
+#: ``merge_method: ram`` or ``ram_plus`` on a line that is not a comment (block or flow style).
+_RAM_METHOD = re.compile(r"^[^#\n]*\bmerge_method[\"']?\s*:\s*[\"']?(?:ram_plus|ram)(?![\w.-])", re.MULTILINE)
+_SHOWN_VALIDATION_ERRORS = 3
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One document of a recipe file; ``depends_on``: the earlier stages whose output it merges."""
+
+    name: Optional[str]
+    config: Any  # mergekit.config.MergeConfiguration, model paths of earlier stages resolved
+    depends_on: tuple[str, ...] = ()
+
+    @property
+    def label(self) -> str:
+        return self.name if self.name is not None else "(unnamed final stage)"
+
+
+def names_ram_method(text: str) -> bool:
+    """Whether a recipe's text asks for ``ram`` or ``ram_plus`` (readable YAML or not)."""
+    return _RAM_METHOD.search(text) is not None
+
+
+def read_text(path: str) -> Optional[str]:
+    """The file's text, or None where it cannot be read (mergekit reports that itself)."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return handle.read()
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def describe_yaml_error(error: yaml.YAMLError) -> str:
+    """'invalid YAML at line L, column C: problem', from the error's marks."""
+    mark = getattr(error, "problem_mark", None)
+    problem = getattr(error, "problem", None)
+    context = getattr(error, "context", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    detail = ", ".join(part for part in (context, problem) if part) or str(error)
+    return f"invalid YAML{where}: {detail}"
+
+
+def read_documents(path: str, text: str) -> list[Any]:
+    """The non-empty YAML documents of a recipe file."""
+    try:
+        documents = list(yaml.safe_load_all(text))
+    except yaml.YAMLError as error:
+        raise RecipeError(f"{path}: {describe_yaml_error(error)}") from error
+    return [document for document in documents if document is not None]
+
+
+def read_single_document(path: str, text: str, script: str) -> Any:
+    """The one recipe document ``mergekit-yaml`` / ``mergekit-pytorch`` reads."""
+    documents = read_documents(path, text)
+    if len(documents) != 1:
+        raise RecipeError(
+            f"{path} holds {len(documents)} YAML documents; {script} reads one recipe "
+            "(a file of named stages separated by '---' is for mergekit-multi)"
+        )
+    return documents[0]
+
+
+def validate(path: str, document: Any, schema: type[BaseModel], where: str = "") -> Any:
+    """``schema.model_validate(document)``, its first errors on one line on refusal."""
+    try:
+        return schema.model_validate(document)
+    except ValidationError as error:
+        problems = error.errors(include_url=False)
+        shown = [
+            f"{'.'.join(str(part) for part in problem['loc']) or 'the document'}: {problem['msg']}"
+            for problem in problems[:_SHOWN_VALIDATION_ERRORS]
+        ]
+        more = len(problems) - len(shown)
+        suffix = f" (and {more} more)" if more > 0 else ""
+        raise RecipeError(f"{path}{where}: not a valid mergekit recipe: {'; '.join(shown)}{suffix}") from None
+
+
+def read_stages(path: str, text: str, intermediate_dir: str = "") -> list[Stage]:
+    """The stages of a recipe file as mergekit-multi reads them (a single recipe is one stage).
+
+    A model named like another stage becomes ``intermediate_dir/<name>`` (mergekit's own
+    ``patched_config``), and the stage records that it depends on that one.
+    """
+    from mergekit.config import MergeConfiguration
+    from mergekit.scripts.multimerge import patched_config
+
+    stages: dict[Optional[str], Any] = {}
+    for index, document in enumerate(read_documents(path, text)):
+        where = f", document {index + 1}"
+        if not isinstance(document, dict):
+            raise RecipeError(f"{path}{where}: a recipe is a mapping of keys (merge_method, models, ...)")
+        document = dict(document)
+        name = document.pop("name", None)
+        if name in stages:
+            raise RecipeError(
+                f"{path}{where}: "
+                + (f"a second stage named {name!r}" if name is not None else "a second stage without a name")
+                + "; each stage needs its own name (at most one may have none: the final merge)"
+            )
+        stages[name] = validate(path, document, MergeConfiguration, where)
+    names = set(stages)
+    result = []
+    for name, config in stages.items():
+        patched, used = patched_config(config, names, intermediate_dir)
+        result.append(Stage(name=name, config=patched, depends_on=tuple(sorted(used))))
+    return result
+
+
+def stage_output(intermediate_dir: str, name: str) -> Optional[str]:
+    """The finished output of an earlier stage under ``intermediate_dir``, if it is there."""
+    path = os.path.join(intermediate_dir, name)
+    return path if intermediate_dir and os.path.exists(os.path.join(path, "config.json")) else None

@@ -1,0 +1,265 @@
+"""What a command-line user sees: one-line errors (the traceback under -v), mergekit's own
+output for other methods, the probe on multi-document recipes, --plot and --cuda checked
+first, --version. Every check runs the real console scripts in subprocesses."""
+
+from __future__ import annotations
+
+import ast
+import glob
+import json
+import os
+import shutil
+import subprocess
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file, save_file
+
+from mergekit_ram import errors
+from tests.conftest import ModelSet, run_script, write_recipe
+from tests.test_statistics import independent_figures
+
+ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
+OFF = {"MERGEKIT_RAM_AUTOLOAD": "0"}
+NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message for a machine without CUDA")
+
+#: Exceptions raised in the package that are not RamError, and why they never reach a command user.
+INTERNAL_RAISES = {
+    "ValueError": "kernel.py / prepass.py invariants behind the recipe checks; inmemory.py, synthetic.py (Python)",
+    "NonFiniteInputError": "kernel.py; methods.py re-raises it as InputError with model and tensor named",
+    "click.ClickException": "cli.py: click prints it as one line itself",
+    "AttributeError": "__init__.py: the module attribute protocol",
+    "MergekitMovedError": "a RamError (checked below through its class)",
+}
+
+
+def one_line_error(completed: subprocess.CompletedProcess) -> str:
+    """The message of a failed command that reported its error as click does: one last line."""
+    assert completed.returncode == 1, completed.stderr[-3000:]
+    assert "Traceback" not in completed.stderr, completed.stderr[-3000:]
+    lines = completed.stderr.strip().splitlines()
+    assert [line for line in lines if line.startswith("Error:")] == [lines[-1]], completed.stderr[-3000:]
+    return lines[-1].removeprefix("Error: ")
+
+
+def with_traceback(completed: subprocess.CompletedProcess) -> str:
+    """Under -v: the logged traceback, then the same one line."""
+    assert completed.returncode == 1
+    assert "mergekit-ram: traceback of the error reported below" in completed.stderr
+    assert "Traceback (most recent call last)" in completed.stderr
+    lines = completed.stderr.strip().splitlines()
+    assert lines[-1].startswith("Error: ")
+    return lines[-1].removeprefix("Error: ")
+
+
+def without_plugin_frames(stderr: str) -> str:
+    """A traceback without the frames of mergekit_ram's wrappers (present since the plugin's
+    first patch of run_merge); the rest must be mergekit's output, unchanged."""
+    kept, skipping = [], False
+    for line in stderr.splitlines():
+        if line.startswith('  File "'):
+            skipping = f"{os.sep}mergekit_ram{os.sep}" in line
+        elif not line.startswith("    "):
+            skipping = False
+        if not skipping:
+            kept.append(line)
+    return "\n".join(kept)
+
+
+def test_every_error_a_user_can_meet_is_a_ram_error() -> None:
+    """Each exception class raised in mergekit_ram is a RamError, or listed above with the reason."""
+    raised = set()
+    for path in glob.glob(os.path.join(ROOT, "mergekit_ram", "*.py")):
+        with open(path, encoding="utf-8") as handle:
+            tree = ast.parse(handle.read())
+        raised |= {
+            ast.unparse(node.exc.func)
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call)
+        }
+    from mergekit_ram.checks import InputError
+    from mergekit_ram.integration import MergekitMovedError
+    from mergekit_ram.methods import MissingStatisticsError
+    from mergekit_ram.parameters import ParameterError
+
+    classes = {cls.__name__: cls for cls in (InputError, ParameterError, MergekitMovedError, MissingStatisticsError)}
+    classes |= {name: getattr(errors, name) for name in dir(errors) if name.endswith("Error")}
+    unexplained = sorted(name for name in raised if name not in INTERNAL_RAISES and name not in classes)
+    assert not unexplained, f"raised but neither a RamError nor explained as internal: {unexplained}"
+    assert all(issubclass(cls, errors.RamError) for cls in classes.values())
+    # Still the built-in classes callers catch today.
+    assert issubclass(ParameterError, ValueError) and issubclass(InputError, ValueError)
+    assert issubclass(MergekitMovedError, RuntimeError) and issubclass(MissingStatisticsError, RuntimeError)
+
+
+def test_plugin_errors_are_one_line_in_every_script(bf16_models: ModelSet, tmp_path) -> None:
+    typo = write_recipe(str(tmp_path / "typo.yml"), bf16_models.recipe("ram_plus", parameters={"apha": 1.0}))
+    expected = "ram_plus: unknown parameter 'apha' in parameters (did you mean 'alpha'?)"
+    assert one_line_error(run_script("mergekit-yaml", typo, str(tmp_path / "o1"), check=False)).startswith(expected)
+    verbose = run_script("mergekit-yaml", typo, str(tmp_path / "o2"), "-v", check=False)
+    assert with_traceback(verbose).startswith(expected)
+    assert "raise ParameterError(" in verbose.stderr
+
+    missing = {**bf16_models.recipe("ram"), "name": "agents"}
+    missing["models"] = [*missing["models"][:2], {"model": str(tmp_path / "no-such-agent")}]
+    multi = write_recipe(str(tmp_path / "multi.yml"), missing)
+    completed = run_script("mergekit-multi", multi, "-I", str(tmp_path / "stages"), check=False)
+    assert one_line_error(completed) == f"model path {tmp_path / 'no-such-agent'} does not exist"
+
+    # NaN in an input, found by the pre-pass of mergekit-pytorch.
+    broken = shutil.copytree(bf16_models.agents[1], str(tmp_path / "nan-agent"))
+    weights = load_file(os.path.join(broken, "model.safetensors"))
+    weights["model.layers.0.mlp.up_proj.weight"][0, 0] = float("nan")
+    save_file(weights, os.path.join(broken, "model.safetensors"), metadata={"format": "pt"})
+    raw = {
+        "merge_method": "ram_plus",
+        "base_model": os.path.join(bf16_models.base, "model.safetensors"),
+        "models": [{"model": os.path.join(path, "model.safetensors")} for path in (bf16_models.agents[0], broken)],
+    }
+    raw_recipe = write_recipe(str(tmp_path / "raw.yml"), raw)
+    completed = run_script("mergekit-pytorch", raw_recipe, str(tmp_path / "o3"), check=False)
+    nan_file = os.path.join(broken, "model.safetensors")
+    assert one_line_error(completed) == f"{nan_file}: tensor model.layers.0.mlp.up_proj.weight contains NaN or Inf"
+
+    # An environment setting, through the fallback runner with the start-up hook off.
+    recipe = write_recipe(str(tmp_path / "r.yml"), bf16_models.recipe("ram_plus"))
+    bad_cache = {**OFF, "MERGEKIT_RAM_CACHE": "sometimes"}
+    completed = run_script("mergekit-ram", "yaml", recipe, str(tmp_path / "o4"), env=bad_cache, check=False)
+    assert one_line_error(completed) == "MERGEKIT_RAM_CACHE must be on, off or refresh; got 'sometimes'"
+    assert not any(os.path.exists(tmp_path / out) for out in ("o1", "o2", "o3", "o4"))
+
+
+def test_yaml_errors_of_ram_recipes_are_one_line(bf16_models: ModelSet, tmp_path) -> None:
+    syntax = tmp_path / "syntax.yml"
+    syntax.write_text(f"merge_method: ram_plus\nbase_model: [{bf16_models.base}\nmodels: 3\n", encoding="utf-8")
+    message = one_line_error(run_script("mergekit-yaml", str(syntax), str(tmp_path / "o"), check=False))
+    assert message.startswith(f"{syntax}: invalid YAML at line 3, column 7: ")
+
+    two = tmp_path / "two.yml"
+    two.write_text(yaml.safe_dump_all([bf16_models.recipe("ram_plus")] * 2), encoding="utf-8")
+    message = one_line_error(run_script("mergekit-pytorch", str(two), str(tmp_path / "o"), check=False))
+    assert message == (
+        f"{two} holds 2 YAML documents; mergekit-pytorch reads one recipe "
+        "(a file of named stages separated by '---' is for mergekit-multi)"
+    )
+
+    invalid = write_recipe(str(tmp_path / "invalid.yml"), {"name": "agents", "merge_method": "ram", "models": 3})
+    message = one_line_error(run_script("mergekit-multi", invalid, "-I", str(tmp_path / "stages"), check=False))
+    assert message == f"{invalid}, document 1: not a valid mergekit recipe: models: Input should be a valid list"
+
+    message = one_line_error(run_script("mergekit-ram", "probe", str(syntax), check=False))
+    assert message.startswith(f"{syntax}: invalid YAML at line 3, column 7: ")
+    assert not os.path.exists(tmp_path / "o")
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["yaml syntax", pytest.param("cuda", marks=NO_CUDA)],
+)
+def test_other_methods_keep_mergekit_output(bf16_models: ModelSet, tmp_path, case: str) -> None:
+    """A linear recipe's failure prints what mergekit alone prints (MERGEKIT_RAM_AUTOLOAD=0)."""
+    linear = {**bf16_models.recipe("linear"), "parameters": {"weight": 0.5}}
+    if case == "yaml syntax":
+        recipe = tmp_path / "linear.yml"
+        recipe.write_text("merge_method: linear\nmodels: [{model: a}\n", encoding="utf-8")
+        arguments = [str(recipe), str(tmp_path / "out")]
+    else:
+        arguments = [write_recipe(str(tmp_path / "linear.yml"), linear), str(tmp_path / "out"), "--cuda", "--quiet"]
+    with_plugin = run_script("mergekit-yaml", *arguments, check=False)
+    without = run_script("mergekit-yaml", *arguments, env=OFF, check=False)
+    assert with_plugin.returncode == without.returncode != 0
+    assert "Traceback (most recent call last)" in with_plugin.stderr
+    assert not with_plugin.stderr.strip().splitlines()[-1].startswith("Error:")
+    assert without_plugin_frames(with_plugin.stderr) == without.stderr.rstrip("\n")
+
+
+@NO_CUDA
+def test_cuda_without_a_device_is_one_line(bf16_models: ModelSet, tmp_path) -> None:
+    expected = f"--cuda was given but no CUDA device is available (torch {torch.__version__}, CPU build)"
+    recipe = write_recipe(str(tmp_path / "r.yml"), bf16_models.recipe("ram_plus"))
+    assert one_line_error(run_script("mergekit-yaml", recipe, str(tmp_path / "o"), "--cuda", check=False)) == expected
+    stages = write_recipe(str(tmp_path / "m.yml"), {"name": "agents", **bf16_models.recipe("ram")})
+    completed = run_script("mergekit-multi", stages, "-I", str(tmp_path / "stages"), "--gpu-rich", check=False)
+    assert one_line_error(completed) == expected.replace("--cuda", "--gpu-rich")
+    # The probe checks before its cache can answer.
+    cached = {"MERGEKIT_RAM_CACHE": "on", "MERGEKIT_RAM_CACHE_DIR": str(tmp_path / "cache")}
+    run_script("mergekit-ram", "probe", recipe, env=cached)
+    assert os.listdir(tmp_path / "cache")
+    completed = run_script("mergekit-ram", "probe", recipe, "--device", "cuda:0", env=cached, check=False)
+    assert one_line_error(completed) == expected.replace("--cuda", "--device cuda:0")
+    assert not os.path.exists(tmp_path / "o")
+
+
+def test_probe_plot_extra_is_checked_first(tmp_path) -> None:
+    """Without matplotlib: one line naming the install, before the (missing) models are read."""
+    hidden = tmp_path / "hide"
+    hidden.mkdir()
+    (hidden / "matplotlib.py").write_text("raise ImportError('hidden by the test')\n", encoding="utf-8")
+    recipe = write_recipe(
+        str(tmp_path / "r.yml"), {"merge_method": "ram_plus", "base_model": "/nonexistent/base", "models": []}
+    )
+    completed = run_script(
+        "mergekit-ram", "probe", recipe, "--plot", str(tmp_path / "f.png"), env={"PYTHONPATH": str(hidden)}, check=False
+    )
+    assert one_line_error(completed) == (
+        "--plot needs matplotlib, which is not installed here: pip install matplotlib "
+        "(what the extra 'mergekit-ram[plot]' installs)"
+    )
+
+
+def test_version_names_mergekit_and_torch() -> None:
+    import importlib.metadata
+
+    completed = run_script("mergekit-ram", "--version")
+    build = "CPU build" if torch.version.cuda is None else f"CUDA {torch.version.cuda} build"
+    assert completed.stdout.splitlines() == [
+        f"mergekit-ram {importlib.metadata.version('mergekit-ram')}",
+        f"mergekit {importlib.metadata.version('mergekit')}",
+        f"torch {importlib.metadata.version('torch')} ({build})",
+    ]
+
+
+def test_probe_reads_a_multi_document_recipe(bf16_models: ModelSet, tmp_path) -> None:
+    """Every RAM stage of a mergekit-multi file; a stage built on an earlier one is named, not probed."""
+    stages = [
+        {"name": "agents", **bf16_models.recipe("ram_plus")},
+        {"name": "pair", **bf16_models.recipe("ram"), "models": [{"model": p} for p in bf16_models.agents[:2]]},
+        {
+            "name": "after",
+            **bf16_models.recipe("ram_plus"),
+            "models": [{"model": "agents"}, {"model": bf16_models.agents[2]}],
+        },
+        {"merge_method": "linear", "models": [{"model": "after", "parameters": {"weight": 1.0}}]},
+    ]
+    config = tmp_path / "stages.multi.yml"
+    config.write_text("# stages\n---\n" + yaml.safe_dump_all(stages, sort_keys=False), encoding="utf-8")
+    completed = run_script("mergekit-ram", "probe", str(config), "--json")
+    probe = json.loads(completed.stdout)
+    assert list(probe["stages"]) == ["agents", "pair"]
+    note = (
+        "stage after cannot be probed yet: it merges the output of stage agents, which exists only once "
+        "mergekit-multi has run that stage (then give the probe mergekit-multi's --intermediate-dir)"
+    )
+    assert probe["not_probed"] == [note]
+    assert f"note: {note}" in completed.stderr.splitlines()
+    expected = independent_figures(bf16_models)
+    agents = probe["stages"]["agents"]
+    assert agents["method"] == "ram_plus"
+    assert [[m["overlap_histogram"][str(k)] for k in (1, 2, 3)] for m in agents["models"]] == expected["histograms"]
+    pair = probe["stages"]["pair"]
+    assert pair["method"] == "ram" and [m["model"] for m in pair["models"]] == bf16_models.agents[:2]
+
+    refused = run_script("mergekit-ram", "probe", str(config), "--stage", "after", "-v", check=False)
+    assert with_traceback(refused) == note
+    assert "RecipeError" in refused.stderr
+
+
+@pytest.mark.parametrize("recipe", ["r-sweep.multi.yaml", "ram-plus-then-linear.multi.yaml"])
+def test_probe_parses_the_repository_multi_recipes(recipe: str) -> None:
+    """The repository's multi-document recipes (Hub models: only the parsing path runs here)."""
+    path = os.path.join(ROOT, "recipes", "qwen2.5-7b", recipe)
+    with open(path, encoding="utf-8") as handle:
+        names = [doc.get("name", "(unnamed final stage)") for doc in yaml.safe_load_all(handle) if doc]
+    completed = run_script("mergekit-ram", "probe", path, "--name", "no-such-stage", check=False)
+    assert one_line_error(completed) == f"{path} has no stage named 'no-such-stage'; its stages: {', '.join(names)}"
