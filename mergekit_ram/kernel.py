@@ -250,14 +250,13 @@ class _RamFunction(torch.autograd.Function):
         for mask in masks:
             counts += mask
         lambdas = plan.lambdas or (1.0,) * len(finetunes)
-        shared = torch.where(counts >= 2, 1.0 / counts.clamp(min=1), 0.0)
+        shared = grad / counts.clamp(min=1)  # g / c
         unique = counts == 1
         base_weight = (counts == 0).to(dtype)
         grads: list[Optional[torch.Tensor]] = []
         for mask, lam, finetune in zip(masks, lambdas, finetunes):
-            weight = torch.where(unique, lam, shared) * mask
+            grads.append((torch.where(unique, grad * lam, shared) * mask).to(finetune.dtype))
             base_weight += torch.where(unique & mask, 1.0 - lam, 0.0)
-            grads.append((grad * weight).to(finetune.dtype))
         return None, None, (grad * base_weight).to(base.dtype), *grads
 
 

@@ -369,7 +369,7 @@ def _input_error(group: TensorGroup, error: NonFiniteInputError, original: Mappi
             f"{entry.id}: tensor {name} is Inf {cause}; values above 65504 do not fit float16: "
             "merge with `dtype: bfloat16` or `float32`"
         )
-    return ValueError(f"{entry.id}: tensor {name} contains {error.value}")
+    return ValueError(f"{entry.id}: tensor {name} contains NaN or Inf")
 
 
 RAM = RamMergeMethod("ram")

@@ -267,7 +267,12 @@ def attach_ram_plan(
     ``publish_in_graph`` the graph's last task moves them into ``out_path``.
     """
     outputs = [task for task in targets if isinstance(task, (SaveTensor, ReturnTensor))]
-    plan = plan_ram([task.tensor_task for task in outputs], options)
+    # The kernel writes the output dtype itself (one rounding); the save's cast is then a no-op.
+    merge_tasks = [
+        task.tensor_task.model_copy(update={"out_dtype": task.dtype}) if task.dtype else task.tensor_task
+        for task in outputs
+    ]
+    plan = plan_ram(merge_tasks, options)
     staged = staging.staging_path(out_path) if out_path is not None else None
     replaced: dict[int, Task] = {}
     for old, new in zip(outputs, plan.tasks):
