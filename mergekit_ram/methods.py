@@ -181,8 +181,9 @@ class RamMergeMethod(GroupMergeMethod):
         )
 
     def _count(self, group: TensorGroup, parameters: dict[str, Any], dtype: Optional[torch.dtype]) -> TensorCounts:
+        original = {entry.id: entry.tensor.dtype for entry in group.entries}
         group = align_dtype(group, dtype)
-        result = self._kernel(group, parameters, None, merge=False, count=True, out_dtype=None)
+        result = self._kernel(group, parameters, None, merge=False, count=True, out_dtype=None, original=original)
         return _tensor_counts(group, parameters, result)
 
     def _merge(
@@ -202,10 +203,9 @@ class RamMergeMethod(GroupMergeMethod):
         merge = request is None or request.merge
         lambdas = self.lambdas(group, parameters) if merge else None
         count = count or request is not None
-        try:
-            result = self._kernel(group, parameters, lambdas, merge=merge, count=count, out_dtype=out_dtype)
-        except NonFiniteInputError as error:
-            raise _input_error(group, error, original) from None
+        result = self._kernel(
+            group, parameters, lambdas, merge=merge, count=count, out_dtype=out_dtype, original=original
+        )
         counts = _tensor_counts(group, parameters, result) if count else None
         if request is not None:
             request.counts = counts
@@ -220,7 +220,9 @@ class RamMergeMethod(GroupMergeMethod):
         merge: bool,
         count: bool,
         out_dtype: Optional[torch.dtype],
+        original: Mapping[Any, torch.dtype],
     ) -> KernelResult:
+        """The kernel on one group; errors name the model, the tensor and the setting."""
         try:
             return ram_merge(
                 group.base.tensor,
@@ -231,6 +233,8 @@ class RamMergeMethod(GroupMergeMethod):
                 count=count,
                 out_dtype=out_dtype,
             )
+        except NonFiniteInputError as error:
+            raise _input_error(group, error, original) from None
         except MergeOverflowError as error:
             raise self._overflow_error(group, parameters, lambdas, error) from None
 
