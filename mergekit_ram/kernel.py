@@ -212,7 +212,7 @@ def _run(plan: _Plan, base: torch.Tensor, finetunes: Sequence[torch.Tensor]) -> 
             state[1].add(pattern)
 
     starts = range(0, numel, chunk_elements)
-    workers = plan.workers if base.device.type == "cpu" else 1
+    workers = plan.workers if base.device.type == "cpu" else 0  # 0: the calling thread
     states = _map_chunks(run, worker, starts, workers)
     patterns = [counts for _, counts in states if counts is not None]
     return KernelResult(
@@ -282,7 +282,9 @@ def _map_chunks(run: Callable, make_state: Callable, starts: Sequence[int], work
     Each chunk is a few dozen small elementwise ops. Under torch's intra-op parallelism every
     op is a fork and a join; on a busy machine a descheduled thread stalls each of them
     (measured 3-6x slower than one thread). So whole chunks go to ``workers`` threads of a
-    pool owned by this call, each running torch on one thread; the caller waits.
+    pool owned by this call, each running torch on one thread; the caller waits. A caller
+    that is itself single-threaded runs the chunks itself when ``workers`` is 1; ``workers``
+    0 runs them in the calling thread as it is (accelerators: every op is a launch there).
     """
     workers = min(workers, len(starts))
     if workers <= 1:
