@@ -18,7 +18,7 @@ The work runs over chunks of CHUNK_ELEMENTS elements: scratch is at most 24 byte
 element of one chunk (3 MiB per worker thread; 28 bytes when RAM+ lambdas and statistics are
 taken in one pass, as with pinned statistics), independent of the tensor's size and, up to 24
 models, of N (beyond, the statistics pattern widens to 8 bytes); beyond it only the output is
-allocated.
+allocated. With float64 arithmetic each buffer is twice as wide.
 """
 
 from __future__ import annotations
