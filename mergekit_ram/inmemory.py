@@ -1,140 +1,168 @@
-"""RAM / RAM+ on in-memory state dicts, with the paper's global rho; no mergekit needed.
+"""RAM / RAM+ on in-memory models: mergekit's ``merge_state_dicts``, plus the statistics.
 
     from mergekit_ram import merge_state_dicts
-    merged, statistics = merge_state_dicts(base.state_dict(), {"coder": coder.state_dict(), ...})
+    merged, statistics = merge_state_dicts(
+        {"base": base, "coder": coder, "tools": tools}, "ram_plus", base="base"
+    )
 
-Two passes over the tensors for ``ram_plus`` (counts, then merge), one otherwise.
+Same arguments as ``mergekit.merge_methods.merge_state_dicts`` (modules or state dicts,
+``parameters``, ``base``, ``strict``, ``dtype``, ``out_dtype``, ``batch_options``) and the
+same code path: mergekit's function calls the registered method once with every tensor
+group, which for ``ram_plus`` counts the global rho over them all first. This function
+checks the arguments with the recipe's rules, then returns the merged tensors and the
+``RamStatistics`` of that call. The 0.1 call shape ``merge_state_dicts(base, finetunes,
+method=..., epsilon=..., r=..., rho=..., lambda_=...)`` still works (deprecated).
 """
 
 from __future__ import annotations
 
-from typing import Literal, Mapping, Optional, Sequence, Union
+import warnings
+from typing import Any, Hashable, Mapping, Optional, Sequence, Union
 
 import torch
+from mergekit.merge_methods import merge_state_dicts as mergekit_merge_state_dicts
+from mergekit.merge_methods.base import BatchOptions, PerGroupValues
 
-from mergekit_ram.kernel import NonFiniteInputError, ram_merge
 from mergekit_ram.parameters import ParameterError, check_parameter
-from mergekit_ram.stats import Pin, RamStatistics, TensorCounts
+from mergekit_ram.stats import RamStatistics
 
 StateDict = Mapping[str, torch.Tensor]
+ModelLike = Union[StateDict, torch.nn.Module]
 
 _WHERE = "merge_state_dicts arguments"
+_LEGACY_OPTIONS = ("epsilon", "r", "alpha", "rule", "rho", "lambda_")
 
 
 def merge_state_dicts(
+    models: Union[Mapping[Hashable, ModelLike], Sequence[ModelLike]],
+    method: Any = None,
+    /,
+    *,
+    parameters: Optional[Mapping[str, Any]] = None,
+    base: Optional[Hashable] = None,
+    strict: bool = True,
+    dtype: Optional[torch.dtype] = None,
+    out_dtype: Optional[torch.dtype] = None,
+    batch_options: Optional[BatchOptions] = None,
+    **legacy: Any,
+) -> tuple[dict[str, torch.Tensor], RamStatistics]:
+    """mergekit's ``merge_state_dicts`` for ``ram`` / ``ram_plus``, and the call's statistics.
+
+    ``base`` names the base among ``models`` (required). Per-model ``rho`` / ``lambda``
+    pins go in ``parameters`` keyed by model id, e.g. ``{"lambda": {"coder": 1.2}}``.
+    Unpinned ``ram_plus`` models get the rho counted over every tensor of the call.
+    Arithmetic is float32 (float64 for float64 inputs); each result is rounded once, to
+    ``out_dtype`` if given, else to the inputs' dtype. Inputs that require grad give
+    results with autograd history (use ``torch.no_grad()`` to avoid it).
+    """
+    if isinstance(method, (Mapping, Sequence)) and not isinstance(method, str):
+        # the 0.1 shape: (base, finetunes, method=..., epsilon=..., ...)
+        return _legacy_call(models, method, out_dtype=out_dtype, **legacy)  # type: ignore[arg-type]
+    if method is None:
+        method = legacy.pop("method", "ram_plus")
+    method = getattr(getattr(method, "spec", None), "name", method)
+    if legacy:
+        raise TypeError(f"merge_state_dicts got unexpected keyword arguments {sorted(legacy)}")
+    if method not in ("ram", "ram_plus"):
+        raise ParameterError(f"method must be 'ram' or 'ram_plus'; got {method!r}")
+    named = dict(models) if isinstance(models, Mapping) else dict(enumerate(models))
+    if base is None or base not in named:
+        raise ParameterError(f"{method}: `base` must name the base model among {list(named)}; got {base!r}")
+    _check_parameters(method, parameters or {}, [key for key in named if key != base])
+    _check_inputs(named, base)
+    from mergekit_ram.integration import register
+    from mergekit_ram.methods import METHODS, statistics_request
+
+    register()
+    with statistics_request() as request:
+        merged = mergekit_merge_state_dicts(
+            models,
+            METHODS[method],
+            parameters=parameters,
+            base=base,
+            strict=strict,
+            dtype=dtype,
+            out_dtype=out_dtype,
+            batch_options=batch_options,
+        )
+    assert request.statistics is not None
+    return merged, request.statistics
+
+
+def _legacy_call(
     base: StateDict,
     finetunes: Union[Mapping[str, StateDict], Sequence[StateDict]],
     *,
-    method: Literal["ram", "ram_plus"] = "ram_plus",
-    epsilon: float = 1e-5,
-    r: float = 0.1,
-    alpha: float = 2.0,
-    rule: Literal["clip", "soft"] = "clip",
-    rho: Optional[Mapping[str, float]] = None,
-    lambda_: Optional[Mapping[str, float]] = None,
+    method: str = "ram_plus",
     out_dtype: Optional[torch.dtype] = None,
+    **options: Any,
 ) -> tuple[dict[str, torch.Tensor], RamStatistics]:
-    """Merge fine-tuned state dicts into ``base`` with RAM (``method="ram"``) or RAM+.
-
-    ``finetunes`` maps a name to each state dict (a sequence is named ``model_0``, ...).
-    ``rho`` / ``lambda_`` pin those values per model name; unpinned models get the rho
-    counted over every tensor. Returns the merged state dict (each tensor in its base
-    dtype, or ``out_dtype``) and the statistics. Non-floating tensors must be identical.
-    """
-    if method not in ("ram", "ram_plus"):
-        raise ParameterError(f"method must be 'ram' or 'ram_plus'; got {method!r}")
+    """``merge_state_dicts(base, finetunes, method=, epsilon=, r=, alpha=, rule=, rho=, lambda_=)``."""
+    unknown = sorted(set(options) - set(_LEGACY_OPTIONS))
+    if unknown:
+        raise TypeError(f"merge_state_dicts got unexpected keyword arguments {unknown}")
+    warnings.warn(
+        "merge_state_dicts(base, finetunes, ...) is deprecated: use mergekit's argument shape, "
+        "merge_state_dicts({'base': base, **finetunes}, method, base='base', parameters={...})",
+        DeprecationWarning,
+        stacklevel=3,
+    )
     named = dict(finetunes) if isinstance(finetunes, Mapping) else {f"model_{i}": sd for i, sd in enumerate(finetunes)}
-    epsilon = check_parameter(method, "epsilon", epsilon, _WHERE)
-    if method == "ram":
-        r, pins = 0.0, {}
-    else:
-        r = check_parameter(method, "r", r, _WHERE)
-        alpha = check_parameter(method, "alpha", alpha, _WHERE)
-        rule = check_parameter(method, "rule", rule, _WHERE)
-        pins = _pins(named, rho, lambda_)
-    _check_inputs(base, named)
-
-    models = list(named)
-    floating = [name for name, tensor in base.items() if tensor.is_floating_point()]
-    needs_prepass = r > 0 and any(model not in pins for model in models)
-    if needs_prepass:
-        counted = [_merge_one(name, base, named, epsilon, None, merge=False)[1] for name in floating]
-        lambdas = RamStatistics.build(method, counted, r=r, alpha=alpha, rule=rule, pins=pins).lambdas()
-    else:
-        lambdas = RamStatistics.build(method, [], r=r, alpha=alpha, rule=rule, pins=pins).lambdas()
-    lambda_values = [lambdas.get(model, 1.0) for model in models]
-
-    merged: dict[str, torch.Tensor] = {}
-    tensors: list[TensorCounts] = []
-    for name, tensor in base.items():
-        if not tensor.is_floating_point():
-            merged[name] = tensor.clone()
+    base_id = "base" if "base" not in named else "__base__"
+    parameters: dict[str, Any] = {}
+    for name in ("epsilon", "r", "alpha", "rule"):
+        if name in options and (method == "ram_plus" or name == "epsilon"):
+            parameters[name] = options[name]
+    for kind, values in (("rho", options.get("rho")), ("lambda", options.get("lambda_"))):
+        if not values or method == "ram":
             continue
-        result, counts = _merge_one(name, base, named, epsilon, lambda_values, merge=True)
-        merged[name] = result if out_dtype is None else result.to(out_dtype)
-        tensors.append(counts)
-    statistics = RamStatistics.build(
-        method,
-        tensors,
-        r=r,
-        alpha=alpha,
-        rule=rule,
-        pins=pins,
-        source="pre-pass" if needs_prepass else "merge",
-    )
-    return merged, statistics
-
-
-def _merge_one(
-    name: str,
-    base: StateDict,
-    named: Mapping[str, StateDict],
-    epsilon: float,
-    lambdas: Optional[list[float]],
-    *,
-    merge: bool,
-) -> tuple[Optional[torch.Tensor], TensorCounts]:
-    try:
-        result = ram_merge(base[name], [sd[name] for sd in named.values()], epsilon, lambdas, merge=merge, count=True)
-    except NonFiniteInputError as error:
-        model = "base" if error.index is None else list(named)[error.index]
-        raise ValueError(f"{model}: tensor {name} contains NaN or Inf") from None
-    counts = TensorCounts(
-        name=name,
-        numel=base[name].numel(),
-        epsilon=epsilon,
-        models=tuple(named),
-        histograms=result.histograms or (),
-    )
-    return result.merged, counts
-
-
-def _pins(
-    named: Mapping[str, StateDict], rho: Optional[Mapping[str, float]], lambda_: Optional[Mapping[str, float]]
-) -> dict[str, tuple[Pin, float]]:
-    pins: dict[str, tuple[Pin, float]] = {}
-    for kind, values in (("rho", rho or {}), ("lambda", lambda_ or {})):
-        for model, value in values.items():
+        for model in values:
             if model not in named:
                 raise ParameterError(f"ram_plus: {kind} pinned for unknown model {model!r}; models: {', '.join(named)}")
-            pins[model] = (kind, check_parameter("ram_plus", kind, value, f"the pins of {model}"))  # type: ignore[assignment]
-    return pins
+        parameters[kind] = {model: values.get(model) for model in named}
+    return merge_state_dicts({base_id: base, **named}, method, parameters=parameters, base=base_id, out_dtype=out_dtype)
 
 
-def _check_inputs(base: StateDict, named: Mapping[str, StateDict]) -> None:
-    """Same tensor names and shapes everywhere; identical non-floating buffers."""
-    for model, state in named.items():
-        missing = sorted(set(base) - set(state))
-        extra = sorted(set(state) - set(base))
+def _check_parameters(method: str, parameters: Mapping[str, Any], finetunes: Sequence[Hashable]) -> None:
+    """The recipe's rules for every value; per-model values keyed by known models."""
+    for name, setting in parameters.items():
+        values = setting.values if isinstance(setting, PerGroupValues) else [setting]
+        for value in values:
+            if isinstance(value, Mapping):
+                for model in value:
+                    if model not in finetunes:
+                        raise ParameterError(
+                            f"{method}: {name} set for unknown model {model!r}; "
+                            f"models: {', '.join(map(str, finetunes))}"
+                        )
+                scalars = list(value.values())
+            elif isinstance(value, Sequence) and not isinstance(value, str):
+                scalars = list(value)
+            else:
+                scalars = [value]
+            for scalar in scalars:
+                check_parameter(method, name, scalar, _WHERE)
+
+
+def _check_inputs(models: Mapping[Hashable, ModelLike], base: Hashable) -> None:
+    """Same tensor names and shapes everywhere; identical non-floating buffers; the model named."""
+    states = {
+        key: model.state_dict(keep_vars=True) if isinstance(model, torch.nn.Module) else model
+        for key, model in models.items()
+    }
+    reference = states[base]
+    for model, state in states.items():
+        missing = sorted(set(reference) - set(state))
+        extra = sorted(set(state) - set(reference))
         if missing or extra:
             raise ValueError(f"{model}: tensors differ from the base's (missing {missing[:5]}, extra {extra[:5]})")
-        for name, tensor in base.items():
+        for name, tensor in reference.items():
             other = state[name]
             if other.shape != tensor.shape:
                 raise ValueError(
                     f"{model}: tensor {name} has shape {tuple(other.shape)}; the base's is {tuple(tensor.shape)}"
                 )
-            if not tensor.is_floating_point() and (other.dtype != tensor.dtype or not torch.equal(other, tensor)):
-                raise ValueError(f"{model}: non-floating tensor {name} differs from the base's; RAM cannot merge it")
             if tensor.is_floating_point() != other.is_floating_point():
                 raise ValueError(f"{model}: tensor {name} is {other.dtype}; the base's is {tensor.dtype}")
+            if not tensor.is_floating_point() and (other.dtype != tensor.dtype or not torch.equal(other, tensor)):
+                raise ValueError(f"{model}: non-floating tensor {name} differs from the base's; RAM cannot merge it")

@@ -262,7 +262,12 @@ def attach_ram_plan(targets: list[Task], options: MergeOptions, out_path: Option
     transaction (see ``staging``), which publishes everything once the merge is complete.
     """
     outputs = [task for task in targets if isinstance(task, (SaveTensor, ReturnTensor))]
-    plan = plan_ram([task.tensor_task for task in outputs], options)
+    # The kernel writes the output dtype itself (one rounding); the save's cast is then a no-op.
+    merge_tasks = [
+        task.tensor_task.model_copy(update={"out_dtype": task.dtype}) if task.dtype else task.tensor_task
+        for task in outputs
+    ]
+    plan = plan_ram(merge_tasks, options)
     replaced = {id(old): old.model_copy(update={"tensor_task": new}) for old, new in zip(outputs, plan.tasks)}
     rewritten: list[Task] = []
     finalize: Optional[FinalizeModel] = None

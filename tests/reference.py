@@ -1,7 +1,9 @@
-"""An independent float32 implementation of the paper's equations (section 4, Algorithm 1).
+"""An independent implementation of the paper's equations (section 4, Algorithm 1).
 
 Written from the paper, not from the plugin: whole tensors, one step per equation, no
-buffers reused. Tests compare the plugin's outputs with this.
+buffers reused, differentiable (torch autograd gives the reference gradients). Arithmetic
+is float32, or float64 when an input is float64 (the project's rule: the wider of float32
+and the inputs' precision). Tests compare the plugin's outputs with this.
 """
 
 from __future__ import annotations
@@ -23,10 +25,16 @@ class ReferenceCounts:
     histograms: list[list[int]]
 
 
+def arithmetic_dtype(base: torch.Tensor, finetunes: Sequence[torch.Tensor]) -> torch.dtype:
+    """float64 if any input is float64, else float32."""
+    return torch.float64 if any(t.dtype == torch.float64 for t in [base, *finetunes]) else torch.float32
+
+
 def masks(base: torch.Tensor, finetunes: Sequence[torch.Tensor], epsilon: float) -> list[torch.Tensor]:
-    """m_t = 1[|theta_t - theta_pre| > epsilon], in float32."""
-    base32 = base.to(torch.float32)
-    return [(finetune.to(torch.float32) - base32).abs() > epsilon for finetune in finetunes]
+    """m_t = 1[|theta_t - theta_pre| > epsilon], in the arithmetic dtype."""
+    dtype = arithmetic_dtype(base, finetunes)
+    base32 = base.detach().to(dtype)
+    return [(finetune.detach().to(dtype) - base32).abs() > epsilon for finetune in finetunes]
 
 
 def counts(base: torch.Tensor, finetunes: Sequence[torch.Tensor], epsilon: float) -> ReferenceCounts:
@@ -62,9 +70,10 @@ def lambda_soft(rho_value: float, r: float) -> float:
 def merge(
     base: torch.Tensor, finetunes: Sequence[torch.Tensor], epsilon: float, lambdas: Sequence[float]
 ) -> torch.Tensor:
-    """theta_pre + tau_merged, float32: 0 where c = 0, lambda_t tau_t where only t, mean where c >= 2."""
-    base32 = base.to(torch.float32)
-    taus = [finetune.to(torch.float32) - base32 for finetune in finetunes]
+    """theta_pre + tau_merged: 0 where c = 0, lambda_t tau_t where only t, mean where c >= 2."""
+    dtype = arithmetic_dtype(base, finetunes)
+    base32 = base.to(dtype)
+    taus = [finetune.to(dtype) - base32 for finetune in finetunes]
     m = masks(base, finetunes, epsilon)
     overlap = torch.zeros(base.shape, dtype=torch.int64)
     for mask in m:
@@ -72,9 +81,9 @@ def merge(
     active_sum = torch.zeros_like(base32)
     for tau, mask in zip(taus, m):
         active_sum = active_sum + torch.where(mask, tau, torch.zeros_like(tau))
-    mean = active_sum / overlap.clamp(min=1).to(torch.float32)
+    mean = active_sum / overlap.clamp(min=1).to(dtype)
     single = torch.zeros_like(base32)
     for tau, mask, lam in zip(taus, m, lambdas):
-        single = torch.where(mask & (overlap == 1), torch.tensor(lam, dtype=torch.float32) * tau, single)
+        single = torch.where(mask & (overlap == 1), torch.tensor(lam, dtype=dtype) * tau, single)
     tau_merged = torch.where(overlap >= 2, mean, torch.where(overlap == 1, single, torch.zeros_like(base32)))
     return base32 + tau_merged

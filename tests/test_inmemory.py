@@ -1,22 +1,37 @@
-"""The in-memory API gives what the mergekit path gives, with global rho."""
+"""The in-memory API gives what the mergekit path gives, with global rho, through mergekit's own function."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
+from mergekit.merge_methods import merge_state_dicts as mergekit_merge_state_dicts
 
-from mergekit_ram import merge_state_dicts
+from mergekit_ram import ParameterError, merge_state_dicts
 from tests import reference
 from tests.conftest import ModelSet, load_statistics, load_weights, run_script, write_recipe
 
 
-@pytest.mark.parametrize("method", ["ram", "ram_plus"])
-def test_state_dicts_merge_like_mergekit_yaml(bf16_models: ModelSet, tmp_path, method: str) -> None:
-    out = str(tmp_path / "out")
-    run_script("mergekit-yaml", write_recipe(str(tmp_path / "r.yml"), bf16_models.recipe(method)), out)
-    base = load_weights(bf16_models.base)
-    finetunes = {path: load_weights(path) for path in bf16_models.agents}
-    merged, statistics = merge_state_dicts(base, finetunes, method=method)
+@pytest.fixture(scope="module", params=["ram", "ram_plus"])
+def yaml_merge(request: pytest.FixtureRequest, bf16_models: ModelSet, tmp_path_factory) -> tuple[str, str]:
+    """One mergekit-yaml merge per method, shared by the comparisons below."""
+    method = request.param
+    root = tmp_path_factory.mktemp(f"yaml-{method}")
+    out = str(root / "out")
+    run_script("mergekit-yaml", write_recipe(str(root / "r.yml"), bf16_models.recipe(method)), out)
+    return method, out
+
+
+def models_of(bf16_models: ModelSet) -> dict[str, dict[str, torch.Tensor]]:
+    return {"base": load_weights(bf16_models.base), **{path: load_weights(path) for path in bf16_models.agents}}
+
+
+def test_state_dicts_merge_like_mergekit_yaml(bf16_models: ModelSet, yaml_merge: tuple[str, str]) -> None:
+    """Ours, mergekit's public merge_state_dicts, and the 0.1 call shape: the files mergekit-yaml wrote."""
+    method, out = yaml_merge
+    models = models_of(bf16_models)
+    merged, statistics = merge_state_dicts(models, method, base="base")
     expected = load_weights(out)
     assert set(merged) == set(expected)
     for name, tensor in expected.items():
@@ -26,20 +41,120 @@ def test_state_dicts_merge_like_mergekit_yaml(bf16_models: ModelSet, tmp_path, m
     assert [s.lambda_ for s in statistics.models] == [m["lambda"] for m in from_disk]
     assert [s.shared for s in statistics.models] == [m["shared"] for m in from_disk]
     assert statistics.source == ("pre-pass" if method == "ram_plus" else "merge")
+    # mergekit's own function: ram_plus counts the global rho over every group of the call
+    theirs = mergekit_merge_state_dicts(models, method, base="base")
+    assert all(torch.equal(theirs[name], tensor) for name, tensor in expected.items())
+    with pytest.warns(DeprecationWarning, match="use mergekit's argument shape"):
+        legacy, legacy_statistics = merge_state_dicts(
+            models["base"], {path: models[path] for path in bf16_models.agents}, method=method
+        )
+    assert all(torch.equal(legacy[name], tensor) for name, tensor in expected.items())
+    assert legacy_statistics == statistics
 
 
-def test_soft_rule_and_out_dtype(bf16_models: ModelSet) -> None:
-    base = load_weights(bf16_models.base)
-    finetunes = [load_weights(path) for path in bf16_models.agents]
-    merged, statistics = merge_state_dicts(base, finetunes, rule="soft", r=0.2, out_dtype=torch.float32)
+def test_soft_rule_and_out_dtype_round_once(bf16_models: ModelSet) -> None:
+    """out_dtype=float32 on bfloat16 inputs: the float32 result itself, not a bfloat16 one cast up."""
+    models = models_of(bf16_models)
+    merged, statistics = merge_state_dicts(
+        models, "ram_plus", base="base", parameters={"rule": "soft", "r": 0.2}, out_dtype=torch.float32
+    )
     for model in statistics.models:
         assert model.lambda_ == reference.lambda_soft(reference.rho(model.shared, model.unique), 0.2)
-    name = "model.layers.1.self_attn.o_proj.weight"
     lambdas = [model.lambda_ for model in statistics.models]
-    # out_dtype casts the result, which keeps the checkpoint's dtype until then (as in mergekit).
-    expected = reference.merge(base[name], [ft[name] for ft in finetunes], 1e-5, lambdas).to(torch.bfloat16).float()
-    assert merged[name].dtype == torch.float32
-    assert torch.equal(merged[name], expected)
+    finetunes = [models[path] for path in bf16_models.agents]
+    rounded_twice = 0
+    for name, tensor in models["base"].items():
+        expected = reference.merge(tensor, [ft[name] for ft in finetunes], 1e-5, lambdas)
+        assert merged[name].dtype == torch.float32
+        assert torch.equal(merged[name], expected), name
+        rounded_twice += int((expected.to(torch.bfloat16).float() != expected).sum())
+    assert rounded_twice > 1000  # the case matters: a bfloat16 result would differ there
+
+
+def test_one_step_values_round_once() -> None:
+    """Base 1, A = 1 + 2**-7, B = 1 + 2**-6 in bfloat16: 1.01171875 in float32 and float16."""
+    models = {
+        "base": {"w": torch.ones(2, dtype=torch.bfloat16)},
+        "a": {"w": torch.tensor([1 + 2**-7, 1.0], dtype=torch.bfloat16)},
+        "b": {"w": torch.tensor([1 + 2**-6, 1.0], dtype=torch.bfloat16)},
+    }
+    for out_dtype in (torch.float32, torch.float16):
+        for method in ("ram", "ram_plus"):
+            merged, _ = merge_state_dicts(models, method, base="base", out_dtype=out_dtype)
+            assert merged["w"].dtype == out_dtype
+            assert merged["w"].tolist() == [1.01171875, 1.0]
+    assert merge_state_dicts(models, "ram", base="base")[0]["w"].tolist() == [1.015625, 1.0]  # bfloat16
+
+
+def test_float64_state_dicts_stay_exact() -> None:
+    base = torch.full((4, 5), 1.000000000001, dtype=torch.float64)
+    a, b = base.clone(), base.clone()
+    a[0] = 1.5
+    b[1, :2] = 0.25
+    merged, statistics = merge_state_dicts({"base": {"w": base}, "a": {"w": a}, "b": {"w": b}}, "ram_plus", base="base")
+    assert merged["w"].dtype == torch.float64
+    assert merged["w"][2:].tolist() == base[2:].tolist()
+    assert merged["w"][2, 0].item() == 1.000000000001
+    lambdas = [model.lambda_ for model in statistics.models]
+    assert torch.equal(merged["w"], reference.merge(base, [a, b], 1e-5, lambdas))
+    assert (
+        merge_state_dicts(
+            {"base": {"w": base}, "a": {"w": a}, "b": {"w": b}}, "ram_plus", base="base", dtype=torch.float32
+        )[0]["w"][2, 0].item()
+        == 1.0
+    )  # asking for float32 inputs is honoured
+
+
+def test_module_parameters_keep_autograd_history() -> None:
+    """mergekit's README shape: nn.Modules whose parameters require grad; values as without grad."""
+    torch.manual_seed(0)
+    base = torch.nn.Linear(6, 4)
+    modules = {"base": base, "a": copy.deepcopy(base), "b": copy.deepcopy(base)}
+    with torch.no_grad():
+        modules["a"].weight[:2] += 0.5
+        modules["b"].weight[1:3] -= 0.25
+    merged = mergekit_merge_state_dicts(modules, "ram_plus", base="base")
+    assert merged["weight"].grad_fn is not None
+    with torch.no_grad():
+        plain, statistics = merge_state_dicts(modules, "ram_plus", base="base")
+    assert plain["weight"].grad_fn is None
+    assert all(torch.equal(merged[name].detach(), plain[name]) for name in plain)
+    merged["weight"].sum().backward()
+    # a and b: 6 shared (row 1), 6 unique elements each -> rho 1, lambda 1 + 0.1 * 1 = 1.1
+    assert [model.lambda_ for model in statistics.models] == [1.1, 1.1]
+    # d merged / d a: lambda_a on row 0 (a alone), 1/2 on row 1 (both); d / d base: 1 - sum of those
+    assert modules["a"].weight.grad[:, 0].tolist() == pytest.approx([1.1, 0.5, 0.0, 0.0])
+    assert modules["b"].weight.grad[:, 0].tolist() == pytest.approx([0.0, 0.5, 1.1, 0.0])
+    assert modules["base"].weight.grad[:, 0].tolist() == pytest.approx([-0.1, 0.0, -0.1, 1.0])
+    assert modules["base"].bias.grad is None  # only the weight's result was used
+
+
+def test_float16_cast_overflow_names_the_cast() -> None:
+    models = {
+        "base": {"w": torch.tensor([70000.0, 1.0], dtype=torch.bfloat16)},
+        "agent": {"w": torch.tensor([70000.0, 2.0], dtype=torch.bfloat16)},
+    }
+    with pytest.raises(
+        ValueError, match=r"base: tensor w is Inf after the cast from bfloat16 to float16 \(dtype\); values above 65504"
+    ):
+        merge_state_dicts(models, "ram", base="base", dtype=torch.float16)
+
+
+@pytest.mark.parametrize(
+    ("parameters", "message"),
+    [
+        ({"lambda": {"a": 1e300, "b": None}}, r"ram_plus: tensor w: the pinned lambda 1e\+300 of a .* lower lambda"),
+        ({"r": 1e300}, r"ram_plus: tensor w: lambda = 1 \+ r \* clip\(rho\) = .* of a \(from r = 1e\+300\) .* lower r"),
+    ],
+)
+def test_overflowing_lambda_is_an_error_naming_the_parameter(parameters: dict, message: str) -> None:
+    models = {
+        "base": {"w": torch.zeros(4)},
+        "a": {"w": torch.tensor([0.5, 0.0, 0.25, 0.0])},
+        "b": {"w": torch.tensor([0.0, 0.5, 0.25, 0.0])},
+    }
+    with pytest.raises(ParameterError, match=message):
+        merge_state_dicts(models, "ram_plus", base="base", parameters=parameters)
 
 
 def test_mismatched_inputs_name_model_and_tensor(bf16_models: ModelSet) -> None:
@@ -47,9 +162,11 @@ def test_mismatched_inputs_name_model_and_tensor(bf16_models: ModelSet) -> None:
     broken = dict(base)
     broken["model.norm.weight"] = torch.ones(7, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"agent: tensor model.norm.weight has shape \(7,\); the base's is \(32,\)"):
-        merge_state_dicts(base, {"agent": broken})
+        merge_state_dicts({"base": base, "agent": broken}, "ram_plus", base="base")
     poisoned = dict(base)
     poisoned["lm_head.weight"] = base["lm_head.weight"].clone()
     poisoned["lm_head.weight"][0, 0] = float("nan")
     with pytest.raises(ValueError, match="agent: tensor lm_head.weight contains NaN or Inf"):
-        merge_state_dicts(base, {"agent": poisoned, "other": base})
+        merge_state_dicts({"base": base, "agent": poisoned, "other": base}, "ram_plus", base="base")
+    with pytest.raises(ParameterError, match="`base` must name the base model"):
+        merge_state_dicts({"base": base, "agent": base}, "ram")

@@ -4,11 +4,19 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 
 import pytest
 import torch
 
-from mergekit_ram.kernel import CHUNK_ELEMENTS, NonFiniteInputError, overlap_ratio, ram_merge, rescale_factor
+from mergekit_ram.kernel import (
+    CHUNK_ELEMENTS,
+    MergeOverflowError,
+    NonFiniteInputError,
+    overlap_ratio,
+    ram_merge,
+    rescale_factor,
+)
 from mergekit_ram.memory import peak_allocated_bytes
 from tests import reference
 
@@ -109,20 +117,46 @@ def test_epsilon_zero_counts_every_change() -> None:
     torch.testing.assert_close(result.merged, reference.merge(base, finetunes, 0.0, [1.0, 1.0]), rtol=0, atol=0)
 
 
-def test_overflow_gives_inf_never_nan() -> None:
-    """Finite inputs whose float32 sum or RAM+ scaling overflows: inf as in the reference, not NaN."""
+def test_sum_overflow_is_an_error_never_nan_or_inf() -> None:
+    """Finite inputs whose float32 sum overflows: an error naming the cause, in float64 the exact result."""
     big = 3.0e38
     base = torch.zeros(6)
     finetunes = [
         torch.tensor([big, big, 0.0, big, 1.0, -big]),
         torch.tensor([big, 0.0, big, 0.0, 1.0, -big]),
     ]
-    lambdas = [1.5, 1.5]
-    result = ram_merge(base, finetunes, EPSILON, lambdas, count=True)
-    expected = reference.merge(base, finetunes, EPSILON, lambdas)
-    assert not torch.isnan(result.merged).any(), result.merged
-    assert torch.isinf(result.merged).any()  # the case is an overflow
-    assert torch.equal(result.merged, expected), (result.merged, expected)
+    with pytest.raises(MergeOverflowError) as error:
+        ram_merge(base, finetunes, EPSILON, [1.0, 1.0], count=True)
+    assert (error.value.cause, error.value.dtype) == ("sum", torch.float32)
+    wide = ram_merge(base.double(), [f.double() for f in finetunes], EPSILON)
+    big32 = torch.tensor(big).item()  # 3e38 as float32
+    assert wide.merged.tolist() == [big32, big32, big32, big32, 1.0, -big32]
+
+
+@pytest.mark.parametrize("lam", [1e300, 1e38])
+def test_lambda_overflow_names_the_model(lam: float) -> None:
+    """lambda beyond float32 (1e300) or lambda * tau beyond it (1e38 * 5): an error naming the model."""
+    base = torch.zeros(4)
+    finetunes = [torch.tensor([5.0, 0.0, 1.0, 0.0]), torch.tensor([0.0, 2.0, 1.0, 0.0])]  # unique: 5 and 2
+    with pytest.raises(MergeOverflowError) as error:
+        ram_merge(base, finetunes, EPSILON, [lam, 1.2])
+    assert (error.value.cause, error.value.index, error.value.dtype) == ("lambda", 0, torch.float32)
+    if lam == 1e300:  # refused before any work, whichever model
+        with pytest.raises(MergeOverflowError) as error:
+            ram_merge(base, finetunes, EPSILON, [1.2, lam])
+        assert (error.value.cause, error.value.index) == ("lambda", 1)
+    else:  # 1e38 * 2 fits: applied exactly, and no NaN from 0 * lambda on inactive elements
+        fits = ram_merge(base, finetunes, EPSILON, [1.2, lam])
+        assert fits.merged.tolist() == [6.0, (torch.tensor(lam) * 2).item(), 1.0, 0.0]
+        assert torch.equal(fits.merged, reference.merge(base, finetunes, EPSILON, [1.2, lam]))
+
+
+def test_cast_overflow_is_an_error() -> None:
+    base = torch.tensor([60000.0, 1.0])
+    finetune = torch.tensor([70000.0, 1.5])
+    with pytest.raises(MergeOverflowError) as error:
+        ram_merge(base, [finetune], EPSILON, out_dtype=torch.float16)
+    assert (error.value.cause, error.value.dtype) == ("cast", torch.float16)
 
 
 def test_finetune_equal_to_base_changes_nothing() -> None:
@@ -245,3 +279,112 @@ def test_chunk_boundaries_do_not_change_results() -> None:
         chunked = ram_merge(base, finetunes, EPSILON, [1.2, 1.1, 1.0], count=True, chunk_elements=chunk)
         assert torch.equal(chunked.merged, whole.merged)
         assert chunked.histograms == whole.histograms
+
+
+def one_step_group(dtype: torch.dtype) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Base 1, A = 1 + 2**-7, B = 1 + 2**-6: the mean 1 + 1.5 * 2**-7 is halfway between two bfloat16 values."""
+    base = torch.ones(3, dtype=dtype)
+    a = torch.tensor([1 + 2**-7, 1 + 2**-7, 1.0], dtype=dtype)
+    b = torch.tensor([1 + 2**-6, 1.0, 1.0], dtype=dtype)
+    return base, [a, b]
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.float16, torch.float64])
+def test_out_dtype_rounds_once(out_dtype: torch.dtype) -> None:
+    """From the float32 result straight to out_dtype: 1.01171875, not bfloat16's 1.015625 cast again."""
+    base, finetunes = one_step_group(torch.bfloat16)
+    assert ram_merge(base, finetunes, EPSILON).merged.tolist() == [1.015625, 1.0078125, 1.0]  # bfloat16 result
+    result = ram_merge(base, finetunes, EPSILON, [1.5, 1.0], out_dtype=out_dtype).merged
+    assert result.dtype == out_dtype
+    assert result.tolist() == [1.01171875, 1 + 1.5 * 2**-7, 1.0]
+    base, finetunes, _ = designed_group(3, dtype=torch.bfloat16)
+    merged = ram_merge(base, finetunes, EPSILON, [1.2, 1.1, 1.0], out_dtype=out_dtype, chunk_elements=999).merged
+    assert torch.equal(merged, reference.merge(base, finetunes, EPSILON, [1.2, 1.1, 1.0]).to(out_dtype))
+
+
+def test_float64_inputs_are_merged_in_float64() -> None:
+    """Unchanged elements come back exactly; changed ones equal the float64 reference."""
+    base = torch.full((5, 300), 1.000000000001, dtype=torch.float64)
+    a, b = base.clone(), base.clone()
+    a[0], b[0] = 1.25, 1.5  # shared
+    a[1] = 1.000030000001  # unique to a; float32 would round both ends
+    b[2, :7] = 0.75
+    result = ram_merge(base, [a, b], EPSILON, [1.2, 1.1], count=True, chunk_elements=256)
+    assert result.merged.dtype == torch.float64
+    assert torch.equal(result.merged[3:], base[3:])
+    assert result.merged[3, 0].item() == 1.000000000001
+    expected = reference.merge(base, [a, b], EPSILON, [1.2, 1.1])
+    assert expected.dtype == torch.float64
+    assert torch.equal(result.merged, expected)
+    assert result.merged[1, 0].item() == 1.000000000001 + 1.2 * (1.000030000001 - 1.000000000001)
+    assert result.histograms == ((300, 300), (7, 300))
+    as_float32 = ram_merge(base, [a, b], EPSILON, [1.2, 1.1], out_dtype=torch.float32).merged
+    assert torch.equal(as_float32, expected.float())  # one rounding, from float64
+
+
+def test_inputs_that_require_grad_merge_with_history() -> None:
+    """Values bit-identical to the kernel without autograd; gradients equal the reference's."""
+    base, finetunes, _ = designed_group(3, shape=(300, 7))
+    lambdas = [1.2, 1.1, 1.0]
+    leaves = [tensor.clone().requires_grad_(True) for tensor in (base, *finetunes)]
+    result = ram_merge(leaves[0], leaves[1:], EPSILON, lambdas, count=True, chunk_elements=500, workers=2)
+    plain = ram_merge(base, finetunes, EPSILON, lambdas, count=True)
+    assert result.merged.grad_fn is not None
+    assert torch.equal(result.merged.detach(), plain.merged)
+    assert result.histograms == plain.histograms
+    weights = torch.randn(base.shape, generator=torch.Generator().manual_seed(1))
+    (result.merged * weights).sum().backward()
+    references = [tensor.clone().requires_grad_(True) for tensor in (base, *finetunes)]
+    (reference.merge(references[0], references[1:], EPSILON, lambdas) * weights).sum().backward()
+    for ours, theirs in zip(leaves[1:], references[1:]):
+        assert torch.equal(ours.grad, theirs.grad)  # w_t * g: lambda_t * g or g / c
+    # d/d base = 1 - sum_t w_t: exactly 0 where c >= 2 here; the reference sums c rounded terms g / c
+    torch.testing.assert_close(leaves[0].grad, references[0].grad, rtol=0, atol=4e-7)
+    with torch.no_grad():
+        assert ram_merge(leaves[0], leaves[1:], EPSILON, lambdas).merged.grad_fn is None
+
+
+def test_concurrent_callers_keep_their_thread_counts() -> None:
+    """Each caller's torch thread count is its own before, during and after merging."""
+    base, finetunes, _ = designed_group(3, shape=(6 * CHUNK_ELEMENTS,), dtype=torch.bfloat16)
+    saved = torch.get_num_threads()
+    seen: dict[int, set[int]] = {}
+    errors: list[BaseException] = []
+    start = threading.Barrier(2)
+
+    def caller(threads: int) -> None:
+        try:
+            torch.get_num_threads()  # torch initialises a new thread's count on first use, then keeps a set one
+            torch.set_num_threads(threads)
+            start.wait()
+            counts = set()
+            for _ in range(4):
+                ram_merge(base, finetunes, EPSILON, [1.1, 1.2, 1.3], workers=2)
+                counts.add(torch.get_num_threads())
+            seen[threads] = counts
+        except BaseException as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+
+    try:
+        callers = [threading.Thread(target=caller, args=(threads,)) for threads in (3, 5)]
+        for thread in callers:
+            thread.start()
+        for thread in callers:
+            thread.join()
+    finally:
+        torch.set_num_threads(saved)
+    assert not errors, errors
+    assert seen == {3: {3}, 5: {5}}
+
+
+def test_pool_threads_leave_the_process_default_alone() -> None:
+    """A thread started after a merge gets torch's default, not the pool threads' single thread."""
+    base, finetunes, _ = designed_group(2, shape=(4 * CHUNK_ELEMENTS,))
+    saved = torch.get_num_threads()
+    ram_merge(base, finetunes, EPSILON, workers=2)
+    assert torch.get_num_threads() == saved
+    later: list[int] = []
+    thread = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
+    thread.start()
+    thread.join()
+    assert later == [saved]

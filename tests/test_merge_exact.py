@@ -157,3 +157,82 @@ def test_plugin_ram_matches_builtin_ram_in_float32(bf16_models: ModelSet, tmp_pa
     total = sum(t.numel() for t in expected.values())
     assert wrong > 0, "the built-in ram computes in bfloat16 and should differ from the exact result"
     assert math.isfinite(wrong / total)
+
+
+def constant_models(root: str, dtype: torch.dtype, base_value: float, changes: list) -> ModelSet:
+    """A base filled with ``base_value`` and fine-tunes from ``changes(name, base) -> state``."""
+    config = tiny_config("llama", hidden_size=32, intermediate_size=48, num_layers=2, vocab_size=64)
+    shapes = build_base(os.path.join(root, "base"), config, dtype=dtype, seed=1)
+    base = {name: torch.full_like(tensor, base_value) for name, tensor in shapes.items()}
+    write_checkpoint(os.path.join(root, "base"), base)  # over the random weights; the config stays
+    agents = []
+    for index, change in enumerate(changes):
+        path = os.path.join(root, f"agent{index}")
+        write_checkpoint(
+            path, {name: change(tensor) for name, tensor in base.items()}, config_source=os.path.join(root, "base")
+        )
+        agents.append(path)
+    return ModelSet(base=os.path.join(root, "base"), agents=agents, design=None)  # type: ignore[arg-type]
+
+
+def every_other(value: float):
+    def change(tensor: torch.Tensor) -> torch.Tensor:
+        changed = tensor.clone().reshape(-1)
+        changed[::2] = value
+        return changed.view(tensor.shape)
+
+    return change
+
+
+def merged_against_reference(
+    models: ModelSet, out: str, lambdas_from_statistics: bool = True
+) -> dict[str, torch.Tensor]:
+    """The written weights, each asserted equal to the reference computed from the checkpoints."""
+    merged = load_weights(out)
+    base = load_weights(models.base)
+    finetunes = [load_weights(path) for path in models.agents]
+    lambdas = [m["lambda"] for m in load_statistics(out)["models"]]
+    for name, tensor in base.items():
+        expected = reference.merge(tensor, [ft[name] for ft in finetunes], EPSILON, lambdas)
+        assert torch.equal(merged[name], expected.to(merged[name].dtype)), name
+    return merged
+
+
+@pytest.mark.parametrize("method", ["ram", "ram_plus"])
+def test_out_dtype_float32_rounds_once(method: str, tmp_path) -> None:
+    """bfloat16 base 1, A = 1 + 2**-7 everywhere, B = 1 + 2**-6 on every other element."""
+    models = constant_models(
+        str(tmp_path), torch.bfloat16, 1.0, [lambda t: torch.full_like(t, 1 + 2**-7), every_other(1 + 2**-6)]
+    )
+    out = str(tmp_path / "out")
+    run_script("mergekit-yaml", write_recipe(str(tmp_path / "r.yml"), models.recipe(method, out_dtype="float32")), out)
+    merged = merged_against_reference(models, out)
+    weight = merged["model.layers.0.mlp.up_proj.weight"].reshape(-1)
+    assert weight.dtype == torch.float32
+    assert weight[0].item() == 1.01171875  # not bfloat16's 1.015625
+    # A alone: 1 + lambda_A * 2**-7 (lambda 1 for ram; rho_A = 1 -> 1 + 0.1 * 1 for ram_plus)
+    assert weight[1].item() == (1.0078125 if method == "ram" else torch.tensor(1 + 1.1 * 2**-7).item())
+
+
+def test_float64_checkpoints_merge_in_float64(tmp_path) -> None:
+    """`dtype: float64` on float64 checkpoints: unchanged elements exact, changed ones the float64 result."""
+    models = constant_models(str(tmp_path), torch.float64, 1.000000000001, [every_other(1.25), every_other(1.5)])
+    recipe = models.recipe("ram_plus", dtype="float64")  # every change shared: the mean
+    out = str(tmp_path / "out")
+    run_script("mergekit-yaml", write_recipe(str(tmp_path / "r.yml"), recipe), out)
+    merged = merged_against_reference(models, out)
+    weight = merged["model.norm.weight"]
+    assert weight.dtype == torch.float64
+    assert weight[1::2].tolist() == [1.000000000001] * 16
+    assert weight[0].item() == 1.000000000001 + ((1.25 - 1.000000000001) + (1.5 - 1.000000000001)) / 2
+
+
+def test_float16_cast_overflow_names_the_recipe_dtype(tmp_path) -> None:
+    models = constant_models(str(tmp_path), torch.bfloat16, 70000.0, [every_other(1.0)])
+    out = str(tmp_path / "out")
+    recipe = write_recipe(str(tmp_path / "r.yml"), models.recipe("ram", dtype="float16"))
+    completed = run_script("mergekit-yaml", recipe, out, check=False)
+    assert completed.returncode != 0
+    assert "is Inf as float16 (after the recipe's `dtype: float16` cast" in completed.stderr
+    assert "values above 65504 do not fit float16: merge with `dtype: bfloat16` or `float32`" in completed.stderr
+    assert not os.path.exists(os.path.join(out, "model.safetensors"))

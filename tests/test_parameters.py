@@ -180,8 +180,9 @@ def test_the_command_line_shows_the_message(bf16_models: ModelSet, tmp_path) -> 
         "mergekit-yaml", write_recipe(str(tmp_path / "r.yml"), recipe), str(tmp_path / "out"), check=False
     )
     assert completed.returncode == 1
+    assert "Traceback" not in completed.stderr
     assert completed.stderr.strip().splitlines()[-1] == (
-        "mergekit_ram.parameters.ParameterError: ram_plus: parameter 'lambda' in models[1].parameters is 1e+300, "
+        "Error: ram_plus: parameter 'lambda' in models[1].parameters is 1e+300, "
         "above the largest float32 (3.40282e+38) the merge computes in"
     )
     assert not os.path.exists(str(tmp_path / "out"))

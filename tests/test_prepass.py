@@ -60,9 +60,9 @@ def vocab_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 def spy_on_kernel(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     """Record reference counts of every group the kernel merges (not the pre-pass's calls)."""
     received: dict[str, Any] = {}
-    original = methods.RamMergeMethod.merge_group
+    original = methods.RamMergeMethod._merge
 
-    def spy(self: methods.RamMergeMethod, group, **parameters: Any):
+    def spy(self: methods.RamMergeMethod, group, parameters: dict[str, Any], *args: Any, **kwargs: Any):
         request = methods._COUNT_REQUEST.get()
         if request is None or request.merge:
             finetunes = [entry.tensor for entry in group.non_base]
@@ -73,9 +73,9 @@ def spy_on_kernel(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
                 "epsilon": parameters["epsilon"],
                 "dtype": group.base.tensor.dtype,
             }
-        return original(self, group, **parameters)
+        return original(self, group, parameters, *args, **kwargs)
 
-    monkeypatch.setattr(methods.RamMergeMethod, "merge_group", spy)
+    monkeypatch.setattr(methods.RamMergeMethod, "_merge", spy)
     return received
 
 
