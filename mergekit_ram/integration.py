@@ -210,7 +210,7 @@ def patch_run_merge(merge: ModuleType) -> None:
             with staging.output_transaction(out_path) as staged:
                 result = original(merge_config, staged, options=options, config_source=config_source)
                 if not os.path.isdir(staged):
-                    raise RuntimeError(
+                    raise MergekitMovedError(
                         f"mergekit moved its output out of {staged} (an architecture with post_fill_parameters); "
                         "mergekit-ram cannot publish it"
                     )

@@ -44,6 +44,8 @@ try:  # POSIX; elsewhere merges run unlocked
 except ImportError:  # pragma: no cover
     fcntl = None  # type: ignore[assignment]
 
+from mergekit_ram.errors import RamError
+
 LOG = logging.getLogger(__name__)
 
 STAGING_DIR = ".mergekit-ram-partial"
@@ -75,7 +77,7 @@ MARKER_TEXT = (
 )
 
 
-class OutputBusyError(RuntimeError):
+class OutputBusyError(RamError, RuntimeError):
     """Another merge holds the output folder's lock."""
 
 

@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import subprocess
+import typing
 
 import pytest
 import torch
@@ -31,6 +32,10 @@ INTERNAL_RAISES = {
     "click.ClickException": "cli.py: click prints it as one line itself",
     "AttributeError": "__init__.py: the module attribute protocol",
     "MergekitMovedError": "a RamError (checked below through its class)",
+    "MergeOverflowError": "kernel.py; methods.py re-raises it as a ParameterError naming the tensor and the setting",
+    "Terminated": "staging.py: SIGTERM as an exception inside the output transaction, re-sent once the folder is clean",
+    "SystemExit": "staging.py: the exit status after a SIGTERM, as Python's default handler would give",
+    "TypeError": "inmemory.py: a wrong Python call shape (unexpected keyword arguments)",
 }
 
 
@@ -78,13 +83,26 @@ def test_every_error_a_user_can_meet_is_a_ram_error() -> None:
             for node in ast.walk(tree)
             if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call)
         }
+    from mergekit_ram import methods, parameters
     from mergekit_ram.checks import InputError
     from mergekit_ram.integration import MergekitMovedError
     from mergekit_ram.methods import MissingStatisticsError
     from mergekit_ram.parameters import ParameterError
+    from mergekit_ram.staging import OutputBusyError
 
-    classes = {cls.__name__: cls for cls in (InputError, ParameterError, MergekitMovedError, MissingStatisticsError)}
+    classes = {
+        cls.__name__: cls
+        for cls in (InputError, ParameterError, MergekitMovedError, MissingStatisticsError, OutputBusyError)
+    }
     classes |= {name: getattr(errors, name) for name in dir(errors) if name.endswith("Error")}
+    # ``raise make_error(...)``: functions that build an error; their return annotation must be a RamError
+    factories = {
+        "_input_error": methods._input_error,
+        "self._overflow_error": methods.RamMergeMethod._overflow_error,
+        "unknown_parameter": parameters.unknown_parameter,
+    }
+    for name, factory in factories.items():
+        classes[name] = typing.get_type_hints(factory)["return"]
     unexplained = sorted(name for name in raised if name not in INTERNAL_RAISES and name not in classes)
     assert not unexplained, f"raised but neither a RamError nor explained as internal: {unexplained}"
     assert all(issubclass(cls, errors.RamError) for cls in classes.values())
@@ -99,7 +117,7 @@ def test_plugin_errors_are_one_line_in_every_script(bf16_models: ModelSet, tmp_p
     assert one_line_error(run_script("mergekit-yaml", typo, str(tmp_path / "o1"), check=False)).startswith(expected)
     verbose = run_script("mergekit-yaml", typo, str(tmp_path / "o2"), "-v", check=False)
     assert with_traceback(verbose).startswith(expected)
-    assert "raise ParameterError(" in verbose.stderr
+    assert "raise unknown_parameter(" in verbose.stderr
 
     missing = {**bf16_models.recipe("ram"), "name": "agents"}
     missing["models"] = [*missing["models"][:2], {"model": str(tmp_path / "no-such-agent")}]

@@ -143,14 +143,21 @@ def test_float16_cast_overflow_names_the_cast() -> None:
 @pytest.mark.parametrize(
     ("parameters", "message"),
     [
-        ({"lambda": {"a": 1e300, "b": None}}, r"ram_plus: tensor w: the pinned lambda 1e\+300 of a .* lower lambda"),
-        ({"r": 1e300}, r"ram_plus: tensor w: lambda = 1 \+ r \* clip\(rho\) = .* of a \(from r = 1e\+300\) .* lower r"),
+        # within float32, but lambda times the update (4.0) is not: the kernel names tensor and setting
+        ({"lambda": {"a": 3e38, "b": None}}, r"ram_plus: tensor w: the pinned lambda 3e\+38 of a .* lower lambda"),
+        ({"r": 1e38}, r"ram_plus: tensor w: lambda = 1 \+ r \* clip\(rho\) = .* of a \(from r = 1e\+38\) .* lower r"),
+        # beyond float32: refused with the arguments, before any tensor is read
+        (
+            {"lambda": {"a": 1e300, "b": None}},
+            r"ram_plus: parameter 'lambda' in .* is 1e\+300, above the largest float32",
+        ),
+        ({"r": 1e300}, r"ram_plus: parameter 'r' in .* is 1e\+300, above the largest float32"),
     ],
 )
 def test_overflowing_lambda_is_an_error_naming_the_parameter(parameters: dict, message: str) -> None:
     models = {
         "base": {"w": torch.zeros(4)},
-        "a": {"w": torch.tensor([0.5, 0.0, 0.25, 0.0])},
+        "a": {"w": torch.tensor([4.0, 0.0, 0.25, 0.0])},
         "b": {"w": torch.tensor([0.0, 0.5, 0.25, 0.0])},
     }
     with pytest.raises(ParameterError, match=message):

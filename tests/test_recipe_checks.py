@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import click
 import pytest
 import torch
 import yaml
@@ -123,7 +124,10 @@ def test_mergekit_pytorch_recipes_are_checked(bf16_models: ModelSet, tmp_path) -
         "models": [{"model": file, "parameter": {"epsilon": 0}} for file in files[1:]],
     }
     path = write_recipe(str(tmp_path / "r.yml"), recipe)
-    with pytest.raises(RecipeError, match=r"unknown key 'parameter' in `models\[0\]`.*\(did you mean 'parameters'\?\)"):
+    # the command shows the RecipeError as click's one line
+    with pytest.raises(
+        click.ClickException, match=r"unknown key 'parameter' in `models\[0\]`.*\(did you mean 'parameters'\?\)"
+    ):
         main.main(args=[path, str(tmp_path / "out")], standalone_mode=False)
     assert not os.path.exists(str(tmp_path / "out"))
 

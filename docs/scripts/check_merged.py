@@ -3,7 +3,8 @@
     python docs/scripts/check_merged.py OUT [--finite]
 
 Problems (exit status 1):
-- ``MERGE_INCOMPLETE`` or ``.mergekit-ram-partial/`` is present: the merge did not finish;
+- ``MERGE_INCOMPLETE``, ``.mergekit-ram-partial/`` or ``.mergekit-ram.lock`` is present: the merge
+  did not finish (or is still writing);
 - no weights, a weight file the index names is missing, or a safetensors header is unreadable;
 - no ``config.json`` (``mergekit-pytorch`` writes weights and statistics only);
 - ``ram_statistics.json`` is missing or unreadable, or lists warnings (``--accept-warnings``
@@ -25,6 +26,7 @@ import sys
 STATISTICS_FILE = "ram_statistics.json"
 MARKER_FILE = "MERGE_INCOMPLETE"
 STAGING_DIR = ".mergekit-ram-partial"
+LOCK_FILE = ".mergekit-ram.lock"
 
 
 def check(out: str, finite: bool = False, accept_warnings: bool = False) -> tuple[list[str], list[str]]:
@@ -33,9 +35,9 @@ def check(out: str, finite: bool = False, accept_warnings: bool = False) -> tupl
 
     problems: list[str] = []
     notes: list[str] = []
-    for name in (MARKER_FILE, STAGING_DIR):
+    for name in (MARKER_FILE, STAGING_DIR, LOCK_FILE):
         if os.path.exists(os.path.join(out, name)):
-            problems.append(f"{name} is present: the merge did not finish; run it again or delete the folder")
+            problems.append(f"{name} is present: the merge did not finish (or is still running); run it again")
 
     weights = sorted(glob.glob(os.path.join(out, "*.safetensors")))
     index = os.path.join(out, "model.safetensors.index.json")
