@@ -6,7 +6,7 @@ Importing this package is cheap (no torch, no mergekit); the heavy parts load on
 __version__ = "0.1.0"
 
 _LAZY = {
-    "merge_state_dicts": "mergekit_ram.inmemory",
+    "merge_state_dicts": "mergekit_ram.integration.inmemory",
     "RamStatistics": "mergekit_ram.stats",
     "TensorCounts": "mergekit_ram.stats",
     "ParameterError": "mergekit_ram.parameters",

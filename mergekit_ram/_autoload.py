@@ -13,14 +13,16 @@ import sys
 
 ENVIRONMENT_VARIABLE = "MERGEKIT_RAM_AUTOLOAD"
 
-# module -> functions of mergekit_ram.integration that patch it once it has executed, in order
+# mergekit module -> "module:function" of mergekit_ram.integration that patch it once it has
+# executed, in order. Each names its own submodule, so a hook that fires while another part of
+# the boundary is still importing needs only its own module.
 HOOKS = {
-    "mergekit.merge_methods": ("register_methods",),
-    "mergekit.plan": ("patch_planner",),
-    "mergekit.merge": ("patch_run_merge",),
-    "mergekit.scripts.run_yaml": ("patch_script",),
-    "mergekit.scripts.multimerge": ("patch_multimerge", "patch_script"),
-    "mergekit.scripts.merge_raw_pytorch": ("patch_raw_pytorch", "patch_script"),
+    "mergekit.merge_methods": ("registry:register_methods",),
+    "mergekit.plan": ("planner:patch_planner",),
+    "mergekit.merge": ("output:patch_run_merge",),
+    "mergekit.scripts.run_yaml": ("scripts:patch_script",),
+    "mergekit.scripts.multimerge": ("scripts:patch_multimerge", "scripts:patch_script"),
+    "mergekit.scripts.merge_raw_pytorch": ("output:patch_raw_pytorch", "scripts:patch_script"),
 }
 
 
@@ -53,9 +55,10 @@ def _after(exec_module, hook_names):
         exec_module(module)
         for hook_name in hook_names:
             try:
-                from mergekit_ram import integration
+                import importlib
 
-                getattr(integration, hook_name)(module)
+                submodule, _, function = hook_name.partition(":")
+                getattr(importlib.import_module(f"mergekit_ram.integration.{submodule}"), function)(module)
             except Exception as error:  # never break mergekit's own import
                 import warnings
 

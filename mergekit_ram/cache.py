@@ -28,18 +28,13 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
 import os
-from typing import Any, Mapping, Optional, Sequence
-
-from mergekit.common import ImmutableMap
-from mergekit.merge_methods.task_adapter import ExecuteMergeMethodTask
-from pydantic import BaseModel
-from safetensors import safe_open
+from typing import Any, Optional, Sequence
 
 from mergekit_ram import __version__
-from mergekit_ram.checks import _aligns_vocabulary, task_inputs
+from mergekit_ram.checks import HeaderCache, planned_numel
 from mergekit_ram.errors import SettingError
+from mergekit_ram.planned import PlannedTensor
 from mergekit_ram.staging import write_atomically
 from mergekit_ram.stats import TensorCounts, package_versions
 
@@ -85,31 +80,17 @@ def fingerprint(path: str) -> str:
     return f"{real}:{identity}:{digest.hexdigest()}"
 
 
-def describe(value: Any) -> str:
-    """A canonical text for a planned task graph (pydantic models, mergekit's maps, scalars)."""
-    if isinstance(value, BaseModel):
-        fields = ", ".join(f"{name}={describe(getattr(value, name))}" for name in type(value).model_fields)
-        return f"{type(value).__name__}({fields})"
-    if isinstance(value, (Mapping, ImmutableMap)):
-        items = sorted((describe(key), describe(value[key])) for key in value)
-        return "{" + ", ".join(f"{key}: {item}" for key, item in items) + "}"
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(describe(item) for item in value) + "]"
-    return repr(value)
-
-
-def cache_key(merge_tasks: Sequence[ExecuteMergeMethodTask]) -> str:
+def cache_key(planned: Sequence[PlannedTensor]) -> str:
+    """What the counts depend on: each tensor's name, epsilon, models and input sub-graph, and the files."""
     digest = hashlib.sha256()
     versions = package_versions()
     digest.update(f"mergekit-ram {__version__}; mergekit {versions['mergekit']}; {_FORMAT}\n".encode())
     files: set[str] = set()
-    for task in merge_tasks:
-        digest.update(task.output_weight.name.encode())
-        digest.update(
-            repr((task.parameters["epsilon"], [str(m) for m in task.model_order], str(task.base_model))).encode()
-        )
-        digest.update(describe(task.gather_tensors).encode())
-        files.update(file for _, file, _ in task_inputs(task) if file is not None)
+    for tensor in planned:
+        digest.update(tensor.name.encode())
+        digest.update(repr((tensor.epsilon, tensor.base, tensor.finetunes)).encode())
+        digest.update(tensor.graph.encode())
+        files.update(source.file for source in tensor.inputs if source.file is not None)
     for file in sorted(files):
         digest.update(fingerprint(file).encode())
     return digest.hexdigest()
@@ -119,7 +100,7 @@ def _entry_path(key: str) -> str:
     return os.path.join(directory(), "prepass", f"{key}.json")
 
 
-def load(key: str, merge_tasks: Sequence[ExecuteMergeMethodTask]) -> Optional[list[Optional[TensorCounts]]]:
+def load(key: str, planned: Sequence[PlannedTensor], headers: HeaderCache) -> Optional[list[Optional[TensorCounts]]]:
     """The cached counts for ``key`` (one per merge task), or None: missing, off, or unusable."""
     if mode() != "on":
         return None
@@ -133,7 +114,7 @@ def load(key: str, merge_tasks: Sequence[ExecuteMergeMethodTask]) -> Optional[li
         LOG.warning("ignoring unreadable pre-pass cache entry %s (%s); %s", path, error, _ADVICE)
         return None
     try:
-        counts = _matching_counts(data, merge_tasks)
+        counts = _matching_counts(data, planned, headers)
     except (TypeError, ValueError, KeyError, AttributeError) as error:
         LOG.warning("ignoring pre-pass cache entry %s: %s; counting afresh (%s)", path, error, _ADVICE)
         return None
@@ -141,27 +122,26 @@ def load(key: str, merge_tasks: Sequence[ExecuteMergeMethodTask]) -> Optional[li
     return counts
 
 
-def _matching_counts(data: Any, merge_tasks: Sequence[ExecuteMergeMethodTask]) -> list[Optional[TensorCounts]]:
-    """The entry's counts if they fit the planned merge task by task; ValueError/TypeError otherwise."""
+def _matching_counts(data: Any, planned: Sequence[PlannedTensor], headers: HeaderCache) -> list[Optional[TensorCounts]]:
+    """The entry's counts if they fit the planned merge tensor by tensor; ValueError/TypeError otherwise."""
     if not isinstance(data, dict) or not isinstance(data.get("tensors"), list):
         raise ValueError("it is not an object with a list of tensors")
     entries = data["tensors"]
-    if len(entries) != len(merge_tasks):
-        raise ValueError(f"it lists {len(entries)} tensors, the merge has {len(merge_tasks)}")
+    if len(entries) != len(planned):
+        raise ValueError(f"it lists {len(entries)} tensors, the merge has {len(planned)}")
     counts: list[Optional[TensorCounts]] = []
-    for entry, task in zip(entries, merge_tasks):
+    for entry, tensor in zip(entries, planned):
         if entry is None:
             counts.append(None)
             continue
         if not isinstance(entry, dict):
-            raise ValueError(f"the entry for {task.output_weight.name} is not an object")
+            raise ValueError(f"the entry for {tensor.name} is not an object")
         found = TensorCounts.from_dict(entry)
-        expected_models = tuple(str(model) for model in task.model_order if model != task.base_model)
-        if found.name != task.output_weight.name:
-            raise ValueError(f"it has {found.name!r} where the merge has {task.output_weight.name!r}")
-        if found.models != expected_models:
+        if found.name != tensor.name:
+            raise ValueError(f"it has {found.name!r} where the merge has {tensor.name!r}")
+        if found.models != tensor.finetunes:
             raise ValueError(f"its models for {found.name} are not the merge's")
-        numel = _planned_numel(task)
+        numel = planned_numel(tensor, headers)
         n = len(found.models)
         if (numel is not None and found.numel != numel) or found.numel < 0:
             raise ValueError(f"its element count for {found.name} is {found.numel}, the tensor has {numel}")
@@ -171,20 +151,6 @@ def _matching_counts(data: Any, merge_tasks: Sequence[ExecuteMergeMethodTask]) -
             raise ValueError(f"its histograms for {found.name} do not fit {n} models and {found.numel} elements")
         counts.append(found)
     return counts
-
-
-def _planned_numel(task: ExecuteMergeMethodTask) -> Optional[int]:
-    """Elements of the task's tensor from a safetensors header; None where alignment reshapes it."""
-    if _aligns_vocabulary(task):
-        return None
-    for _model, file, name in task_inputs(task):
-        if file is not None and file.endswith(".safetensors"):
-            try:
-                with safe_open(file, framework="pt") as handle:
-                    return math.prod(handle.get_slice(name).get_shape())
-            except Exception:  # noqa: BLE001 - the header check has reported unreadable files already
-                return None
-    return None
 
 
 def store(key: str, counts: Sequence[Optional[TensorCounts]]) -> None:

@@ -185,11 +185,9 @@ def probe(
     recipe's r / alpha / rule. A mergekit-multi file: every ram / ram_plus stage (or the
     one --stage names). Nothing is merged or written (but the cache and --plot).
     """
-    from mergekit.options import MergeOptions
-
     from mergekit_ram import cache
     from mergekit_ram.errors import RamError, exit_on_one_line
-    from mergekit_ram.integration import check_device
+    from mergekit_ram.integration.scripts import check_options_device, merge_options
     from mergekit_ram.plot import check_plot_extra, plot_statistics
     from mergekit_ram.probe import (
         histogram_table,
@@ -201,7 +199,7 @@ def probe(
     )
 
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING)
-    options = MergeOptions(
+    options = merge_options(
         cuda=cuda,
         device=device,
         lora_merge_cache=lora_merge_cache,
@@ -212,7 +210,7 @@ def probe(
     try:
         if plot_path is not None:
             check_plot_extra()  # before any work, and before the cache can answer
-        check_device(options)
+        check_options_device(options)
         if refresh:
             os.environ[cache.MODE_VARIABLE] = "refresh"
         if num_threads is not None:

@@ -23,6 +23,10 @@ class RecipeError(RamError, ValueError):
     merge something else; the message names the place and the fix."""
 
 
+class InputError(RamError, ValueError):
+    """A model or tensor a RAM merge cannot use; the message names it."""
+
+
 class DeviceError(RamError, RuntimeError):
     """The torch device a RAM merge or probe was asked to use is not available."""
 

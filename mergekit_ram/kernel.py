@@ -496,3 +496,38 @@ def _check_result(
     if not bool(torch.isfinite(base_c + mean).all()):
         raise MergeOverflowError("sum", None, dtype)
     raise MergeOverflowError("cast", None, out.dtype)
+
+
+# PROVISIONAL: the two entry points of the kernel branch, over ram_merge, until it lands.
+@dataclass(frozen=True)
+class OverlapCounts:
+    histograms: tuple[tuple[int, ...], ...]
+
+
+@dataclass(frozen=True)
+class MergeResult:
+    merged: torch.Tensor
+    histograms: Optional[tuple[tuple[int, ...], ...]]
+
+
+def count_overlaps(base, finetunes, epsilon, *, workers, chunk_elements=CHUNK_ELEMENTS):  # type: ignore[no-untyped-def]
+    result = ram_merge(
+        base, finetunes, epsilon, merge=False, count=True, workers=workers, chunk_elements=chunk_elements
+    )
+    return OverlapCounts(result.histograms or ())
+
+
+def merge_tensors(
+    base, finetunes, epsilon, lambdas=None, *, workers, count=False, out_dtype=None, chunk_elements=CHUNK_ELEMENTS
+):  # type: ignore[no-untyped-def]
+    result = ram_merge(
+        base,
+        finetunes,
+        epsilon,
+        lambdas,
+        count=count,
+        out_dtype=out_dtype,
+        workers=workers,
+        chunk_elements=chunk_elements,
+    )
+    return MergeResult(result.merged, result.histograms)

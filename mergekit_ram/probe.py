@@ -33,8 +33,9 @@ def select_stages(recipe_path: str, stage_name: Optional[str] = None, intermedia
     has written that output under ``intermediate_dir``.
     """
     from mergekit_ram.errors import RecipeError
+    from mergekit_ram.integration.recipes import read_stages
     from mergekit_ram.parameters import METHOD_PARAMETERS, ParameterError
-    from mergekit_ram.recipe_file import read_stages, read_text, stage_output
+    from mergekit_ram.recipe_file import read_text, stage_output
 
     text = read_text(recipe_path)
     if text is None:
@@ -79,12 +80,9 @@ def select_stages(recipe_path: str, stage_name: Optional[str] = None, intermedia
 
 def probe_config(config: Any, options: Any) -> RamStatistics:
     """Run only the pre-pass of a ``ram`` / ``ram_plus`` MergeConfiguration; its statistics."""
-    from mergekit_ram.integration import plan_merge_tasks
-    from mergekit_ram.prepass import checked_context, counted_prepass
+    from mergekit_ram.integration.planner import probe_statistics
 
-    merge_tasks = plan_merge_tasks(config, options)
-    context = checked_context(merge_tasks)
-    return context.build(counted_prepass(merge_tasks, options), source="pre-pass")
+    return probe_statistics(config, options)
 
 
 def stage_plot_path(path: str, stage: Stage, selection: ProbeSelection) -> str:

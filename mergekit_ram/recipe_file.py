@@ -2,7 +2,8 @@
 
 ``mergekit-yaml`` and ``mergekit-pytorch`` read one YAML document, ``mergekit-multi`` a
 file of stages (documents with a ``name``; a stage may merge an earlier stage's output by
-naming it). The probe reads both. Syntax errors, a file of several documents given where
+naming it; ``mergekit_ram.integration.recipes.read_stages`` reads them with mergekit's own
+classes). The probe reads both. Syntax errors, a file of several documents given where
 one is expected, and recipes that do not validate become a ``RecipeError`` naming the file,
 the place and the fix, instead of a yaml or pydantic traceback.
 """
@@ -94,37 +95,6 @@ def validate(path: str, document: Any, schema: type[BaseModel], where: str = "")
         more = len(problems) - len(shown)
         suffix = f" (and {more} more)" if more > 0 else ""
         raise RecipeError(f"{path}{where}: not a valid mergekit recipe: {'; '.join(shown)}{suffix}") from None
-
-
-def read_stages(path: str, text: str, intermediate_dir: str = "") -> list[Stage]:
-    """The stages of a recipe file as mergekit-multi reads them (a single recipe is one stage).
-
-    A model named like another stage becomes ``intermediate_dir/<name>`` (mergekit's own
-    ``patched_config``), and the stage records that it depends on that one.
-    """
-    from mergekit.config import MergeConfiguration
-    from mergekit.scripts.multimerge import patched_config
-
-    stages: dict[Optional[str], Any] = {}
-    for index, document in enumerate(read_documents(path, text)):
-        where = f", document {index + 1}"
-        if not isinstance(document, dict):
-            raise RecipeError(f"{path}{where}: a recipe is a mapping of keys (merge_method, models, ...)")
-        document = dict(document)
-        name = document.pop("name", None)
-        if name in stages:
-            raise RecipeError(
-                f"{path}{where}: "
-                + (f"a second stage named {name!r}" if name is not None else "a second stage without a name")
-                + "; each stage needs its own name (at most one may have none: the final merge)"
-            )
-        stages[name] = validate(path, document, MergeConfiguration, where)
-    names = set(stages)
-    result = []
-    for name, config in stages.items():
-        patched, used = patched_config(config, names, intermediate_dir)
-        result.append(Stage(name=name, config=patched, depends_on=tuple(sorted(used))))
-    return result
 
 
 def stage_output(intermediate_dir: str, name: str) -> Optional[str]:

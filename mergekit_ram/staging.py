@@ -37,14 +37,13 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Optional
 
 from mergekit_ram import __version__
-from mergekit_ram.checks import InputError
 
 try:  # POSIX; elsewhere merges run unlocked
     import fcntl
 except ImportError:  # pragma: no cover
     fcntl = None  # type: ignore[assignment]
 
-from mergekit_ram.errors import RamError
+from mergekit_ram.errors import InputError, RamError
 
 LOG = logging.getLogger(__name__)
 
@@ -149,12 +148,6 @@ class Transaction:
 
 def staging_path(out_path: str) -> str:
     return os.path.join(out_path, STAGING_DIR)
-
-
-def is_staging_folder(path: str) -> bool:
-    """Whether ``path`` is the folder a transaction gave mergekit (``OUT/.mergekit-ram-partial/new/NAME``)."""
-    parts = os.path.normpath(os.path.abspath(path)).split(os.sep)
-    return parts[-3:-1] == [STAGING_DIR, _NEW] or parts[-2:] == [STAGING_DIR, _NEW]
 
 
 @contextlib.contextmanager

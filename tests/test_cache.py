@@ -21,18 +21,17 @@ from mergekit.merge import run_merge
 from mergekit.options import MergeOptions
 
 from mergekit_ram import cache
-from mergekit_ram.integration import plan_merge_tasks
-from mergekit_ram.prepass import counted_prepass
+from mergekit_ram.integration.planner import counted_prepass, plan_merge
 from tests.conftest import ModelSet, load_statistics
 
 OPTIONS = MergeOptions(quiet=True)
 
 
 @pytest.fixture(scope="module")
-def planned(bf16_models: ModelSet) -> tuple[list[Any], str, list[Any]]:
+def planned(bf16_models: ModelSet) -> tuple[Any, str, list[Any]]:
     """The merge tasks of a real ram_plus recipe, their cache key, and their uncached counts."""
-    tasks = plan_merge_tasks(MergeConfiguration.model_validate(bf16_models.recipe("ram_plus")), OPTIONS)
-    return tasks, cache.cache_key(tasks), counted_prepass(tasks, OPTIONS)
+    plan = plan_merge(MergeConfiguration.model_validate(bf16_models.recipe("ram_plus")), OPTIONS)
+    return plan, cache.cache_key(plan.tensors), counted_prepass(plan, OPTIONS)
 
 
 @pytest.fixture
@@ -46,9 +45,9 @@ def _entry(key: str) -> str:
     return os.path.join(cache.directory(), "prepass", f"{key}.json")
 
 
-def _valid(planned: tuple[list[Any], str, list[Any]]) -> dict[str, Any]:
-    tasks, key, _ = planned
-    counted_prepass(tasks, OPTIONS)  # writes the entry
+def _valid(planned: tuple[Any, str, list[Any]]) -> dict[str, Any]:
+    plan, key, _ = planned
+    counted_prepass(plan, OPTIONS)  # writes the entry
     with open(_entry(key), encoding="utf-8") as handle:
         return json.load(handle)
 
@@ -78,26 +77,26 @@ BROKEN = {
 def test_a_broken_entry_is_a_warning_and_a_fresh_prepass(
     planned: tuple[list[Any], str, list[Any]], cache_dir: str, damage: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    tasks, key, fresh = planned
+    plan, key, fresh = planned
     broken = BROKEN[damage](_valid(planned))
     with open(_entry(key), "w", encoding="utf-8") as handle:
         handle.write(broken if isinstance(broken, str) else json.dumps(broken))
     with caplog.at_level(logging.INFO):
-        counts = counted_prepass(tasks, OPTIONS)
+        counts = counted_prepass(plan, OPTIONS)
     assert counts == fresh
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and _entry(key) in warnings[0] and "MERGEKIT_RAM_CACHE=off" in warnings[0], warnings
     assert any("pre-pass done" in r.getMessage() for r in caplog.records)
     caplog.clear()
     with caplog.at_level(logging.INFO):
-        assert counted_prepass(tasks, OPTIONS) == fresh  # the entry was rewritten and is used again
+        assert counted_prepass(plan, OPTIONS) == fresh  # the entry was rewritten and is used again
     assert any("using cached counts" in r.getMessage() for r in caplog.records)
 
 
 def test_an_unwritable_cache_is_a_warning_and_the_merge_goes_on(
     bf16_models: ModelSet, planned: tuple[list[Any], str, list[Any]], cache_dir: str, tmp_path, caplog
 ) -> None:
-    tasks, key, fresh = planned
+    plan, key, fresh = planned
     # A file where the cache directory should be: a real merge still succeeds.
     with open(cache_dir, "w", encoding="utf-8") as handle:
         handle.write("in the way\n")
@@ -114,7 +113,7 @@ def test_an_unwritable_cache_is_a_warning_and_the_merge_goes_on(
     os.symlink("/dev/full", f"{_entry(key)}.{os.getpid()}.partial")
     caplog.clear()
     with caplog.at_level(logging.WARNING):
-        assert counted_prepass(tasks, OPTIONS) == fresh
+        assert counted_prepass(plan, OPTIONS) == fresh
     assert any("No space left on device" in r.getMessage() and _entry(key) in r.getMessage() for r in caplog.records)
     assert os.listdir(os.path.dirname(_entry(key))) == []
 

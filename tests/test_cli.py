@@ -84,9 +84,9 @@ def test_every_error_a_user_can_meet_is_a_ram_error() -> None:
             if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call)
         }
     from mergekit_ram import methods, parameters
-    from mergekit_ram.checks import InputError
-    from mergekit_ram.integration import MergekitMovedError
-    from mergekit_ram.methods import MissingStatisticsError
+    from mergekit_ram.errors import InputError
+    from mergekit_ram.integration.methods import MissingStatisticsError
+    from mergekit_ram.integration.versions import MergekitMovedError
     from mergekit_ram.parameters import ParameterError
     from mergekit_ram.staging import OutputBusyError
 

@@ -53,7 +53,7 @@ def test_methods_are_found_without_an_import() -> None:
         "import mergekit.merge_methods as m; print(m.get('ram_plus').spec.name, type(m.get('ram')).__module__)"
     )
     assert completed.returncode == 0, completed.stderr
-    assert completed.stdout.split() == ["ram_plus", "mergekit_ram.methods"]
+    assert completed.stdout.split() == ["ram_plus", "mergekit_ram.integration.methods"]
 
 
 def test_startup_hook_imports_nothing_heavy() -> None:
@@ -90,7 +90,7 @@ def test_opt_out_leaves_mergekit_untouched_and_register_restores() -> None:
         "False",
         "mergekit.merge_methods.base",
         "True",
-        "mergekit_ram.methods",
+        "mergekit_ram.integration.methods",
     ]
 
 

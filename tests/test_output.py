@@ -23,7 +23,7 @@ from mergekit.merge import run_merge
 from mergekit.options import MergeOptions
 
 from mergekit_ram import staging
-from mergekit_ram.checks import InputError
+from mergekit_ram.errors import InputError
 from mergekit_ram.staging import LOCK_FILE, MANIFEST_FILE, MARKER_FILE, MARKER_TEXT, STAGING_DIR
 from tests.conftest import ModelSet, run_script, script, write_recipe
 from tests.test_prepass import save_tokenizer

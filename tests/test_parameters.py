@@ -14,7 +14,7 @@ from mergekit.merge_methods.base import TensorGroup
 from mergekit.options import MergeOptions
 
 from mergekit_ram import merge_state_dicts
-from mergekit_ram.integration import check_recipe
+from mergekit_ram.integration.recipes import check_recipe
 from mergekit_ram.parameters import ParameterError
 from tests import reference
 from tests.conftest import Merged, ModelSet, load_statistics, load_weights, run_script, write_recipe
@@ -93,7 +93,7 @@ def test_other_methods_parameters_are_ignored_with_a_warning(bf16_models: ModelS
     recipe = bf16_models.recipe("ram", parameters={"r": 0.1, "density": 0.5})
     recipe["models"][0]["parameters"] = {"weight": 0.6, "lambda": 1.2}
     recipe["models"][1]["parameters"] = {"weight": 0.4}
-    with caplog.at_level(logging.WARNING, logger="mergekit_ram.integration"):
+    with caplog.at_level(logging.WARNING, logger="mergekit_ram.integration.recipes"):
         check_recipe("ram", MergeConfiguration.model_validate(recipe))
         check_recipe("ram_plus", MergeConfiguration.model_validate({**recipe, "merge_method": "ram_plus"}))
     assert caplog.messages == [  # in recipe order: models, then the top-level parameters
@@ -127,7 +127,7 @@ def test_declared_names_are_asked_of_the_registry_at_check_time(bf16_models: Mod
 
     registry.register(zeta)
     try:
-        with caplog.at_level(logging.WARNING, logger="mergekit_ram.integration"):
+        with caplog.at_level(logging.WARNING, logger="mergekit_ram.integration.recipes"):
             check_recipe("ram_plus", recipe)
         assert caplog.messages == [
             "ram_plus ignores parameter 'zeta_scale' (in parameters): it is a parameter of zeta_test_method, "

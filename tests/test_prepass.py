@@ -18,7 +18,7 @@ from mergekit.config import MergeConfiguration
 from mergekit.merge import run_merge
 from mergekit.options import MergeOptions
 
-from mergekit_ram import methods
+from mergekit_ram.integration import methods
 from mergekit_ram.synthetic import build_base, sparse_agents, tiny_config, write_checkpoint
 from tests import reference
 from tests.conftest import load_statistics
@@ -58,24 +58,22 @@ def vocab_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 
 def spy_on_kernel(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
-    """Record reference counts of every group the kernel merges (not the pre-pass's calls)."""
+    """Record reference counts of every group the kernel merges (the merge step, not the pre-pass's counts)."""
     received: dict[str, Any] = {}
-    original = methods.RamMergeMethod._merge
+    original = methods.RamMergeMethod.merge
 
     def spy(self: methods.RamMergeMethod, group, parameters: dict[str, Any], *args: Any, **kwargs: Any):
-        request = methods._COUNT_REQUEST.get()
-        if request is None or request.merge:
-            finetunes = [entry.tensor for entry in group.non_base]
-            counts = reference.counts(group.base.tensor, finetunes, parameters["epsilon"])
-            received[group.metadata.name] = {
-                "models": [str(entry.id) for entry in group.non_base],
-                "histograms": counts.histograms,
-                "epsilon": parameters["epsilon"],
-                "dtype": group.base.tensor.dtype,
-            }
+        finetunes = [entry.tensor for entry in group.non_base]
+        counts = reference.counts(group.base.tensor, finetunes, parameters["epsilon"])
+        received[group.metadata.name] = {
+            "models": [str(entry.id) for entry in group.non_base],
+            "histograms": counts.histograms,
+            "epsilon": parameters["epsilon"],
+            "dtype": group.base.tensor.dtype,
+        }
         return original(self, group, parameters, *args, **kwargs)
 
-    monkeypatch.setattr(methods.RamMergeMethod, "_merge", spy)
+    monkeypatch.setattr(methods.RamMergeMethod, "merge", spy)
     return received
 
 

@@ -18,8 +18,9 @@ from mergekit.merge import run_merge
 from mergekit.options import MergeOptions
 from mergekit.scripts.multimerge import load_config
 
-from mergekit_ram.checks import InputError
-from mergekit_ram.integration import BUILTIN_RAM_VARIABLE, register_methods, with_card_tag
+from mergekit_ram.errors import InputError
+from mergekit_ram.integration.registry import BUILTIN_RAM_VARIABLE, register_methods
+from mergekit_ram.published import with_card_tag
 from mergekit_ram.parameters import RecipeError
 from tests import reference
 from tests.conftest import (
@@ -205,7 +206,7 @@ def test_the_switch_keeps_mergekits_builtin_ram(monkeypatch) -> None:
     import mergekit.merge_methods as merge_methods
     from mergekit.merge_methods.ram import ram_merge as builtin
 
-    from mergekit_ram.methods import RAM, RAM_PLUS
+    from mergekit_ram.integration.methods import RAM, RAM_PLUS
 
     assert merge_methods.get("ram") is RAM
     monkeypatch.setenv(BUILTIN_RAM_VARIABLE, "1")

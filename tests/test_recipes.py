@@ -22,7 +22,8 @@ from mergekit.config import MergeConfiguration
 from mergekit.options import MergeOptions
 from mergekit.scripts.multimerge import load_config, make_tasks
 
-from mergekit_ram.integration import RAM_METHODS, check_recipe
+from mergekit_ram.integration.recipes import check_recipe
+from mergekit_ram.settings import RAM_METHODS
 from mergekit_ram.parameters import ParameterError
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -15,7 +15,7 @@ from mergekit.options import MergeOptions
 from safetensors.torch import load_file, save_file
 
 from mergekit_ram import cache
-from mergekit_ram.integration import plan_merge_tasks
+from mergekit_ram.integration.planner import plan_merge
 from mergekit_ram.stats import module_of
 from mergekit_ram.synthetic import build_agents, independent_overlap, tiny_config
 from tests import reference
@@ -107,7 +107,7 @@ def test_every_merge_leaves_its_statistics(bf16_models: ModelSet, tmp_path) -> N
 
 
 def _planned_key(recipe: dict[str, Any]) -> str:
-    return cache.cache_key(plan_merge_tasks(MergeConfiguration.model_validate(recipe), MergeOptions(quiet=True)))
+    return cache.cache_key(plan_merge(MergeConfiguration.model_validate(recipe), MergeOptions(quiet=True)).tensors)
 
 
 def test_cache_key_changes_when_it_must_and_only_then(bf16_models: ModelSet, tmp_path) -> None:

@@ -23,6 +23,7 @@ import torch
 from mergekit.merge_methods import merge_state_dicts as mergekit_merge_state_dicts
 from mergekit.merge_methods.base import BatchOptions, PerGroupValues
 
+from mergekit_ram.integration.methods import RamMergeMethod
 from mergekit_ram.parameters import ParameterError, check_parameter
 from mergekit_ram.stats import RamStatistics
 
@@ -71,22 +72,21 @@ def merge_state_dicts(
     _check_parameters(method, parameters or {}, [key for key in named if key != base])
     _check_inputs(named, base)
     from mergekit_ram.integration import register
-    from mergekit_ram.methods import METHODS, statistics_request
 
     register()
-    with statistics_request() as request:
-        merged = mergekit_merge_state_dicts(
-            models,
-            METHODS[method],
-            parameters=parameters,
-            base=base,
-            strict=strict,
-            dtype=dtype,
-            out_dtype=out_dtype,
-            batch_options=batch_options,
-        )
-    assert request.statistics is not None
-    return merged, request.statistics
+    received: list[RamStatistics] = []
+    merged = mergekit_merge_state_dicts(
+        models,
+        RamMergeMethod(method, statistics_sink=received.append),  # this call's own instance
+        parameters=parameters,
+        base=base,
+        strict=strict,
+        dtype=dtype,
+        out_dtype=out_dtype,
+        batch_options=batch_options,
+    )
+    (statistics,) = received
+    return merged, statistics
 
 
 def _legacy_call(

@@ -1,17 +1,16 @@
-"""The ``ram`` and ``ram_plus`` merge methods as mergekit sees them: specs and kernels.
+"""The ``ram`` and ``ram_plus`` merge methods as mergekit sees them: specs and the call into the kernel.
 
-Only mergekit's public method API is used here. The pre-pass reaches the kernel through
-``count_request``: a task that runs a merge task's own inputs sets it, so the counts are
-taken from exactly what the kernel receives (slices, filters, dtype casts, tokenizer
-alignment included).
+mergekit reaches a method two ways. The planned graph calls ``_execute_resolved`` with one
+tensor group whose parameters the pre-pass has given each model's lambda (and the rho it
+came from). mergekit's in-memory API (``merge_state_dicts``) calls the method with every
+group of the model at once, so ``__call__`` counts the global rho over them all first.
+Either way lambda comes from one ``MergeSettings`` per merge, and the result is written
+once, in ``out_dtype`` when given.
 """
 
 from __future__ import annotations
 
-import contextlib
-from contextvars import ContextVar
-from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 from mergekit.merge_methods.base import (
@@ -25,13 +24,14 @@ from mergekit.merge_methods.base import (
     PerInputValues,
     TensorGroup,
 )
-from mergekit.merge_methods.dtype import align_dtype
+from mergekit.merge_methods.dtype import align_dtype, promoted_dtype
 
-from mergekit_ram.checks import InputError
-from mergekit_ram.errors import RamError
-from mergekit_ram.kernel import KernelResult, MergeOverflowError, NonFiniteInputError, ram_merge, rescale_factor
+from mergekit_ram.errors import InputError, RamError
+from mergekit_ram.kernel import MergeOverflowError, NonFiniteInputError, count_overlaps, merge_tensors
 from mergekit_ram.parameters import METHOD_PARAMETERS, ParameterError
-from mergekit_ram.stats import Pin, RamStatistics, TensorCounts
+from mergekit_ram.planned import ModelPin, TensorParameters
+from mergekit_ram.settings import Applied, merge_settings
+from mergekit_ram.stats import RamStatistics, TensorCounts
 
 REFERENCE_URL = "https://arxiv.org/abs/2601.13572"
 PRETTY_NAMES = {
@@ -39,67 +39,22 @@ PRETTY_NAMES = {
     "ram_plus": "Reinforced Agent Merging Plus (RAM+, global rho, mergekit-ram)",
 }
 
-
-@dataclass
-class CountRequest:
-    """Asks the kernel for the overlap counts of the group it is given.
-
-    ``merge=False`` is the pre-pass: count only and return the base unchanged.
-    """
-
-    merge: bool
-    counts: Optional[TensorCounts] = None
-
-
-_COUNT_REQUEST: ContextVar[Optional[CountRequest]] = ContextVar("mergekit_ram_count_request", default=None)
-
-
-@contextlib.contextmanager
-def count_request(merge: bool) -> Iterator[CountRequest]:
-    request = CountRequest(merge=merge)
-    token = _COUNT_REQUEST.set(request)
-    try:
-        yield request
-    finally:
-        _COUNT_REQUEST.reset(token)
+StatisticsSink = Callable[[RamStatistics], None]
 
 
 class MissingStatisticsError(RamError, RuntimeError):
     """ram_plus was asked to merge without a model's global rho or lambda."""
 
 
-@dataclass
-class StatisticsRequest:
-    """Asks a whole-call merge (mergekit's ``merge_state_dicts``) for its statistics."""
-
-    statistics: Optional[RamStatistics] = None
-
-
-_STATISTICS_REQUEST: ContextVar[Optional[StatisticsRequest]] = ContextVar("mergekit_ram_statistics", default=None)
-#: Set while mergekit's public ``method(groups, ...)`` runs: the call holds the whole model.
-_WHOLE_CALL: ContextVar[bool] = ContextVar("mergekit_ram_whole_call", default=False)
-
-
-@contextlib.contextmanager
-def statistics_request() -> Iterator[StatisticsRequest]:
-    request = StatisticsRequest()
-    token = _STATISTICS_REQUEST.set(request)
-    try:
-        yield request
-    finally:
-        _STATISTICS_REQUEST.reset(token)
-
-
 class RamMergeMethod(GroupMergeMethod):
     """RAM (``ram``) or RAM+ (``ram_plus``) on tensor groups; float32 (or float64) inside.
 
-    Two entry points, both mergekit's: the graph calls ``_execute_resolved`` with one group
-    (the pre-pass has put each model's global rho in its parameters); the in-memory API
-    calls the method with every group of the model, so ``ram_plus`` counts rho over them all
-    first. Either way the result is written once, in ``out_dtype`` when given.
+    ``statistics_sink``, when given, receives the statistics of each in-memory call (mergekit's
+    ``merge_state_dicts``); ``mergekit_ram.merge_state_dicts`` passes one per call.
     """
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, statistics_sink: Optional[StatisticsSink] = None):
+        self.statistics_sink = statistics_sink
         self.spec = MergeMethodSpec(
             name=name,
             pretty_name=PRETTY_NAMES[name],
@@ -116,6 +71,8 @@ class RamMergeMethod(GroupMergeMethod):
             ),
         )
 
+    # mergekit's entry points ---------------------------------------------------------------
+
     def __call__(
         self,
         groups: Sequence[TensorGroup],
@@ -126,14 +83,30 @@ class RamMergeMethod(GroupMergeMethod):
         out_dtype: Optional[torch.dtype] = None,
         batch_options: Optional[BatchOptions] = None,
     ) -> tuple[torch.Tensor, ...]:
-        """mergekit's in-memory entry point: the groups are the whole model (global rho)."""
-        token = _WHOLE_CALL.set(True)
-        try:
-            return super().__call__(
-                groups, parameters=parameters, dtype=dtype, out_dtype=out_dtype, batch_options=batch_options
-            )
-        finally:
-            _WHOLE_CALL.reset(token)
+        """The in-memory entry point: the groups are the whole model, so rho is global over them."""
+        groups = tuple(groups)
+        if not all(isinstance(group, TensorGroup) for group in groups):
+            raise TypeError("Merge inputs must be a sequence of TensorGroup values")
+        for name, value in (("dtype", dtype), ("out_dtype", out_dtype)):
+            if value is not None and (not isinstance(value, torch.dtype) or not value.is_floating_point):
+                raise ValueError(f"{name} must be a floating-point torch.dtype")
+        bound = self._bind_parameters(groups, parameters or {})  # mergekit's checks of groups and values
+        input_dtypes = [(dtype or promoted_dtype(group)) if group.entries else dtype for group in groups]
+        settings = merge_settings(
+            self.spec.name, [tensor_parameters(group, kwargs) for group, kwargs in zip(groups, bound)]
+        )
+        finetunes = list(dict.fromkeys(str(entry.id) for group in groups for entry in group.non_base))
+        statistics = None
+        if settings.needs_counts(finetunes):
+            counts = [self.count(group, kwargs, dtype) for group, kwargs, dtype in zip(groups, bound, input_dtypes)]
+            statistics = settings.statistics(counts, "pre-pass")
+        applied = settings.applied(finetunes, statistics)
+        bound = [with_lambdas(group, kwargs, applied) for group, kwargs in zip(groups, bound)]
+        collect = self.statistics_sink is not None and statistics is None
+        results, counts = self._merge_groups(groups, bound, input_dtypes, out_dtype, count=collect)
+        if self.statistics_sink is not None:
+            self.statistics_sink(statistics or settings.statistics(counts, "merge"))
+        return results
 
     def _execute(
         self,
@@ -144,94 +117,50 @@ class RamMergeMethod(GroupMergeMethod):
         input_dtypes: Sequence[Optional[torch.dtype]],
         out_dtype: Optional[torch.dtype] = None,
     ) -> tuple[torch.Tensor, ...]:
-        """Each group cast to its input dtype (mergekit's rule), merged, written in ``out_dtype``."""
-        whole_call = _WHOLE_CALL.get() and _COUNT_REQUEST.get() is None
-        request = _STATISTICS_REQUEST.get() if whole_call else None
-        counts: list[TensorCounts] = []
-        statistics = None
-        if whole_call and self.needs_global_rho(groups, parameters):
-            counts = [
-                self._count(group, kwargs, dtype) for group, kwargs, dtype in zip(groups, parameters, input_dtypes)
-            ]
-            statistics = self._statistics(parameters, counts, "pre-pass")
-            bound = [_with_rho(group, kwargs, statistics) for group, kwargs in zip(groups, parameters)]
-        else:
-            bound = list(parameters)
-        collect = request is not None and statistics is None
-        results = []
-        for group, kwargs, dtype in zip(groups, bound, input_dtypes):
-            merged, tensor_counts = self._merge(group, kwargs, dtype, out_dtype, count=collect)
-            if tensor_counts is not None:
-                counts.append(tensor_counts)
-            results.append(merged)
-            del group, merged  # release each group's cast inputs before the next
-        if request is not None:
-            request.statistics = statistics or self._statistics(parameters, counts, "merge")
-        return tuple(results)
+        """The planned graph's entry point: one group, lambdas given by the pre-pass."""
+        return self._merge_groups(groups, parameters, input_dtypes, out_dtype, count=False)[0]
 
     def merge_group(self, group: TensorGroup, /, **parameters: Any) -> torch.Tensor:
-        return self._merge(group, parameters, None, None, count=False)[0]
+        """mergekit's one-group API: lambdas from this group's own parameters."""
+        return self.merge(group, parameters, None, None, count=False)[0]
 
-    def needs_global_rho(self, groups: Sequence[TensorGroup], parameters: Sequence[dict[str, Any]]) -> bool:
-        """ram_plus with r > 0 and some model with neither rho nor lambda pinned."""
-        if self.spec.name == "ram":
-            return False
-        return any(
-            kwargs["r"] != 0 and kwargs["lambda"].get(entry.id) is None and kwargs["rho"].get(entry.id) is None
-            for group, kwargs in zip(groups, parameters)
-            for entry in group.non_base
-        )
+    # Used by the graph tasks of the pre-pass -----------------------------------------------
 
-    def _count(self, group: TensorGroup, parameters: dict[str, Any], dtype: Optional[torch.dtype]) -> TensorCounts:
+    def count(self, group: TensorGroup, parameters: Mapping[str, Any], dtype: Optional[torch.dtype]) -> TensorCounts:
+        """The group's overlap counts, on the tensors the merge would get (cast to ``dtype``)."""
         original = {entry.id: entry.tensor.dtype for entry in group.entries}
         group = align_dtype(group, dtype)
-        result = self._kernel(group, parameters, None, merge=False, count=True, out_dtype=None, original=original)
-        return _tensor_counts(group, parameters, result)
+        try:
+            counted = count_overlaps(
+                group.base.tensor,
+                [entry.tensor for entry in group.non_base],
+                parameters["epsilon"],
+                workers=torch.get_num_threads(),
+            )
+        except NonFiniteInputError as error:
+            raise _input_error(group, error, original) from None
+        return tensor_counts(group, parameters["epsilon"], counted.histograms)
 
-    def _merge(
+    def merge(
         self,
         group: TensorGroup,
-        parameters: dict[str, Any],
+        parameters: Mapping[str, Any],
         dtype: Optional[torch.dtype],
         out_dtype: Optional[torch.dtype],
         *,
         count: bool,
     ) -> tuple[torch.Tensor, Optional[TensorCounts]]:
-        """One group: the merged tensor (the base when only counting for the pre-pass), its counts."""
+        """One group merged (written in ``out_dtype``), and its counts when ``count``."""
         original = {entry.id: entry.tensor.dtype for entry in group.entries}
         group = align_dtype(group, dtype)
-        base = group.base.tensor
-        request = _COUNT_REQUEST.get()
-        merge = request is None or request.merge
-        lambdas = self.lambdas(group, parameters) if merge else None
-        count = count or request is not None
-        result = self._kernel(
-            group, parameters, lambdas, merge=merge, count=count, out_dtype=out_dtype, original=original
-        )
-        counts = _tensor_counts(group, parameters, result) if count else None
-        if request is not None:
-            request.counts = counts
-        return (base if result.merged is None else result.merged), counts
-
-    def _kernel(
-        self,
-        group: TensorGroup,
-        parameters: dict[str, Any],
-        lambdas: Optional[list[float]],
-        *,
-        merge: bool,
-        count: bool,
-        out_dtype: Optional[torch.dtype],
-        original: Mapping[Any, torch.dtype],
-    ) -> KernelResult:
-        """The kernel on one group; errors name the model, the tensor and the setting."""
+        lambdas = self.lambdas(group, parameters)
         try:
-            return ram_merge(
+            result = merge_tensors(
                 group.base.tensor,
                 [entry.tensor for entry in group.non_base],
                 parameters["epsilon"],
                 lambdas,
-                merge=merge,
+                workers=torch.get_num_threads(),
                 count=count,
                 out_dtype=out_dtype,
             )
@@ -239,21 +168,71 @@ class RamMergeMethod(GroupMergeMethod):
             raise _input_error(group, error, original) from None
         except MergeOverflowError as error:
             raise self._overflow_error(group, parameters, lambdas, error) from None
+        counts = tensor_counts(group, parameters["epsilon"], result.histograms) if count else None
+        return result.merged, counts
+
+    def lambdas(self, group: TensorGroup, parameters: Mapping[str, Any]) -> Optional[list[float]]:
+        """lambda_t per fine-tune as given (injected by the pre-pass, or pinned); None for RAM.
+
+        A group merged on its own (``merge_group``) gets them from its own parameters, through
+        the same ``MergeSettings``; a model that needs a global rho it was not given is an error.
+        """
+        if self.spec.name == "ram":
+            return None
+        given = [parameters["lambda"].get(entry.id) for entry in group.non_base]
+        if all(value is not None for value in given):
+            return given
+        settings = merge_settings(self.spec.name, [tensor_parameters(group, parameters)])
+        own = settings.lambdas_without_counts([str(entry.id) for entry in group.non_base])
+        if own is None:
+            missing = next(entry.id for entry, value in zip(group.non_base, given) if value is None)
+            raise MissingStatisticsError(
+                f"ram_plus has no global rho for {missing} while merging {group.metadata.name}: "
+                "the whole-model pre-pass did not run on this path. Merge with mergekit-yaml, "
+                "mergekit-multi, mergekit-pytorch or mergekit.merge.run_merge with mergekit-ram "
+                "registered, call the method with every tensor group at once "
+                "(mergekit.merge_methods.merge_state_dicts or mergekit_ram.merge_state_dicts), or "
+                "pin `rho` or `lambda` for each model in the recipe."
+            )
+        return [own[str(entry.id)] for entry in group.non_base]
+
+    # Internals -------------------------------------------------------------------------------
+
+    def _merge_groups(
+        self,
+        groups: Sequence[TensorGroup],
+        parameters: Sequence[Mapping[str, Any]],
+        input_dtypes: Sequence[Optional[torch.dtype]],
+        out_dtype: Optional[torch.dtype],
+        *,
+        count: bool,
+    ) -> tuple[tuple[torch.Tensor, ...], list[TensorCounts]]:
+        results, counts = [], []
+        for group, kwargs, dtype in zip(groups, parameters, input_dtypes):
+            merged, tensor_count = self.merge(group, kwargs, dtype, out_dtype, count=count)
+            if tensor_count is not None:
+                counts.append(tensor_count)
+            results.append(merged)
+            del group, merged  # release each group's cast inputs before the next
+        return tuple(results), counts
 
     def _overflow_error(
         self,
         group: TensorGroup,
-        parameters: dict[str, Any],
+        parameters: Mapping[str, Any],
         lambdas: Optional[list[float]],
         error: MergeOverflowError,
     ) -> ParameterError:
-        """Name the tensor and the setting behind an overflow: lambda (or r), or a dtype."""
+        """Name the tensor and the setting behind an overflow: lambda (or r), or a dtype.
+
+        A lambda with no rho beside it was pinned; one with a rho came from 1 + r * clip(rho).
+        """
         name = group.metadata.name
         dtype = str(error.dtype).removeprefix("torch.")
         if error.cause == "lambda" and error.index is not None and lambdas is not None:
             entry = group.non_base[error.index]
             lam = lambdas[error.index]
-            pinned = parameters["lambda"].get(entry.id) is not None
+            pinned = parameters["rho"].get(entry.id) is None and parameters["lambda"].get(entry.id) is not None
             setting = (
                 f"the pinned lambda {lam!r} of {entry.id}"
                 if pinned
@@ -273,91 +252,38 @@ class RamMergeMethod(GroupMergeMethod):
             "(out_dtype); choose a wider out_dtype"
         )
 
-    def lambdas(self, group: TensorGroup, parameters: dict[str, Any]) -> Optional[list[float]]:
-        """lambda_t per fine-tune: pinned, else from its global rho (1 when r = 0); None for RAM."""
-        if self.spec.name == "ram":
-            return None
-        values = []
-        for entry in group.non_base:
-            pinned = parameters["lambda"].get(entry.id)
-            rho = parameters["rho"].get(entry.id)
-            if pinned is not None:
-                values.append(pinned)
-            elif rho is not None:
-                values.append(rescale_factor(rho, parameters["r"], parameters["alpha"], parameters["rule"]))
-            elif parameters["r"] == 0:
-                values.append(1.0)
-            else:
-                raise MissingStatisticsError(
-                    f"ram_plus has no global rho for {entry.id} while merging {group.metadata.name}: "
-                    "the whole-model pre-pass did not run on this path. Merge with mergekit-yaml, "
-                    "mergekit-multi, mergekit-pytorch or mergekit.merge.run_merge with mergekit-ram "
-                    "registered, call the method with every tensor group at once "
-                    "(mergekit.merge_methods.merge_state_dicts or mergekit_ram.merge_state_dicts), or "
-                    "pin `rho` or `lambda` for each model in the recipe."
-                )
-        return values
 
-    def _statistics(
-        self, parameters: Sequence[dict[str, Any]], counts: Sequence[TensorCounts], source: str
-    ) -> RamStatistics:
-        """The call's statistics; r, alpha, rule and pins must be one value for the whole call."""
-        if self.spec.name == "ram":
-            return RamStatistics.build("ram", counts, source=source)  # type: ignore[arg-type]
-        settings = {
-            name: _one_value(parameters, name, lambda kwargs, name=name: [kwargs[name]])
-            for name in ("r", "alpha", "rule")
-        }
-        pins: dict[str, tuple[Pin, float]] = {}
-        for kind in ("lambda", "rho"):
-            models = {model for kwargs in parameters for model in kwargs[kind]}
-            for model in models:
-                value = _one_value(
-                    parameters,
-                    f"{kind} of {model}",
-                    lambda kwargs, kind=kind, model=model: [kwargs[kind][model]] if model in kwargs[kind] else [],
-                )
-                if value is not None and str(model) not in pins:
-                    pins[str(model)] = (kind, value)  # type: ignore[assignment]
-        return RamStatistics.build(
-            self.spec.name,
-            counts,
-            r=settings["r"],
-            alpha=settings["alpha"],
-            rule=settings["rule"],
-            pins=pins,
-            source=source,  # type: ignore[arg-type]
-        )
-
-
-def _one_value(parameters: Sequence[dict[str, Any]], what: str, values: Callable[[dict[str, Any]], list[Any]]) -> Any:
-    """The single value a setting has across a call's groups; lambda_t is global (paper eq. 4)."""
-    seen = {value for kwargs in parameters for value in values(kwargs)}
-    if len(seen) > 1:
-        raise ParameterError(f"ram_plus: {what} must be one value for the whole merge; got {sorted(seen, key=repr)}")
-    return next(iter(seen), None)
-
-
-def _with_rho(group: TensorGroup, parameters: dict[str, Any], statistics: RamStatistics) -> dict[str, Any]:
-    """The group's parameters with each unpinned model's global rho."""
-    rho = {stats.model: stats.rho for stats in statistics.models}
-    values = [
-        (
-            entry.id,
-            parameters["rho"].get(entry.id) if parameters["rho"].get(entry.id) is not None else rho.get(str(entry.id)),
-        )
+def tensor_parameters(group: TensorGroup, parameters: Mapping[str, Any]) -> TensorParameters:
+    """A group's bound parameters as plain data (for ``merge_settings``)."""
+    shared = tuple((name, parameters[name]) for name in ("epsilon", "r", "alpha", "rule") if name in parameters)
+    pins = tuple(
+        ModelPin(str(entry.id), parameters["rho"].get(entry.id), parameters["lambda"].get(entry.id))
         for entry in group.non_base
-    ]
-    return {**parameters, "rho": PerInputValues(values)}
+        if "rho" in parameters
+    )
+    return TensorParameters(name=group.metadata.name or "", shared=shared, pins=pins)
 
 
-def _tensor_counts(group: TensorGroup, parameters: dict[str, Any], result: KernelResult) -> TensorCounts:
+def with_lambdas(group: TensorGroup, parameters: Mapping[str, Any], applied: Mapping[str, Applied]) -> dict[str, Any]:
+    """The group's parameters with each model's lambda, and the rho it came from (None when pinned)."""
+    if not applied:
+        return dict(parameters)
+    return {
+        **parameters,
+        "lambda": PerInputValues([(entry.id, applied[str(entry.id)].lambda_) for entry in group.non_base]),
+        "rho": PerInputValues([(entry.id, applied[str(entry.id)].rho) for entry in group.non_base]),
+    }
+
+
+def tensor_counts(
+    group: TensorGroup, epsilon: float, histograms: Optional[tuple[tuple[int, ...], ...]]
+) -> TensorCounts:
     return TensorCounts(
         name=group.metadata.name or "",
         numel=group.base.tensor.numel(),
-        epsilon=parameters["epsilon"],
+        epsilon=epsilon,
         models=tuple(str(entry.id) for entry in group.non_base),
-        histograms=result.histograms or (),
+        histograms=histograms or (),
     )
 
 

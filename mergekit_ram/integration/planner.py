@@ -1,231 +1,197 @@
-"""The global pre-pass and the statistics of a planned merge.
+"""The planner's side of a RAM merge: checks, the global pre-pass, lambdas injected, statistics.
 
-Driven by the planner's own merge tasks: each ``ExecuteMergeMethodTask`` is wrapped in a
-task that runs its input sub-graph through the kernel in counting mode, on a separate
-executor, before the merge graph runs. Peak memory stays one tensor group; every input
-is read twice. When no lambda depends on the counts (``ram``, ``r = 0``, every model
-pinned), the counts are taken during the merge itself instead.
+``MergePlanner.plan_to_disk`` / ``plan_in_memory`` and ``mergekit-pytorch``'s ``plan_flat_merge``
+are wrapped: a RAM recipe is checked (once per merge: inside ``run_merge`` its wrapper has
+checked it and passes its header cache along in ``CheckedOptions``), then the planned targets
+are rewritten by ``attach_ram_plan``:
+
+- every merge task is described as plain data, and its inputs' headers are checked;
+- when some lambda depends on a global rho, the pre-pass runs the merge tasks' own inputs
+  through the kernel in counting mode (one tensor group at a time, on a separate executor, or
+  from the cache), and the statistics give each model's lambda once;
+- each merge task gets those lambdas in its parameters; the statistics are written to
+  ``ram_statistics.json`` after the weights (counted during the merge itself when no lambda
+  depends on them).
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import time
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional, Sequence
+from types import ModuleType
+from typing import Any, Callable, Optional, Sequence
 
-import torch
-from mergekit.common import ImmutableMap, ModelReference
 from mergekit.graph import Executor, Task
 from mergekit.io.tasks import FinalizeModel, ReturnTensor, SaveTensor
 from mergekit.merge_methods.task_adapter import ExecuteMergeMethodTask
 from mergekit.options import MergeOptions
-from pydantic import BaseModel
+from pydantic import PrivateAttr
 
-from mergekit_ram import cache, staging
-from mergekit_ram.checks import check_tensors
-from mergekit_ram.methods import METHODS, count_request
-from mergekit_ram.parameters import ALPHA, RULE, ParameterError, R
-from mergekit_ram.stats import STATISTICS_FILE, Pin, RamStatistics, TensorCounts
+from mergekit_ram import cache
+from mergekit_ram.checks import HeaderCache, check_tensors
+from mergekit_ram.integration.recipes import check_config
+from mergekit_ram.integration.registry import is_ours
+from mergekit_ram.integration.tasks import (
+    Computed,
+    CountTensor,
+    MergeAndCount,
+    TakeCounts,
+    TakeTensor,
+    WriteRamStatistics,
+    planned_tensor,
+    with_lambdas,
+)
+from mergekit_ram.integration.versions import require, wrap
+from mergekit_ram.planned import PlannedTensor
+from mergekit_ram.settings import MergeSettings, merge_settings
+from mergekit_ram.stats import RamStatistics, TensorCounts
 
 LOG = logging.getLogger(__name__)
 
 
-class PrePassCount(Task[Optional[TensorCounts]]):
-    """One merge task's inputs through the kernel in counting mode."""
-
-    merge_task: ExecuteMergeMethodTask
-
-    def arguments(self) -> dict[str, Task]:
-        return self.merge_task.arguments()
-
-    def group_label(self) -> Optional[str]:
-        return self.merge_task.group_label()
-
-    def uses_accelerator(self) -> bool:
-        return self.merge_task.uses_accelerator()
-
-    def execute(self, **kwargs: Any) -> Optional[TensorCounts]:
-        with count_request(merge=False) as request:
-            self.merge_task.execute(**kwargs)
-        return request.counts
-
-
-class MergeAndCount(Task[tuple]):
-    """A merge task that also returns the counts its kernel took."""
-
-    merge_task: ExecuteMergeMethodTask
-
-    def arguments(self) -> dict[str, Task]:
-        return self.merge_task.arguments()
-
-    def group_label(self) -> Optional[str]:
-        return self.merge_task.group_label()
-
-    def uses_accelerator(self) -> bool:
-        return self.merge_task.uses_accelerator()
-
-    def execute(self, **kwargs: Any) -> tuple[Optional[torch.Tensor], Optional[TensorCounts]]:
-        with count_request(merge=True) as request:
-            merged = self.merge_task.execute(**kwargs)
-        return merged, request.counts
-
-
-class TakeTensor(Task[Optional[torch.Tensor]]):
-    source: MergeAndCount
-
-    def arguments(self) -> dict[str, Task]:
-        return {"value": self.source}
-
-    def group_label(self) -> Optional[str]:
-        return self.source.group_label()
-
-    def execute(self, value: tuple) -> Optional[torch.Tensor]:
-        return value[0]
-
-
-class TakeCounts(Task[Optional[TensorCounts]]):
-    source: MergeAndCount
-
-    def arguments(self) -> dict[str, Task]:
-        return {"value": self.source}
-
-    def group_label(self) -> Optional[str]:
-        return self.source.group_label()
-
-    def execute(self, value: tuple) -> Optional[TensorCounts]:
-        return value[1]
-
-
-class StatisticsContext(BaseModel, frozen=True):
-    """What turns counts into statistics, fixed at plan time."""
-
-    method: str
-    r: float = 0.0
-    alpha: float = 0.0
-    rule: str = "clip"
-    pins: tuple[tuple[str, Pin, float], ...] = ()
-    checkpoint_dtypes: tuple[tuple[str, tuple[str, ...]], ...] = ()
-
-    def build(self, tensors: Iterable[TensorCounts], source: str) -> RamStatistics:
-        return RamStatistics.build(
-            self.method,
-            tensors,
-            r=self.r,
-            alpha=self.alpha,
-            rule=self.rule,  # type: ignore[arg-type]
-            pins={model: (kind, value) for model, kind, value in self.pins},
-            source=source,  # type: ignore[arg-type]
-            checkpoint_dtypes=dict(self.checkpoint_dtypes),
-        )
-
-
-class WriteRamStatistics(Task[RamStatistics]):
-    """Writes ``ram_statistics.json`` once every weight is saved."""
-
-    out_path: Optional[str]
-    context: StatisticsContext
-    statistics_json: Optional[str] = None
-    counts: tuple[TakeCounts, ...] = ()
-    after: Optional[Task] = None
-
-    def arguments(self) -> dict[str, Task]:
-        arguments: dict[str, Task] = {f"counts_{index}": task for index, task in enumerate(self.counts)}
-        if self.after is not None:
-            arguments["after"] = self.after
-        return arguments
-
-    def main_thread_only(self) -> bool:
-        return True
-
-    def priority(self) -> int:
-        return -10000
-
-    def execute(self, **kwargs: Any) -> RamStatistics:
-        if self.statistics_json is not None:
-            statistics = RamStatistics.from_dict(json.loads(self.statistics_json))
-        else:
-            tensors = [kwargs[f"counts_{index}"] for index in range(len(self.counts))]
-            statistics = self.context.build([t for t in tensors if t is not None], source="merge")
-            statistics.log()
-        if self.out_path is not None:
-            write_statistics(statistics, self.out_path)
-        return statistics
-
-
-def write_statistics(statistics: RamStatistics, out_path: str) -> None:
-    """Write the JSON file atomically, so a reader never sees half of it."""
-    staging.write_atomically(os.path.join(out_path, STATISTICS_FILE), statistics.to_json())
-
-
 @dataclass(frozen=True)
-class RamPlan:
-    """Replacement merge tasks, and the statistics when the pre-pass computed them."""
+class PlannedMerge:
+    """A RAM merge's merge tasks, the same as plain data, and the headers its checks read."""
 
-    tasks: list[Task]
-    context: StatisticsContext
-    statistics: Optional[RamStatistics]
-    counts: tuple[TakeCounts, ...]
+    merge_tasks: list[ExecuteMergeMethodTask]
+    tensors: list[PlannedTensor]
+    headers: HeaderCache
+
+    @classmethod
+    def of(cls, merge_tasks: Sequence[ExecuteMergeMethodTask], headers: HeaderCache) -> PlannedMerge:
+        return cls(list(merge_tasks), [planned_tensor(task) for task in merge_tasks], headers)
+
+    def settings(self, method: str) -> MergeSettings:
+        """The merge's settings, once the inputs' headers are checked."""
+        dtypes = check_tensors(self.tensors, self.headers).dtypes
+        return merge_settings(method, [tensor.parameters for tensor in self.tensors], dtypes)
+
+    def finetunes(self) -> list[str]:
+        return list(dict.fromkeys(model for tensor in self.tensors for model in tensor.finetunes))
 
 
-def checked_context(merge_tasks: Sequence[ExecuteMergeMethodTask]) -> StatisticsContext:
-    """Check every input's header, then fix what turns counts into statistics."""
-    method = merge_tasks[0].method_name if merge_tasks else "ram"
-    facts = check_tensors(merge_tasks)
-    return _statistics_context(method, merge_tasks).model_copy(
-        update={"checkpoint_dtypes": tuple((model, tuple(sorted(d))) for model, d in sorted(facts.dtypes.items()))}
-    )
+class CheckedOptions(MergeOptions):
+    """mergekit's options for a recipe that ``run_merge``'s wrapper has checked: the planner
+    skips the recipe checks and reuses the headers they read."""
+
+    _headers: Optional[HeaderCache] = PrivateAttr(default=None)
 
 
-def plan_ram(merge_tasks: Sequence[ExecuteMergeMethodTask], options: MergeOptions) -> RamPlan:
-    """Check every input, compute global statistics if lambdas need them, give each task its rho."""
-    context = checked_context(merge_tasks)
-    method = context.method
-    pinned = {model for model, _, _ in context.pins}
-    finetunes = {model for task in merge_tasks for model in _finetunes(task)}
-    needs_prepass = method == "ram_plus" and context.r > 0 and any(str(m) not in pinned for m in finetunes)
-    if method == "ram":
-        LOG.info("merge_method 'ram' is mergekit-ram's float32 RAM (it replaces mergekit's built-in 'ram')")
-    if not needs_prepass:
-        wrapped = [MergeAndCount(merge_task=task) for task in merge_tasks]
-        return RamPlan(
-            tasks=[TakeTensor(source=task) for task in wrapped],
-            context=context,
-            statistics=None,
-            counts=tuple(TakeCounts(source=task) for task in wrapped),
-        )
+def checked_options(options: MergeOptions, headers: HeaderCache) -> CheckedOptions:
+    checked = CheckedOptions.model_validate(options.model_dump())
+    checked._headers = headers
+    return checked
 
-    statistics = context.build(counted_prepass(merge_tasks, options), source="pre-pass")
-    statistics.log()
-    rho = {stats.model: stats.rho for stats in statistics.models}
-    tasks: list[Task] = [
-        task.model_copy(
-            update={
-                "input_parameters": ImmutableMap(
-                    data={
-                        model: ImmutableMap(data={**params, "rho": rho[str(model)]})
-                        if model in _finetunes(task) and str(model) not in pinned
-                        else params
-                        for model, params in task.input_parameters.items()
-                    }
-                )
-            }
-        )
-        for task in merge_tasks
+
+def _checked(method: str, config: Any, options: Any) -> HeaderCache:
+    """The header cache of a recipe already checked in this merge, or of a check run now."""
+    headers = options._headers if isinstance(options, CheckedOptions) else None
+    if headers is None:
+        headers = HeaderCache()
+        check_config(method, config, headers)
+    return headers
+
+
+def patch_planner(plan: ModuleType) -> None:
+    """Check RAM recipes before planning; add the pre-pass, lambdas and statistics after."""
+    planner = require(plan, "MergePlanner")
+
+    def make(original: Callable[..., Any], to_disk: bool) -> Callable[..., Any]:
+        def planned(self: Any, *args: Any, **kwargs: Any) -> Any:
+            method = self.config.merge_method
+            if not is_ours(method):
+                return original(self, *args, **kwargs)
+            headers = _checked(method, self.config, self.options)
+            out_path = (args[0] if args else kwargs["out_path"]) if to_disk else None
+            targets = original(self, *args, **kwargs)
+            return attach_ram_plan(targets, self.options, out_path, headers)
+
+        return planned
+
+    wrap(planner, "plan_to_disk", lambda original: make(original, True))
+    wrap(planner, "plan_in_memory", lambda original: make(original, False))
+
+
+def patch_flat_plan(raw: ModuleType) -> None:
+    """``mergekit-pytorch`` plans its own flat merge: the same checks, pre-pass and statistics."""
+
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        def plan_flat_merge(
+            config: Any, out_path: str, tensor_union: bool, tensor_intersection: bool, options: Any
+        ) -> Any:
+            if not is_ours(config.merge_method):
+                return original(config, out_path, tensor_union, tensor_intersection, options)
+            headers = _checked(config.merge_method, config, options)
+            targets = original(config, out_path, tensor_union, tensor_intersection, options)
+            return attach_ram_plan(targets, options, out_path, headers)
+
+        return plan_flat_merge
+
+    wrap(raw, "plan_flat_merge", make)
+
+
+def attach_ram_plan(
+    targets: list[Task], options: MergeOptions, out_path: Optional[str], headers: HeaderCache
+) -> list[Task]:
+    """Rewrite planned targets (SaveTensor or ReturnTensor) for a RAM merge.
+
+    On disk, ``ram_statistics.json`` is written into ``out_path`` after the weights. Under
+    ``run_merge`` and ``mergekit-pytorch`` that is the staging folder of an output
+    transaction (``mergekit_ram.staging``), which publishes everything once the merge is complete.
+    """
+    outputs = [task for task in targets if isinstance(task, (SaveTensor, ReturnTensor))]
+    # The kernel writes the output dtype itself (one rounding); the save's cast is then a no-op.
+    merge_tasks = [
+        task.tensor_task.model_copy(update={"out_dtype": task.dtype}) if task.dtype else task.tensor_task
+        for task in outputs
     ]
-    return RamPlan(tasks=tasks, context=context, statistics=statistics, counts=())
+    plan = PlannedMerge.of(merge_tasks, headers)
+    settings = plan.settings(merge_tasks[0].method_name if merge_tasks else "ram")
+    finetunes = plan.finetunes()
+    if settings.method == "ram":
+        LOG.info("merge_method 'ram' is mergekit-ram's float32 RAM (it replaces mergekit's built-in 'ram')")
+    statistics: Optional[RamStatistics] = None
+    counts: tuple[TakeCounts, ...] = ()
+    if settings.needs_counts(finetunes):
+        statistics = settings.statistics(counted_prepass(plan, options), source="pre-pass")
+        statistics.log()
+    applied = settings.applied(finetunes, statistics)
+    tasks: list[Task] = [with_lambdas(task, applied) for task in merge_tasks]
+    if statistics is None:
+        merged = [MergeAndCount(merge_task=task) for task in tasks]
+        tasks = [TakeTensor(source=task) for task in merged]
+        counts = tuple(TakeCounts(source=task) for task in merged)
+
+    replaced = {id(old): old.model_copy(update={"tensor_task": new}) for old, new in zip(outputs, tasks)}
+    rewritten: list[Task] = []
+    finalize: Optional[FinalizeModel] = None
+    for task in targets:
+        if isinstance(task, FinalizeModel):
+            task = finalize = task.model_copy(
+                update={"tensor_save_tasks": tuple(replaced.get(id(t), t) for t in task.tensor_save_tasks)}
+            )
+        rewritten.append(replaced.get(id(task), task))
+    rewritten.append(
+        WriteRamStatistics(
+            out_path=out_path,
+            settings=settings,
+            computed=Computed(statistics) if statistics is not None else None,
+            counts=counts,
+            after=finalize,
+        )
+    )
+    return rewritten
 
 
-def counted_prepass(merge_tasks: Sequence[ExecuteMergeMethodTask], options: MergeOptions) -> list[TensorCounts]:
+def counted_prepass(plan: PlannedMerge, options: MergeOptions) -> list[TensorCounts]:
     """The pre-pass counts, from the cache when nothing they depend on changed."""
-    key = cache.cache_key(merge_tasks) if cache.mode() != "off" else None
-    counts = cache.load(key, merge_tasks) if key is not None else None
+    key = cache.cache_key(plan.tensors) if cache.mode() != "off" else None
+    counts = cache.load(key, plan.tensors, plan.headers) if key is not None else None
     if counts is None:
         started = time.perf_counter()
-        LOG.info("ram_plus pre-pass: counting changed parameters over %d tensors", len(merge_tasks))
-        counts = run_prepass(merge_tasks, options)
+        LOG.info("ram_plus pre-pass: counting changed parameters over %d tensors", len(plan.merge_tasks))
+        counts = run_prepass(plan.merge_tasks, options)
         LOG.info("ram_plus pre-pass done in %.1f s", time.perf_counter() - started)
         if key is not None:
             cache.store(key, counts)
@@ -234,7 +200,7 @@ def counted_prepass(merge_tasks: Sequence[ExecuteMergeMethodTask], options: Merg
 
 def run_prepass(merge_tasks: Sequence[ExecuteMergeMethodTask], options: MergeOptions) -> list[Optional[TensorCounts]]:
     """One streaming pass over the merge's own inputs; counts per merge task (None: no counts)."""
-    count_tasks = [PrePassCount(merge_task=task) for task in merge_tasks]
+    count_tasks = [CountTensor(merge_task=task) for task in merge_tasks]
     order = {task: index for index, task in enumerate(count_tasks)}
     if options.multi_gpu:
         from mergekit.multigpu_executor import MultiGPUExecutor
@@ -254,85 +220,33 @@ def run_prepass(merge_tasks: Sequence[ExecuteMergeMethodTask], options: MergeOpt
     return counts
 
 
-def attach_ram_plan(targets: list[Task], options: MergeOptions, out_path: Optional[str]) -> list[Task]:
-    """Rewrite planned targets (SaveTensor or ReturnTensor) for a RAM merge.
+def plan_merge(config: Any, options: MergeOptions) -> PlannedMerge:
+    """Plan a recipe exactly as ``run_merge`` would, without running it (the probe)."""
+    import mergekit.merge
+    from mergekit.architecture import get_architecture_info
+    from mergekit.io.tasks import LoaderCache
+    from mergekit.plan import MergePlanner
 
-    On disk, ``ram_statistics.json`` is written into ``out_path`` after the weights. Under
-    ``run_merge`` and ``mergekit-pytorch`` that is the staging folder of an output
-    transaction (see ``staging``), which publishes everything once the merge is complete.
-    """
-    outputs = [task for task in targets if isinstance(task, (SaveTensor, ReturnTensor))]
-    # The kernel writes the output dtype itself (one rounding); the save's cast is then a no-op.
-    merge_tasks = [
-        task.tensor_task.model_copy(update={"out_dtype": task.dtype}) if task.dtype else task.tensor_task
-        for task in outputs
-    ]
-    plan = plan_ram(merge_tasks, options)
-    replaced = {id(old): old.model_copy(update={"tensor_task": new}) for old, new in zip(outputs, plan.tasks)}
-    rewritten: list[Task] = []
-    finalize: Optional[FinalizeModel] = None
-    for task in targets:
-        if isinstance(task, FinalizeModel):
-            task = finalize = task.model_copy(
-                update={"tensor_save_tasks": tuple(replaced.get(id(t), t) for t in task.tensor_save_tasks)}
-            )
-        rewritten.append(replaced.get(id(task), task))
-    rewritten.append(
-        WriteRamStatistics(
-            out_path=out_path,
-            context=plan.context,
-            statistics_json=plan.statistics.to_json() if plan.statistics is not None else None,
-            counts=plan.counts,
-            after=finalize,
-        )
+    from mergekit_ram.integration import register
+
+    register()
+    headers = HeaderCache()
+    check_config(config.merge_method, config, headers)
+    arch_info = get_architecture_info(config, options)
+    loaders = LoaderCache()
+    loaders.setup(options=options)
+    for model in config.referenced_models():
+        loaders.get(model)
+    out_config = require(mergekit.merge, "_model_out_config")(
+        config, arch_info, trust_remote_code=options.trust_remote_code
     )
-    return rewritten
+    planner = MergePlanner(config, arch_info, options=options, out_model_config=out_config)
+    # plan_in_memory would do, but mergekit 0.1.5's ReturnTensor refuses its own merge tasks.
+    require(planner, "_plan")()
+    return PlannedMerge.of([task for _, task in require(planner, "_tensors")], headers)
 
 
-def _finetunes(task: ExecuteMergeMethodTask) -> list[ModelReference]:
-    return [model for model in task.model_order if model != task.base_model]
-
-
-def _statistics_context(method: str, merge_tasks: Sequence[ExecuteMergeMethodTask]) -> StatisticsContext:
-    """r, alpha and rule must be one value per merge; pins one value per model."""
-    if method not in METHODS:
-        raise ValueError(f"not a mergekit-ram method: {method!r}")
-    if method == "ram":
-        return StatisticsContext(method=method)
-    settings: dict[str, dict[Any, str]] = {"r": {}, "alpha": {}, "rule": {}}
-    pins: dict[str, dict[tuple[Pin, Any], str]] = {}
-    for task in merge_tasks:
-        tensor = task.output_weight.name
-        for name, seen in settings.items():
-            seen.setdefault(task.parameters[name], tensor)
-        for model in _finetunes(task):
-            params = task.input_parameters[model]
-            pin: tuple[Pin, Any] = (
-                ("lambda", params["lambda"]) if params.get("lambda") is not None else ("rho", params.get("rho"))
-            )
-            pins.setdefault(str(model), {}).setdefault(pin, tensor)
-    for name, seen in settings.items():
-        if len(seen) > 1:
-            (first, first_tensor), (second, second_tensor) = list(seen.items())[:2]
-            raise ParameterError(
-                f"ram_plus: parameter {name!r} must be one value for the whole merge (lambda_t is global, "
-                f"paper eq. 4); got {first!r} for {first_tensor} and {second!r} for {second_tensor}"
-            )
-    resolved_pins = []
-    for model, seen in pins.items():
-        if len(seen) > 1:
-            (first, first_tensor), (second, second_tensor) = list(seen.items())[:2]
-            raise ParameterError(
-                f"ram_plus: the pinned {first[0]} of {model} must be one value for the whole merge; "
-                f"got {first[1]!r} for {first_tensor} and {second[0]}={second[1]!r} for {second_tensor}"
-            )
-        ((kind, value),) = seen
-        if value is not None:
-            resolved_pins.append((model, kind, value))
-    return StatisticsContext(
-        method=method,
-        r=next(iter(settings["r"]), R.default),
-        alpha=next(iter(settings["alpha"]), ALPHA.default),
-        rule=next(iter(settings["rule"]), RULE.default),
-        pins=tuple(resolved_pins),
-    )
+def probe_statistics(config: Any, options: MergeOptions) -> RamStatistics:
+    """Only the pre-pass of a ``ram`` / ``ram_plus`` recipe (the probe): its statistics."""
+    plan = plan_merge(config, options)
+    return plan.settings(config.merge_method).statistics(counted_prepass(plan, options), source="pre-pass")

@@ -80,16 +80,17 @@ def _install(where, what, target, action):
     elif where == "kernel":
         import mergekit.merge_methods  # noqa: F401 - first, as in a real run, so the plugin registers
 
-        import mergekit_ram.methods as methods
+        import mergekit_ram.integration.methods as methods
 
-        original_kernel = methods.ram_merge
+        entry = "merge_tensors" if what == "merge" else "count_overlaps"
+        original_kernel = getattr(methods, entry)
 
         def fault_kernel(*args, **kwargs):
-            if bool(kwargs.get("merge", True)) == (what == "merge") and hit():
+            if hit():
                 _act(action)
             return original_kernel(*args, **kwargs)
 
-        methods.ram_merge = fault_kernel
+        setattr(methods, entry, fault_kernel)
 
 
 if _SPEC:

@@ -1,0 +1,24 @@
+"""The torch device a RAM merge or probe was asked to use must exist: one clear line otherwise."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from mergekit_ram.errors import DeviceError
+
+
+def check_device(device: Optional[str], flag: str) -> None:
+    """A CUDA ``device`` (asked for by ``flag``: ``--cuda``, ``--gpu-rich``, ``--device cuda:1``) is visible."""
+    device = str(device or "cpu")
+    if not device.startswith("cuda"):
+        return
+    index = int(device.partition(":")[2] or 0)
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if index < count:
+        return
+    build = "CPU build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
+    if count == 0:
+        raise DeviceError(f"{flag} was given but no CUDA device is available (torch {torch.__version__}, {build})")
+    raise DeviceError(f"{flag} was given but only {count} CUDA device(s) are visible (cuda:0 to cuda:{count - 1})")

@@ -1,0 +1,321 @@
+"""Recipe checks of RAM recipes, over mergekit's recipe classes: parameters, keys, models.
+
+mergekit's pydantic recipe classes drop what they do not know, so a misspelled key or a
+parameter in the wrong block would merge with the defaults; these checks refuse them, before
+anything is read. Also here: reading mergekit-multi's stages, and the recipe's models as
+plain ``ModelIdentity`` values for ``mergekit_ram.checks``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+import os
+import types
+from typing import Any, Iterator, NamedTuple, Optional, Union, get_args, get_origin
+
+import yaml
+from pydantic import BaseModel
+
+from mergekit_ram.checks import HeaderCache, check_models
+from mergekit_ram.errors import RecipeError
+from mergekit_ram.integration.registry import declared_by_other_methods, is_ours
+from mergekit_ram.integration.versions import require
+from mergekit_ram.parameters import (
+    ParameterError,
+    check_lambda_range,
+    check_parameter,
+    close_name,
+    declared_names,
+    parameter_info,
+    unknown_parameter,
+)
+from mergekit_ram.planned import ModelIdentity
+from mergekit_ram.recipe_file import Stage, read_documents, validate
+
+LOG = logging.getLogger(__name__)
+
+
+def check_config(method: str, config: Any, headers: HeaderCache, source: Optional[str] = None) -> None:
+    """Keys (when the recipe's YAML ``source`` is at hand), parameters, base model and model
+    paths of a RAM recipe, before anything is read; ``headers`` keeps what it read for the tensor checks."""
+    if source is not None:
+        check_recipe_keys(method, yaml.safe_load(source), type(config))
+    check_recipe(method, config)
+    base = getattr(config, "base_model", None)
+    check_models(method, None if base is None else model_identity(base), list(model_lists(config)), headers)
+
+
+def model_identity(model: Any) -> ModelIdentity:
+    """A mergekit ``ModelReference`` (or a path string, as ``mergekit-pytorch`` has them) as plain data:
+    the real path of a local model (``./ft``, ``ft/``, symlinks and ``~`` resolved) or the Hub id, with
+    its revision, LoRA and architecture override."""
+    if isinstance(model, str):
+        return ModelIdentity(label=model, path=_real_path(model), local_paths=tuple(_local_paths([model])))
+    lora = model.lora
+    return ModelIdentity(
+        label=str(model),
+        path=_real_path(model.model.path),
+        revision=model.model.revision,
+        lora_path=_real_path(lora.path) if lora is not None else None,
+        lora_revision=lora.revision if lora is not None else None,
+        override_architecture=model.override_architecture,
+        local_paths=tuple(_local_paths([model.model.path] + ([lora.path] if lora is not None else []))),
+    )
+
+
+def _real_path(path: str) -> str:
+    """A local path as the file system resolves it (mergekit takes an existing path as local); else the id."""
+    expanded = os.path.expanduser(path)
+    return os.path.realpath(expanded) if os.path.exists(expanded) else path
+
+
+def _local_paths(paths: list[str]) -> Iterator[str]:
+    """Paths that must exist: absolute or explicitly relative ones (not Hub ids)."""
+    for path in paths:
+        if os.path.isabs(path) or path.startswith((".", "~")):
+            yield os.path.expanduser(path)
+
+
+def model_lists(config: Any) -> Iterator[tuple[str, list[ModelIdentity]]]:
+    """Each list of a recipe's input models, with where it is: models, each slice's sources, modules."""
+    if getattr(config, "models", None):
+        yield "models", [model_identity(entry.model) for entry in config.models]
+    for index, output_slice in enumerate(getattr(config, "slices", None) or []):
+        yield f"slices[{index}].sources", [model_identity(source.model) for source in output_slice.sources]
+    for name, module in (getattr(config, "modules", None) or {}).items():
+        if module.models:
+            yield f"modules.{name}.models", [model_identity(entry.model) for entry in module.models]
+        for index, output_slice in enumerate(module.slices or []):
+            yield (
+                f"modules.{name}.slices[{index}].sources",
+                [model_identity(source.model) for source in output_slice.sources],
+            )
+
+
+class RecipeSetting(NamedTuple):
+    """One parameter set in a recipe: where (``models[1].parameters``), name, setting, and whether
+    the block is a model's own (``models[i]``, ``slices[j].sources[i]``)."""
+
+    where: str
+    name: str
+    value: Any
+    per_model: bool
+
+
+def check_recipe(method: str, config: BaseModel) -> None:
+    """Every parameter of a RAM recipe: known, in a block where it applies, with a valid value.
+
+    mergekit silently drops parameters a method does not declare. A name another registered
+    method declares (``weight``, ``density``, ...) is ignored with a warning, as mergekit's
+    built-in ``ram`` ignored it; a near miss of one of ours (``apha``) or a name no method
+    declares is an error. Shared settings (``epsilon``, ``r``, ``alpha``, ``rule``) set in a
+    model's block would be ignored by mergekit, so they are refused there.
+    """
+    others = declared_by_other_methods(method)
+    ignored: dict[str, list[str]] = {}
+    values: dict[str, list[tuple[Any, str]]] = {}
+    for setting in _parameter_settings(config):
+        if setting.name not in declared_names(method):
+            if setting.name in others and close_name(method, setting.name) is None:
+                ignored.setdefault(setting.name, []).append(setting.where)
+                continue
+            raise unknown_parameter(method, setting.name, setting.where)
+        info = parameter_info(method, setting.name, setting.where)
+        if setting.per_model and not info.per_model:
+            raise ParameterError(
+                f"{method}: parameter {setting.name!r} in {setting.where} is set for one model, but "
+                f"{setting.name} applies to the whole merge and mergekit would ignore it there: move it to "
+                f"the top-level `parameters:`{_SHARED_SCOPE.get(setting.name, '')}"
+            )
+        for scalar in _scalars(setting.value):
+            values.setdefault(setting.name, []).append(
+                (check_parameter(method, setting.name, scalar, setting.where), setting.where)
+            )
+    for name, places in ignored.items():
+        hint = "; set merge_method: ram_plus to use it" if name in declared_names("ram_plus") else ""
+        LOG.warning(
+            "%s ignores parameter %r (in %s): it is a parameter of %s, not of %s%s",
+            method,
+            name,
+            ", ".join(places),
+            _listing(others[name]),
+            method,
+            hint,
+        )
+    if method == "ram_plus":
+        r, where = max(values.get("r", [(parameter_info(method, "r").default, "the defaults")]))
+        alphas = [value for value, _ in values.get("alpha", [(parameter_info(method, "alpha").default, "")])]
+        rules = [value for value, _ in values.get("rule", [(parameter_info(method, "rule").default, "")])]
+        check_lambda_range(method, r, alphas, rules, where)
+
+
+_SHARED_SCOPE = {
+    "epsilon": " (epsilon may vary per tensor with `filter`, or per slice in `slices[i].parameters`, "
+    "but not per model)",
+    "r": " (lambda_t = 1 + r * clip(rho_t, 0, alpha) is global: one r, one alpha, one rule per merge)",
+    "alpha": " (lambda_t = 1 + r * clip(rho_t, 0, alpha) is global: one r, one alpha, one rule per merge)",
+    "rule": " (lambda_t = 1 + r * clip(rho_t, 0, alpha) is global: one r, one alpha, one rule per merge)",
+}
+
+
+def _listing(names: list[str], shown: int = 4) -> str:
+    names = sorted(set(names))
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
+
+
+def _parameter_settings(node: Any, where: str = "") -> Iterator[RecipeSetting]:
+    """Every ``parameters`` entry of a recipe, depth first, with its location."""
+    if isinstance(node, BaseModel):
+        fields = type(node).model_fields
+        per_model = "model" in fields  # models[i], slices[j].sources[i]: one model's block
+        for field_name in fields:
+            value = getattr(node, field_name)
+            location = f"{where}.{field_name}" if where else field_name
+            if field_name == "parameters" and isinstance(value, dict):
+                for name, setting in value.items():
+                    yield RecipeSetting(location, name, setting, per_model)
+            elif field_name != "parameters":
+                yield from _parameter_settings(value, location)
+    elif isinstance(node, (list, tuple)):
+        for index, item in enumerate(node):
+            yield from _parameter_settings(item, f"{where}[{index}]")
+    elif isinstance(node, dict):
+        for key, item in node.items():
+            yield from _parameter_settings(item, f"{where}.{key}")
+
+
+def _scalars(setting: Any) -> Iterator[Any]:
+    """The scalar values inside a setting: plain, gradient list, or filtered values."""
+    if isinstance(setting, list):
+        for item in setting:
+            yield from _scalars(item)
+    elif isinstance(setting, BaseModel) and hasattr(setting, "value"):
+        yield from _scalars(setting.value)
+    else:
+        yield setting
+
+
+def check_recipe_file(path: Optional[str], schema: type[BaseModel]) -> None:
+    """Unknown keys in the recipe file at ``path`` (a RAM one), before mergekit drops them."""
+    if path is None or not os.path.isfile(path):
+        return
+    with open(path, encoding="utf-8") as handle:
+        check_raw_keys(yaml.safe_load(handle), schema)
+
+
+def check_raw_keys(raw: Any, schema: type[BaseModel]) -> None:
+    method = raw.get("merge_method") if isinstance(raw, dict) else None
+    if isinstance(method, str) and is_ours(method):
+        check_recipe_keys(method, raw, schema)
+
+
+def check_recipe_keys(method: str, raw: Any, schema: type[BaseModel]) -> None:
+    """Refuse keys mergekit's recipe classes do not have (``paramaters:``, a top-level ``rule:``).
+
+    pydantic drops unknown keys silently, so such a setting would merge with the defaults.
+    """
+    for where, key, valid in _unknown_keys(raw, schema, ""):
+        place = f"in `{where}`" if where else "at the top level of the recipe"
+        if key in declared_names(method) and "parameters" in valid:
+            per_model = parameter_info(method, key).per_model and where
+            target = f"`{where}.parameters:`" if per_model else "the top-level `parameters:`"
+            fix = f": {key!r} is a parameter of {method}; set it under {target}"
+        else:
+            hint = close_key(key, valid)
+            fix = f" (did you mean {hint!r}?)" if hint else ""
+        raise RecipeError(
+            f"{method} recipe: unknown key {key!r} {place}, which mergekit would ignore{fix}; "
+            f"valid keys there: {', '.join(valid)}"
+        )
+
+
+def close_key(key: str, valid: tuple[str, ...]) -> Optional[str]:
+    hint = difflib.get_close_matches(key, valid, n=1)
+    return hint[0] if hint else None
+
+
+#: Recipe classes whose keys are checked; others (model references, tokenizer settings) are leaves.
+_RECIPE_MODULES = ("mergekit.config", "mergekit.scripts.merge_raw_pytorch")
+
+
+def _unknown_keys(raw: Any, annotation: Any, where: str) -> Iterator[tuple[str, str, tuple[str, ...]]]:
+    """(where, key, valid keys) for each key of ``raw`` that its recipe class does not have."""
+    if isinstance(raw, dict):
+        classes = _recipe_classes(annotation)
+        if len(classes) == 1:
+            fields = classes[0].model_fields
+            for key, value in raw.items():
+                if key not in fields:
+                    yield where, str(key), tuple(fields)
+                else:
+                    yield from _unknown_keys(value, fields[key].annotation, f"{where}.{key}" if where else str(key))
+            return
+        members = _members(annotation, dict)
+        if len(members) == 1:
+            for key, value in raw.items():
+                yield from _unknown_keys(value, members[0], f"{where}.{key}" if where else str(key))
+    elif isinstance(raw, list):
+        members = _members(annotation, list)
+        if members:
+            item = members[0] if len(members) == 1 else Union[tuple(members)]
+            for index, value in enumerate(raw):
+                yield from _unknown_keys(value, item, f"{where}[{index}]")
+
+
+def _alternatives(annotation: Any) -> tuple[Any, ...]:
+    """The arms of a Union / Optional, or the annotation itself."""
+    if get_origin(annotation) in (Union, types.UnionType):
+        return tuple(arm for arg in get_args(annotation) for arm in _alternatives(arg))
+    return (annotation,)
+
+
+def _recipe_classes(annotation: Any) -> list[type[BaseModel]]:
+    return [
+        arm
+        for arm in _alternatives(annotation)
+        if isinstance(arm, type) and issubclass(arm, BaseModel) and arm.__module__ in _RECIPE_MODULES
+    ]
+
+
+def _members(annotation: Any, container: type) -> list[Any]:
+    """The item types of the ``list`` arms, or the value types of the ``dict`` arms, of an annotation."""
+    found = []
+    for arm in _alternatives(annotation):
+        if get_origin(arm) is container and get_args(arm) and get_args(arm)[-1] not in found:
+            found.append(get_args(arm)[-1])
+    return found
+
+
+def read_stages(path: str, text: str, intermediate_dir: str = "") -> list[Stage]:
+    """The stages of a recipe file as mergekit-multi reads them (a single recipe is one stage).
+
+    A model named like another stage becomes ``intermediate_dir/<name>`` (mergekit's own
+    ``patched_config``), and the stage records that it depends on that one.
+    """
+    from mergekit.config import MergeConfiguration
+    from mergekit.scripts import multimerge
+
+    patched_config = require(multimerge, "patched_config")
+
+    stages: dict[Optional[str], Any] = {}
+    for index, document in enumerate(read_documents(path, text)):
+        where = f", document {index + 1}"
+        if not isinstance(document, dict):
+            raise RecipeError(f"{path}{where}: a recipe is a mapping of keys (merge_method, models, ...)")
+        document = dict(document)
+        name = document.pop("name", None)
+        if name in stages:
+            raise RecipeError(
+                f"{path}{where}: "
+                + (f"a second stage named {name!r}" if name is not None else "a second stage without a name")
+                + "; each stage needs its own name (at most one may have none: the final merge)"
+            )
+        stages[name] = validate(path, document, MergeConfiguration, where)
+    names = set(stages)
+    result = []
+    for name, config in stages.items():
+        patched, used = patched_config(config, names, intermediate_dir)
+        result.append(Stage(name=name, config=patched, depends_on=tuple(sorted(used))))
+    return result

@@ -1,0 +1,81 @@
+"""mergekit's method registry: ``ram_plus`` added, the built-in ``ram`` replaced (or kept on request)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from types import ModuleType
+
+from mergekit_ram.integration.methods import METHODS
+from mergekit_ram.integration.versions import TESTED_MERGEKIT, mergekit_version, require
+
+LOG = logging.getLogger(__name__)
+
+#: Set to 1 to keep mergekit's own ``ram`` (``ram_plus`` stays mergekit-ram's); read at registration.
+BUILTIN_RAM_VARIABLE = "MERGEKIT_RAM_BUILTIN_RAM"
+
+
+def keep_builtin_ram() -> bool:
+    return os.environ.get(BUILTIN_RAM_VARIABLE, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def register_methods(merge_methods: ModuleType) -> None:
+    """Add ``ram_plus`` to ``merge_methods``' registry; replace its built-in ``ram`` (and only that one).
+
+    With ``MERGEKIT_RAM_BUILTIN_RAM=1`` mergekit's built-in ``ram`` stays (or is put back).
+    """
+    version = mergekit_version()
+    if version not in TESTED_MERGEKIT:
+        warnings.warn(
+            f"mergekit-ram is tested with mergekit {', '.join(TESTED_MERGEKIT)}; found {version}. "
+            "Its internals may have moved.",
+            stacklevel=2,
+        )
+    registry = require(merge_methods, "registry")
+    table = require(registry, "_METHODS")
+    builtin = require(merge_methods, "ram_merge")  # the built-in ``ram`` method object
+    for name, method in METHODS.items():
+        current = table.get(name)
+        if name == "ram" and keep_builtin_ram() and current in (method, builtin):
+            table[name] = builtin
+            LOG.warning(
+                "mergekit-ram: %s=1: keeping mergekit's built-in 'ram' (arithmetic in the checkpoint dtype, "
+                "no ram_statistics.json); 'ram_plus' is mergekit-ram's",
+                BUILTIN_RAM_VARIABLE,
+            )
+        elif current is method:
+            continue
+        elif current is None:
+            require(registry, "register")(method)
+        elif name == "ram" and current is builtin:
+            table[name] = method
+            LOG.info("mergekit-ram: replaced mergekit's built-in 'ram' (checkpoint-dtype arithmetic) with float32 RAM")
+        else:
+            LOG.warning("mergekit-ram: merge method %r is already registered by someone else; leaving it", name)
+
+
+def is_ours(method_name: str) -> bool:
+    """Whether mergekit would run mergekit-ram's method for ``method_name`` now."""
+    from mergekit import merge_methods
+
+    if method_name not in METHODS:
+        return False
+    try:
+        return merge_methods.get(method_name) is METHODS[method_name]
+    except RuntimeError:
+        return False
+
+
+def declared_by_other_methods(method: str) -> dict[str, list[str]]:
+    """Parameter name -> the other registered mergekit methods that declare it, asked of the registry now."""
+    from mergekit.merge_methods import registry
+
+    declared: dict[str, list[str]] = {}
+    for other in require(registry, "registered_methods")():
+        spec = getattr(other, "spec", None)
+        if spec is None or spec.name == method:
+            continue
+        for parameter in spec.parameters:
+            declared.setdefault(parameter.name, []).append(spec.name)
+    return declared

@@ -1,0 +1,102 @@
+"""mergekit's console scripts (``mergekit-yaml``, ``mergekit-multi``, ``mergekit-pytorch``) for RAM recipes:
+one-line errors, the CUDA check, unknown keys of mergekit-multi's stages, the statistics table."""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any, Callable, Optional
+
+import yaml
+from mergekit.config import MergeConfiguration
+from mergekit.options import MergeOptions
+
+from mergekit_ram.device import check_device
+from mergekit_ram.errors import RamError, exit_on_one_line
+from mergekit_ram.integration.recipes import check_raw_keys, read_stages
+from mergekit_ram.integration.registry import is_ours
+from mergekit_ram.integration.versions import require, wrap
+from mergekit_ram.published import report_summary
+from mergekit_ram.recipe_file import names_ram_method, read_single_document, read_text, validate
+
+#: mergekit's console scripts: module -> (command name, the argument that names the recipe file)
+SCRIPTS = {
+    "mergekit.scripts.run_yaml": ("mergekit-yaml", "config_file"),
+    "mergekit.scripts.multimerge": ("mergekit-multi", "config_file"),
+    "mergekit.scripts.merge_raw_pytorch": ("mergekit-pytorch", "config_path"),
+}
+_CLI_MARK = "__mergekit_ram_cli__"
+
+
+def patch_script(script: ModuleType) -> None:
+    """The plugin's errors as one line (``Error: ...``, exit 1; the traceback with ``-v``).
+
+    The plugin's own errors are told by type (``RamError``). A YAML or schema error and a
+    missing CUDA device are reported so only for a file that asks for ``ram``/``ram_plus``:
+    for every other recipe mergekit's output stays as it was. ``mergekit-pytorch`` (which
+    has no ``run_merge``) also shows the statistics table here.
+    """
+    name, recipe_argument = SCRIPTS[script.__name__]
+
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        def callback(*args: Any, **kwargs: Any) -> Any:
+            try:
+                options = check_script_recipe(script, name, kwargs.get(recipe_argument), kwargs)
+                result = original(*args, **kwargs)
+            except RamError as error:
+                exit_on_one_line(error, verbose=bool(kwargs.get("verbosity")))
+            if options is not None and name == "mergekit-pytorch" and not options.quiet:
+                report_summary(kwargs["out_path"])
+            return result
+
+        return callback
+
+    wrap(require(script, "main"), "callback", make, mark=_CLI_MARK)
+
+
+def check_script_recipe(
+    script: ModuleType, name: str, path: Optional[str], arguments: dict[str, Any]
+) -> Optional[MergeOptions]:
+    """For a recipe file that asks for a RAM method: read and validate it as ``name`` will,
+    check the device, and return the command's MergeOptions; None for any other file."""
+    text = read_text(path) if path else None
+    if path is None or text is None or not names_ram_method(text):
+        return None
+    if name == "mergekit-multi":
+        configs = [stage.config for stage in read_stages(path, text, arguments.get("intermediate_dir") or "")]
+    else:
+        schema = require(script, "RawPyTorchMergeConfig") if name == "mergekit-pytorch" else MergeConfiguration
+        configs = [validate(path, read_single_document(path, text, name), schema)]
+    if not any(is_ours(config.merge_method) for config in configs):
+        return None
+    options = merge_options(**{key: value for key, value in arguments.items() if key in MergeOptions.model_fields})
+    check_options_device(options)
+    return options
+
+
+def merge_options(**arguments: Any) -> MergeOptions:
+    """mergekit's options from command-line arguments (its own validation applies)."""
+    return MergeOptions(**arguments)
+
+
+def check_options_device(options: MergeOptions) -> None:
+    """The CUDA device ``options`` ask for (``--cuda``, ``--gpu-rich``, ``--device cuda...``) exists."""
+    device = str(options.device or "cpu")
+    flag = "--gpu-rich" if options.gpu_rich else "--cuda" if options.cuda else f"--device {device}"
+    check_device(device, flag)
+
+
+def patch_multimerge(multimerge: ModuleType) -> None:
+    """``mergekit-multi`` validates each stage of its file and rebuilds it without the keys it
+    dropped; check the raw stages of RAM recipes for unknown keys first."""
+
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        def load_config(config_source: str, intermediate_dir: str) -> Any:
+            for document in yaml.safe_load_all(config_source):
+                if isinstance(document, dict):
+                    stage = {key: value for key, value in document.items() if key != "name"}
+                    check_raw_keys(stage, require(multimerge, "MergeConfiguration"))
+            return original(config_source, intermediate_dir)
+
+        return load_config
+
+    wrap(multimerge, "load_config", make)
