@@ -3,7 +3,7 @@
 Importing this package is cheap (no torch, no mergekit); the heavy parts load on use.
 """
 
-__version__ = "0.1.0"
+from mergekit_ram._version import __version__
 
 _LAZY = {
     "merge_state_dicts": "mergekit_ram.integration.inmemory",

@@ -31,7 +31,7 @@ import logging
 import os
 from typing import Any, Optional, Sequence
 
-from mergekit_ram import __version__
+from mergekit_ram._version import __version__
 from mergekit_ram.checks import HeaderCache, planned_numel
 from mergekit_ram.errors import SettingError
 from mergekit_ram.planned import PlannedTensor

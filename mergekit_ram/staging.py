@@ -36,7 +36,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Optional
 
-from mergekit_ram import __version__
+from mergekit_ram._version import __version__
 
 try:  # POSIX; elsewhere merges run unlocked
     import fcntl

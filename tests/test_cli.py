@@ -5,7 +5,6 @@ first, --version. Every check runs the real console scripts in subprocesses."""
 from __future__ import annotations
 
 import ast
-import glob
 import json
 import os
 import shutil
@@ -19,6 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from mergekit_ram import errors
 from tests.conftest import ModelSet, run_script, write_recipe
+from tests.test_docs import package_files
 from tests.test_statistics import independent_figures
 
 ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
@@ -27,15 +27,18 @@ NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the messa
 
 #: Exceptions raised in the package that are not RamError, and why they never reach a command user.
 INTERNAL_RAISES = {
-    "ValueError": "kernel.py / prepass.py invariants behind the recipe checks; inmemory.py, synthetic.py (Python)",
-    "NonFiniteInputError": "kernel.py; methods.py re-raises it as InputError with model and tensor named",
+    "ValueError": "kernel.py / settings.py invariants behind the recipe checks; integration/inmemory.py, "
+    "synthetic.py (Python)",
+    "NonFiniteInputError": "kernel.py; integration/methods.py re-raises it as InputError with model and tensor named",
     "click.ClickException": "cli.py: click prints it as one line itself",
     "AttributeError": "__init__.py: the module attribute protocol",
     "MergekitMovedError": "a RamError (checked below through its class)",
-    "MergeOverflowError": "kernel.py; methods.py re-raises it as a ParameterError naming the tensor and the setting",
+    "MergeOverflowError": "kernel.py; integration/methods.py re-raises it as a ParameterError naming the tensor "
+    "and the setting",
     "Terminated": "staging.py: SIGTERM as an exception inside the output transaction, re-sent once the folder is clean",
     "SystemExit": "staging.py: the exit status after a SIGTERM, as Python's default handler would give",
-    "TypeError": "inmemory.py: a wrong Python call shape (unexpected keyword arguments)",
+    "TypeError": "integration/inmemory.py: a wrong Python call shape (unexpected keyword arguments); "
+    "integration/methods.py: mergekit's own check of in-memory groups",
 }
 
 
@@ -75,7 +78,7 @@ def without_plugin_frames(stderr: str) -> str:
 def test_every_error_a_user_can_meet_is_a_ram_error() -> None:
     """Each exception class raised in mergekit_ram is a RamError, or listed above with the reason."""
     raised = set()
-    for path in glob.glob(os.path.join(ROOT, "mergekit_ram", "*.py")):
+    for path in package_files():
         with open(path, encoding="utf-8") as handle:
             tree = ast.parse(handle.read())
         raised |= {
@@ -83,8 +86,9 @@ def test_every_error_a_user_can_meet_is_a_ram_error() -> None:
             for node in ast.walk(tree)
             if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call)
         }
-    from mergekit_ram import methods, parameters
+    from mergekit_ram import parameters
     from mergekit_ram.errors import InputError
+    from mergekit_ram.integration import methods
     from mergekit_ram.integration.methods import MissingStatisticsError
     from mergekit_ram.integration.versions import MergekitMovedError
     from mergekit_ram.parameters import ParameterError

@@ -19,8 +19,8 @@ from mergekit.merge_methods.base import TensorGroup
 from mergekit.merge_methods.ram import ram_merge as builtin_ram
 from mergekit.merge_methods.ram import ramplus_tl_merge as builtin_ramplus_tl
 
-from mergekit_ram.kernel import CHUNK_ELEMENTS, ram_merge, rescale_factor
 from mergekit_ram.integration.methods import RAM_PLUS
+from mergekit_ram.kernel import CHUNK_ELEMENTS, ram_merge, rescale_factor
 from mergekit_ram.synthetic import build_base, sparse_agents, tiny_config, write_checkpoint
 from tests import reference
 from tests.conftest import ModelSet, load_weights, run_script, write_recipe

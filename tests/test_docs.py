@@ -127,9 +127,14 @@ def collect_messages(source: str, filename: str) -> list[Message]:
     return messages
 
 
+def package_files() -> list[str]:
+    """Every Python file of the package, its subpackages included."""
+    return sorted(glob.glob(os.path.join(PACKAGE, "**", "*.py"), recursive=True))
+
+
 def package_messages() -> list[Message]:
     messages = []
-    for path in sorted(glob.glob(os.path.join(PACKAGE, "*.py"))):
+    for path in package_files():
         with open(path, encoding="utf-8") as handle:
             messages += collect_messages(handle.read(), os.path.relpath(path, ROOT))
     return messages
@@ -270,7 +275,7 @@ def test_readme_links_are_absolute_and_checked(tmp_path) -> None:
 
 def test_contributing_describes_every_module() -> None:
     text = read("contributing.md")
-    modules = sorted(os.path.basename(path) for path in glob.glob(os.path.join(PACKAGE, "*.py")))
+    modules = [os.path.relpath(path, PACKAGE) for path in package_files()]
     missing = [module for module in modules if f"`{module}`" not in text]
     assert not missing, f"docs/contributing.md has no line for {missing}"
 

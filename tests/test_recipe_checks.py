@@ -20,8 +20,8 @@ from mergekit.scripts.multimerge import load_config
 
 from mergekit_ram.errors import InputError
 from mergekit_ram.integration.registry import BUILTIN_RAM_VARIABLE, register_methods
-from mergekit_ram.published import with_card_tag
 from mergekit_ram.parameters import RecipeError
+from mergekit_ram.published import with_card_tag
 from tests import reference
 from tests.conftest import (
     Merged,

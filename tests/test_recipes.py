@@ -23,8 +23,8 @@ from mergekit.options import MergeOptions
 from mergekit.scripts.multimerge import load_config, make_tasks
 
 from mergekit_ram.integration.recipes import check_recipe
-from mergekit_ram.settings import RAM_METHODS
 from mergekit_ram.parameters import ParameterError
+from mergekit_ram.settings import RAM_METHODS
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "recipes"

@@ -66,7 +66,7 @@ def merge_state_dicts(
         raise TypeError(f"merge_state_dicts got unexpected keyword arguments {sorted(legacy)}")
     if method not in ("ram", "ram_plus"):
         raise ParameterError(f"method must be 'ram' or 'ram_plus'; got {method!r}")
-    named = dict(models) if isinstance(models, Mapping) else dict(enumerate(models))
+    named: dict[Hashable, ModelLike] = dict(models) if isinstance(models, Mapping) else dict(enumerate(models))
     if base is None or base not in named:
         raise ParameterError(f"{method}: `base` must name the base model among {list(named)}; got {base!r}")
     _check_parameters(method, parameters or {}, [key for key in named if key != base])
@@ -107,7 +107,9 @@ def _legacy_call(
         DeprecationWarning,
         stacklevel=3,
     )
-    named = dict(finetunes) if isinstance(finetunes, Mapping) else {f"model_{i}": sd for i, sd in enumerate(finetunes)}
+    named: dict[str, StateDict] = (
+        dict(finetunes) if isinstance(finetunes, Mapping) else {f"model_{i}": sd for i, sd in enumerate(finetunes)}
+    )
     base_id = "base" if "base" not in named else "__base__"
     parameters: dict[str, Any] = {}
     for name in ("epsilon", "r", "alpha", "rule"):
@@ -120,7 +122,9 @@ def _legacy_call(
             if model not in named:
                 raise ParameterError(f"ram_plus: {kind} pinned for unknown model {model!r}; models: {', '.join(named)}")
         parameters[kind] = {model: values.get(model) for model in named}
-    return merge_state_dicts({base_id: base, **named}, method, parameters=parameters, base=base_id, out_dtype=out_dtype)
+    everything: dict[Hashable, ModelLike] = {base_id: base}
+    everything.update(named)
+    return merge_state_dicts(everything, method, parameters=parameters, base=base_id, out_dtype=out_dtype)
 
 
 def _check_parameters(method: str, parameters: Mapping[str, Any], finetunes: Sequence[Hashable]) -> None:

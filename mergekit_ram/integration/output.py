@@ -52,11 +52,11 @@ def patch_run_merge(merge: ModuleType) -> None:
         return run_merge
 
     wrap(merge, "run_merge", make)
-    patched = merge.run_merge
+    patched = require(merge, "run_merge")
     for name in ("mergekit.scripts.run_yaml", "mergekit.scripts.multimerge"):
         module = sys.modules.get(name)
         if module is not None and getattr(module, "run_merge", None) is not patched:
-            module.run_merge = patched
+            module.run_merge = patched  # type: ignore[attr-defined]  # imported by name before the patch
 
 
 def _model_folders(merge_config: Any) -> Iterator[tuple[str, str]]:

@@ -1,0 +1,84 @@
+"""The layers: only ``mergekit_ram/integration/`` touches mergekit; everything else works without it."""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "mergekit_ram"
+BOUNDARY = PACKAGE / "integration"
+
+#: Tests of the plain layers, run again with mergekit unimportable (the kernel's scratch-memory
+#: measurements, which prove nothing about imports, only once: in the main run).
+PLAIN_TESTS = ("tests/test_plain_layers.py", "tests/test_kernel.py", "-k", "not scratch_memory")
+
+#: A meta-path finder that makes ``mergekit`` (and its submodules) unimportable.
+BLOCK_MERGEKIT = """
+import sys
+class _NoMergekit:
+    def find_spec(self, name, path=None, target=None):
+        if name == "mergekit" or name.startswith("mergekit."):
+            raise ModuleNotFoundError(f"No module named {name!r} (blocked by tests/test_layers.py)")
+        return None
+sys.meta_path.insert(0, _NoMergekit())
+"""
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every module a file imports, at the top or deferred inside functions."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.add(node.module)
+    return found
+
+
+def plain_modules() -> list[Path]:
+    return sorted(path for path in PACKAGE.rglob("*.py") if BOUNDARY not in path.parents)
+
+
+def test_only_the_boundary_imports_mergekit() -> None:
+    offenders = {
+        str(path.relative_to(ROOT)): sorted(m for m in imported_modules(path) if m.split(".")[0] == "mergekit")
+        for path in plain_modules()
+    }
+    assert {path: modules for path, modules in offenders.items() if modules} == {}
+    assert "mergekit.merge_methods.base" in imported_modules(BOUNDARY / "methods.py")  # the scan sees imports
+
+
+def _without_mergekit(code: str) -> subprocess.CompletedProcess:
+    environment = {**os.environ, "MERGEKIT_RAM_AUTOLOAD": "0", "PYTHONPATH": str(ROOT)}
+    return subprocess.run(
+        [sys.executable, "-c", BLOCK_MERGEKIT + code], cwd=ROOT, env=environment, capture_output=True, text=True
+    )
+
+
+def test_every_plain_module_imports_without_mergekit() -> None:
+    names = [
+        ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__") for path in plain_modules()
+    ]
+    completed = _without_mergekit(
+        "import importlib\n"
+        f"for name in {names!r}:\n"
+        "    importlib.import_module(name)\n"
+        "import mergekit_ram.integration\n"  # the package itself imports no mergekit until used
+        "print(len(sys.modules) and 'ok')\n"
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert completed.stdout.strip() == "ok"
+    blocked = _without_mergekit("import mergekit_ram.integration.planner")
+    assert "blocked by tests/test_layers.py" in blocked.stderr  # the blocker works
+
+
+def test_plain_layers_are_tested_without_mergekit() -> None:
+    completed = _without_mergekit(
+        f"import pytest\nsys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', *{list(PLAIN_TESTS)!r}]))\n"
+    )
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    assert " passed" in completed.stdout.splitlines()[-1]

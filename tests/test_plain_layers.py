@@ -1,0 +1,143 @@
+"""The plain layers below the mergekit boundary, on plain data: settings, checks, the cache.
+
+Nothing here imports mergekit: tests/test_layers.py runs this file with mergekit made
+unimportable.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from mergekit_ram import cache
+from mergekit_ram.checks import HeaderCache, check_listed_once, check_models, check_tensors, planned_numel
+from mergekit_ram.errors import InputError
+from mergekit_ram.parameters import ParameterError
+from mergekit_ram.planned import ModelIdentity, ModelPin, PlannedTensor, TensorInput, TensorParameters
+from mergekit_ram.settings import Applied, merge_settings
+from mergekit_ram.stats import TensorCounts
+
+
+def parameters(name: str, r: float = 0.1, alpha: float = 2.0, rule: str = "clip", **pins: tuple) -> TensorParameters:
+    return TensorParameters(
+        name=name,
+        shared=(("epsilon", 1e-5), ("r", r), ("alpha", alpha), ("rule", rule)),
+        pins=tuple(ModelPin(model, rho, lambda_) for model, (rho, lambda_) in pins.items()),
+    )
+
+
+def test_one_rescaling_per_merge_turns_rho_into_lambda() -> None:
+    settings = merge_settings("ram_plus", [parameters("w1", a=(None, None)), parameters("w2", a=(None, None))])
+    assert settings.rescaling is not None and (settings.rescaling.r, settings.rescaling.alpha) == (0.1, 2.0)
+    assert settings.needs_counts(["a"])
+    assert settings.model_lambda("a", 1.45) == 1.145  # 1 + 0.1 * 1.45
+    assert settings.model_lambda("a", 14.87) == 1.2  # clipped at alpha = 2
+    refused = r"parameter 'r' must be one value for the whole merge .* 0.1 for w1 and 0.2 for w2"
+    with pytest.raises(ParameterError, match=refused):
+        merge_settings("ram_plus", [parameters("w1"), parameters("w2", r=0.2)])
+
+
+def test_pins_and_r_zero_need_no_counts() -> None:
+    pinned = merge_settings("ram_plus", [parameters("w", a=(None, 1.3), b=(3.0, None))])
+    assert not pinned.needs_counts(["a", "b"])
+    assert pinned.lambdas_without_counts(["a", "b"]) == {"a": 1.3, "b": 1.2}
+    assert pinned.applied(["a", "b"], None) == {"a": Applied(1.3, None), "b": Applied(1.2, 3.0)}
+    zero = merge_settings("ram_plus", [parameters("w", r=0.0, a=(None, None))])
+    assert zero.lambdas_without_counts(["a"]) == {"a": 1.0}
+    ram = merge_settings("ram", [parameters("w")])
+    assert ram.rescaling is None and ram.applied(["a"], None) == {}
+    with pytest.raises(ParameterError, match="the pinned lambda of a must be one value for the whole merge"):
+        merge_settings("ram_plus", [parameters("w1", a=(None, 1.3)), parameters("w2", a=(None, None))])
+
+
+def test_reported_lambda_is_the_applied_lambda() -> None:
+    settings = merge_settings("ram_plus", [parameters("w", a=(None, None), b=(None, 1.5))])
+    counts = TensorCounts(name="w", numel=10, epsilon=1e-5, models=("a", "b"), histograms=((2, 3), (1, 3)))
+    statistics = settings.statistics([counts], "pre-pass")
+    applied = settings.applied(["a", "b"], statistics)
+    assert applied == {"a": Applied(1.15, 1.5), "b": Applied(1.5, None)}  # rho_a = 3 / 2
+    assert statistics.lambdas() == {"a": 1.15, "b": 1.5}
+
+
+def identity(label: str, path: str) -> ModelIdentity:
+    return ModelIdentity(label=label, path=path)
+
+
+def test_each_model_once_under_any_spelling() -> None:
+    base = identity("base", "/m/base")
+    check_listed_once(base, [("models", [identity("a", "/m/a"), identity("b", "/m/b")])])
+    with pytest.raises(InputError, match=r"^\./a/ and a in `models` are the same model \(/m/a\)"):
+        check_listed_once(base, [("models", [identity("a", "/m/a"), identity("./a/", "/m/a")])])
+    with pytest.raises(InputError, match=r"^the base model base is also listed under `models` as base/"):
+        check_listed_once(base, [("models", [identity("base/", "/m/base")])])
+    with pytest.raises(InputError, match="needs `base_model`"):
+        check_models("ram", None, [], HeaderCache())
+
+
+def write(path: str, **tensors: torch.Tensor) -> str:
+    save_file(tensors, path)
+    return path
+
+
+def planned(name: str, *inputs: TensorInput, optional: bool = False) -> PlannedTensor:
+    return PlannedTensor(
+        name=name,
+        optional=optional,
+        vocabulary_axis=None,
+        reshaped=False,
+        base=inputs[0].model,
+        finetunes=tuple(source.model for source in inputs[1:]),
+        inputs=inputs,
+        parameters=parameters(name),
+        graph=f"graph of {name}",
+    )
+
+
+def test_headers_are_read_once_and_tensors_checked(tmp_path) -> None:
+    base = write(str(tmp_path / "base.safetensors"), w=torch.zeros(2, 3), v=torch.zeros(4))
+    agent = write(str(tmp_path / "a.safetensors"), w=torch.ones(2, 3, dtype=torch.bfloat16), v=torch.zeros(5))
+    headers = HeaderCache()
+    tensor = planned("w", TensorInput("base", base, "w"), TensorInput("a", agent, "w"))
+    facts = check_tensors([tensor], headers)
+    assert facts.dtypes == {"base": {"F32"}, "a": {"BF16"}}
+    assert planned_numel(tensor, headers) == 6
+    assert headers.files_read == 2
+    with pytest.raises(InputError, match=r"^tensor v has shape \[5\] in a but \[4\] in base$"):
+        check_tensors([planned("v", TensorInput("base", base, "v"), TensorInput("a", agent, "v"))], headers)
+    assert headers.files_read == 2  # each header once
+    with pytest.raises(InputError, match="^a has no tensor for u, which base has; the models do not share"):
+        check_tensors([planned("u", TensorInput("base", base, "w"), TensorInput("a", None, "u"))], headers)
+    check_tensors([planned("u", TensorInput("base", base, "w"), TensorInput("a", None, "u"), optional=True)], headers)
+    truncated = str(tmp_path / "t.safetensors")
+    with open(base, "rb") as source, open(truncated, "wb") as target:
+        target.write(source.read()[:20])
+    with pytest.raises(InputError, match=r"^a: cannot read .*t\.safetensors .* truncated or corrupt$"):
+        headers.read("a", truncated)
+
+
+def test_cache_key_follows_what_the_counts_depend_on(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    base = write(str(tmp_path / "base.safetensors"), w=torch.zeros(2, 3))
+    agent = write(str(tmp_path / "a.safetensors"), w=torch.ones(2, 3))
+    tensor = planned("w", TensorInput("base", base, "w"), TensorInput("a", agent, "w"))
+    key = cache.cache_key([tensor])
+    assert cache.cache_key([tensor]) == key
+    other_epsilon = PlannedTensor(**{**tensor.__dict__, "parameters": TensorParameters("w", (("epsilon", 1e-3),))})
+    assert cache.cache_key([other_epsilon]) != key
+    assert cache.cache_key([PlannedTensor(**{**tensor.__dict__, "graph": "another slice"})]) != key
+    other_r = PlannedTensor(**{**tensor.__dict__, "parameters": parameters("w", r=0.2)})
+    assert cache.cache_key([other_r]) == key  # r, alpha and the rule turn counts into lambda afterwards
+
+    monkeypatch.setenv(cache.MODE_VARIABLE, "on")
+    monkeypatch.setenv(cache.DIRECTORY_VARIABLE, str(tmp_path / "cache"))
+    counts = TensorCounts(name="w", numel=6, epsilon=1e-5, models=("a",), histograms=((6,),))
+    cache.store(key, [counts])
+    headers = HeaderCache()
+    assert cache.load(key, [tensor], headers) == [counts]
+    path = os.path.join(str(tmp_path / "cache"), "prepass", f"{key}.json")
+    with open(path, "w", encoding="utf-8") as handle:
+        json.dump({"tensors": [{**counts.to_dict(), "numel": 7}]}, handle)
+    assert cache.load(key, [tensor], headers) is None  # 7 elements where the header says 6
