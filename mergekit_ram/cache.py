@@ -41,7 +41,7 @@ from mergekit_ram import __version__
 from mergekit_ram.checks import _aligns_vocabulary, task_inputs
 from mergekit_ram.errors import SettingError
 from mergekit_ram.staging import write_atomically
-from mergekit_ram.stats import TensorCounts, package_versions
+from mergekit_ram.stats import TensorCounts, counts_from_dict, counts_to_dict, package_versions
 
 LOG = logging.getLogger(__name__)
 
@@ -155,7 +155,7 @@ def _matching_counts(data: Any, merge_tasks: Sequence[ExecuteMergeMethodTask]) -
             continue
         if not isinstance(entry, dict):
             raise ValueError(f"the entry for {task.output_weight.name} is not an object")
-        found = TensorCounts.from_dict(entry)
+        found = counts_from_dict(entry)
         expected_models = tuple(str(model) for model in task.model_order if model != task.base_model)
         if found.name != task.output_weight.name:
             raise ValueError(f"it has {found.name!r} where the merge has {task.output_weight.name!r}")
@@ -192,7 +192,7 @@ def store(key: str, counts: Sequence[Optional[TensorCounts]]) -> None:
     if mode() == "off":
         return
     path = _entry_path(key)
-    text = json.dumps({"tensors": [None if c is None else c.to_dict() for c in counts]})
+    text = json.dumps({"tensors": [None if c is None else counts_to_dict(c) for c in counts]})
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         write_atomically(path, text)

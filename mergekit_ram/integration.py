@@ -374,13 +374,13 @@ def check_device(options: Any) -> None:
 
 def read_statistics(out_path: str) -> Optional[Any]:
     """The RamStatistics a merge wrote into ``out_path``, or None if it wrote none."""
-    from mergekit_ram.stats import STATISTICS_FILE, RamStatistics
+    from mergekit_ram.stats import STATISTICS_FILE, statistics_from_dict
 
     path = os.path.join(out_path, STATISTICS_FILE)
     if not os.path.exists(path):
         return None
     with open(path, encoding="utf-8") as handle:
-        return RamStatistics.from_dict(json.load(handle))
+        return statistics_from_dict(json.load(handle))
 
 
 def report_summary(out_path: str, options: Any) -> None:
@@ -393,12 +393,12 @@ def report_summary(out_path: str, options: Any) -> None:
         return
     import click
 
-    from mergekit_ram.stats import STATISTICS_FILE
+    from mergekit_ram.stats import STATISTICS_FILE, compact_table
 
     settings = ", ".join(f"{key} = {value}" for key, value in statistics.parameters.items())
     click.echo(
         f"{statistics.method} merge written to {out_path} ({settings}); "
-        f"per-tensor counts in {STATISTICS_FILE}\n{statistics.compact_table()}",
+        f"per-tensor counts in {STATISTICS_FILE}\n{compact_table(statistics)}",
         err=True,
     )
 
@@ -449,10 +449,12 @@ def append_card_section(out_path: str) -> None:
     statistics = read_statistics(out_path) if os.path.exists(card) else None
     if statistics is None:
         return
+    from mergekit_ram.stats import card_markdown
+
     with open(card, encoding="utf-8") as handle:
         text = handle.read()
     with open(card, "w", encoding="utf-8") as handle:
-        handle.write(with_card_tag(text, CARD_TAG) + "\n" + statistics.markdown())
+        handle.write(with_card_tag(text, CARD_TAG) + "\n" + card_markdown(statistics))
 
 
 #: The Hub tag of every model merged with mergekit-ram's methods.

@@ -29,9 +29,10 @@ from mergekit.merge_methods.dtype import align_dtype
 
 from mergekit_ram.checks import InputError
 from mergekit_ram.errors import RamError
-from mergekit_ram.kernel import KernelResult, MergeOverflowError, NonFiniteInputError, ram_merge, rescale_factor
+from mergekit_ram.kernel import KernelResult, MergeOverflowError, NonFiniteInputError, ram_merge
 from mergekit_ram.parameters import METHOD_PARAMETERS, ParameterError
-from mergekit_ram.stats import Pin, RamStatistics, TensorCounts
+from mergekit_ram.rescaling import Rescaling
+from mergekit_ram.stats import Pin, RamStatistics, TensorCounts, build_statistics
 
 REFERENCE_URL = "https://arxiv.org/abs/2601.13572"
 PRETTY_NAMES = {
@@ -284,7 +285,7 @@ class RamMergeMethod(GroupMergeMethod):
             if pinned is not None:
                 values.append(pinned)
             elif rho is not None:
-                values.append(rescale_factor(rho, parameters["r"], parameters["alpha"], parameters["rule"]))
+                values.append(Rescaling(parameters["r"], parameters["alpha"], parameters["rule"]).lambda_(rho))
             elif parameters["r"] == 0:
                 values.append(1.0)
             else:
@@ -303,7 +304,7 @@ class RamMergeMethod(GroupMergeMethod):
     ) -> RamStatistics:
         """The call's statistics; r, alpha, rule and pins must be one value for the whole call."""
         if self.spec.name == "ram":
-            return RamStatistics.build("ram", counts, source=source)  # type: ignore[arg-type]
+            return build_statistics("ram", counts, rescaling=None, source=source)  # type: ignore[arg-type]
         settings = {
             name: _one_value(parameters, name, lambda kwargs, name=name: [kwargs[name]])
             for name in ("r", "alpha", "rule")
@@ -319,12 +320,11 @@ class RamMergeMethod(GroupMergeMethod):
                 )
                 if value is not None and str(model) not in pins:
                     pins[str(model)] = (kind, value)  # type: ignore[assignment]
-        return RamStatistics.build(
+        # Rescaling from the call's r, alpha and rule (a call without groups sets none: the defaults)
+        return build_statistics(
             self.spec.name,
             counts,
-            r=settings["r"],
-            alpha=settings["alpha"],
-            rule=settings["rule"],
+            rescaling=Rescaling(**{name: value for name, value in settings.items() if value is not None}),
             pins=pins,
             source=source,  # type: ignore[arg-type]
         )

@@ -28,7 +28,17 @@ from mergekit_ram import cache, staging
 from mergekit_ram.checks import check_tensors
 from mergekit_ram.methods import METHODS, count_request
 from mergekit_ram.parameters import ALPHA, RULE, ParameterError, R
-from mergekit_ram.stats import STATISTICS_FILE, Pin, RamStatistics, TensorCounts
+from mergekit_ram.rescaling import Rescaling
+from mergekit_ram.stats import (
+    STATISTICS_FILE,
+    Pin,
+    RamStatistics,
+    TensorCounts,
+    build_statistics,
+    log_statistics,
+    statistics_from_dict,
+    statistics_to_json,
+)
 
 LOG = logging.getLogger(__name__)
 
@@ -105,17 +115,15 @@ class StatisticsContext(BaseModel, frozen=True):
     method: str
     r: float = 0.0
     alpha: float = 0.0
-    rule: str = "clip"
+    rule: str = RULE.default
     pins: tuple[tuple[str, Pin, float], ...] = ()
     checkpoint_dtypes: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
     def build(self, tensors: Iterable[TensorCounts], source: str) -> RamStatistics:
-        return RamStatistics.build(
+        return build_statistics(
             self.method,
             tensors,
-            r=self.r,
-            alpha=self.alpha,
-            rule=self.rule,  # type: ignore[arg-type]
+            rescaling=None if self.method == "ram" else Rescaling(self.r, self.alpha, self.rule),
             pins={model: (kind, value) for model, kind, value in self.pins},
             source=source,  # type: ignore[arg-type]
             checkpoint_dtypes=dict(self.checkpoint_dtypes),
@@ -145,11 +153,11 @@ class WriteRamStatistics(Task[RamStatistics]):
 
     def execute(self, **kwargs: Any) -> RamStatistics:
         if self.statistics_json is not None:
-            statistics = RamStatistics.from_dict(json.loads(self.statistics_json))
+            statistics = statistics_from_dict(json.loads(self.statistics_json))
         else:
             tensors = [kwargs[f"counts_{index}"] for index in range(len(self.counts))]
             statistics = self.context.build([t for t in tensors if t is not None], source="merge")
-            statistics.log()
+            log_statistics(statistics)
         if self.out_path is not None:
             write_statistics(statistics, self.out_path)
         return statistics
@@ -157,7 +165,7 @@ class WriteRamStatistics(Task[RamStatistics]):
 
 def write_statistics(statistics: RamStatistics, out_path: str) -> None:
     """Write the JSON file atomically, so a reader never sees half of it."""
-    staging.write_atomically(os.path.join(out_path, STATISTICS_FILE), statistics.to_json())
+    staging.write_atomically(os.path.join(out_path, STATISTICS_FILE), statistics_to_json(statistics))
 
 
 @dataclass(frozen=True)
@@ -198,7 +206,7 @@ def plan_ram(merge_tasks: Sequence[ExecuteMergeMethodTask], options: MergeOption
         )
 
     statistics = context.build(counted_prepass(merge_tasks, options), source="pre-pass")
-    statistics.log()
+    log_statistics(statistics)
     rho = {stats.model: stats.rho for stats in statistics.models}
     tasks: list[Task] = [
         task.model_copy(
@@ -281,7 +289,7 @@ def attach_ram_plan(targets: list[Task], options: MergeOptions, out_path: Option
         WriteRamStatistics(
             out_path=out_path,
             context=plan.context,
-            statistics_json=plan.statistics.to_json() if plan.statistics is not None else None,
+            statistics_json=statistics_to_json(plan.statistics) if plan.statistics is not None else None,
             counts=plan.counts,
             after=finalize,
         )
