@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import re
 import shutil
 import sys
@@ -57,7 +58,7 @@ from benchmarks.records import (
     save_record,
 )
 from mergekit_ram.cli import console_script
-from mergekit_ram.stats import markdown_table
+from mergekit_ram.stats import markdown_table, read_ratio
 
 LOG = logging.getLogger(__name__)
 
@@ -195,8 +196,17 @@ def run_merge(
 
 
 def summarise_statistics(statistics: dict[str, Any]) -> dict[str, ModelFigures]:
-    """density, rho and lambda per model from ``ram_statistics.json`` (checks the models' sparsity profile)."""
-    return {Path(str(entry.get("model"))).name: ModelFigures.from_dict(entry) for entry in statistics.get("models", [])}
+    """density, rho and lambda per model from ``ram_statistics.json`` (checks the models' sparsity profile).
+
+    Either schema of the file; an infinite rho is None in the record.
+    """
+    figures = {}
+    for entry in statistics.get("models", []):
+        rho = read_ratio(entry["rho"])
+        figures[Path(str(entry["model"])).name] = ModelFigures(
+            density=entry["density"], rho=None if math.isinf(rho) else rho, lambda_=entry["lambda"]
+        )
+    return figures
 
 
 def benchmark_methods(

@@ -36,7 +36,7 @@ from mergekit_ram.checks import HeaderCache, planned_numel
 from mergekit_ram.errors import SettingError
 from mergekit_ram.planned import PlannedTensor
 from mergekit_ram.staging import write_atomically
-from mergekit_ram.stats import TensorCounts, package_versions
+from mergekit_ram.stats import TensorCounts, counts_from_dict, counts_to_dict, package_versions
 
 LOG = logging.getLogger(__name__)
 
@@ -136,7 +136,7 @@ def _matching_counts(data: Any, planned: Sequence[PlannedTensor], headers: Heade
             continue
         if not isinstance(entry, dict):
             raise ValueError(f"the entry for {tensor.name} is not an object")
-        found = TensorCounts.from_dict(entry)
+        found = counts_from_dict(entry)
         if found.name != tensor.name:
             raise ValueError(f"it has {found.name!r} where the merge has {tensor.name!r}")
         if found.models != tensor.finetunes:
@@ -158,7 +158,7 @@ def store(key: str, counts: Sequence[Optional[TensorCounts]]) -> None:
     if mode() == "off":
         return
     path = _entry_path(key)
-    text = json.dumps({"tensors": [None if c is None else c.to_dict() for c in counts]})
+    text = json.dumps({"tensors": [None if c is None else counts_to_dict(c) for c in counts]})
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         write_atomically(path, text)

@@ -104,7 +104,7 @@ def demo(out_dir: str, architecture: str, seed: int) -> None:
     """
     import yaml
 
-    from mergekit_ram.stats import STATISTICS_FILE, RamStatistics
+    from mergekit_ram.stats import STATISTICS_FILE, model_table, statistics_from_dict
     from mergekit_ram.synthetic import PAPER_AGENTS, PAPER_OVERLAP, build_agents, tiny_config
 
     logging.basicConfig(level=logging.WARNING)
@@ -134,9 +134,9 @@ def demo(out_dir: str, architecture: str, seed: int) -> None:
         raise click.ClickException(f"mergekit-yaml failed:\n{completed.stderr[-4000:]}")
 
     with open(os.path.join(merged_path, STATISTICS_FILE), encoding="utf-8") as handle:
-        statistics = RamStatistics.from_dict(json.load(handle))
+        statistics = statistics_from_dict(json.load(handle))
     click.echo("")
-    click.echo(statistics.table())
+    click.echo(model_table(statistics))
     click.echo("")
     click.echo(
         "Paper (Qwen2.5-7B agents): density 3.2% / 46.2% / 54.3%, rho ~14.9 / 1.45 / 1.11, lambda ~1.20 / 1.145 / 1.11"
@@ -189,14 +189,8 @@ def probe(
     from mergekit_ram.errors import RamError, exit_on_one_line
     from mergekit_ram.integration.scripts import check_options_device, merge_options
     from mergekit_ram.plot import check_plot_extra, plot_statistics
-    from mergekit_ram.probe import (
-        histogram_table,
-        module_table,
-        probe_config,
-        probe_report_json,
-        select_stages,
-        stage_plot_path,
-    )
+    from mergekit_ram.probe import probe_config, probe_report_json, select_stages, stage_plot_path
+    from mergekit_ram.stats import histogram_table, model_table, module_table
 
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING)
     options = merge_options(
@@ -235,7 +229,7 @@ def probe(
         settings = ", ".join(f"{key} = {value}" for key, value in statistics.parameters.items())
         of = recipe if chosen.name is None else f"{recipe}, stage {chosen.name}"
         click.echo(f"{statistics.method} probe of {of} ({settings})\n")
-        click.echo(statistics.table())
+        click.echo(model_table(statistics))
         click.echo("\nChanged parameters by how many models changed them (k):\n")
         click.echo(histogram_table(statistics))
         if by_module:

@@ -32,8 +32,6 @@ from typing import Any, Callable, Literal, Optional, Sequence
 
 import torch
 
-Rule = Literal["clip", "soft"]
-
 #: Histograms are gathered from a bit pattern per element (bit t set when model t is
 #: active): float32 patterns up to 24 models (int64 beyond), counted as int16 up to 15
 #: models, a bincount over 2**N bins up to 20.
@@ -41,30 +39,6 @@ _FLOAT_PATTERN_MAX_MODELS = 24
 _INT16_MAX_MODELS = 15
 _BINCOUNT_MAX_MODELS = 20
 _PATTERN_MAX_MODELS = 62
-
-
-def overlap_ratio(shared: int, unique: int) -> float:
-    """rho_t = shared_t / unique_t.
-
-    A model that changed nothing has rho = 0 (no unique update to scale); one whose
-    every change is shared has rho = inf (lambda is then never used).
-    """
-    if unique == 0:
-        return 0.0 if shared == 0 else math.inf
-    return shared / unique
-
-
-def rescale_factor(rho: float, r: float, alpha: float, rule: Rule) -> float:
-    """lambda_t from rho_t.
-
-    clip (RAM+, eq. 4):           1 + r * clip(rho, 0, alpha)
-    soft (RAM+s, appendix E):     1 + r * rho / (1 + rho)
-    """
-    if rule == "clip":
-        return 1.0 + r * min(max(rho, 0.0), alpha)
-    if rule == "soft":
-        return 1.0 + r * (1.0 if math.isinf(rho) else rho / (1.0 + rho))
-    raise ValueError(f"unknown rescaling rule {rule!r}; expected 'clip' or 'soft'")
 
 
 class NonFiniteInputError(ValueError):

@@ -14,12 +14,10 @@ from pydantic import BeforeValidator, Field, TypeAdapter, ValidationError
 from typing_extensions import Annotated
 
 from mergekit_ram.errors import RecipeError
+from mergekit_ram.rescaling import RULES, Rescaling, rule_choices
 
 #: The largest float32; a value above it becomes inf in the float32 arithmetic.
 FLOAT32_MAX = float.fromhex("0x1.fffffep+127")
-#: Above this a lambda is warned about: the paper's are about 1.2 (r = 0.1, alpha = 2);
-#: 4 would mean a model's unique updates are applied four-fold.
-PLAUSIBLE_LAMBDA = 4.0
 
 
 def _not_a_boolean(value: Any) -> Any:
@@ -50,10 +48,11 @@ class ParameterInfo:
         return self._adapter.validate_python(value)
 
 
+_DEFAULT_RESCALING = Rescaling()
 EPSILON = ParameterInfo("epsilon", NonNegative, 1e-5, "a finite number >= 0")
-R = ParameterInfo("r", NonNegative, 0.1, "a finite number >= 0")
-ALPHA = ParameterInfo("alpha", NonNegative, 2.0, "a finite number >= 0")
-RULE = ParameterInfo("rule", Literal["clip", "soft"], "clip", "'clip' (RAM+) or 'soft' (RAM+s)")
+R = ParameterInfo("r", NonNegative, _DEFAULT_RESCALING.r, "a finite number >= 0")
+ALPHA = ParameterInfo("alpha", NonNegative, _DEFAULT_RESCALING.alpha, "a finite number >= 0")
+RULE = ParameterInfo("rule", Literal[tuple(RULES)], _DEFAULT_RESCALING.rule, rule_choices())  # type: ignore[valid-type]
 RHO = ParameterInfo("rho", Optional[NonNegative], None, "a finite number >= 0 (pins the model's rho)", per_model=True)
 LAMBDA = ParameterInfo(
     "lambda", Optional[NonNegative], None, "a finite number >= 0 (pins the model's lambda)", per_model=True
@@ -119,13 +118,12 @@ def check_parameter(method: str, name: str, value: Any, where: str = "parameters
 
 
 def largest_lambda(r: float, alphas: Iterable[float], rules: Iterable[str]) -> float:
-    """The largest lambda_t the settings allow: 1 + r * alpha (clip) or 1 + r (soft), any rho."""
-    bounds = [1.0 + r * alpha for alpha in alphas] if "clip" in set(rules) else []
-    return max([*bounds, 1.0 + r])
+    """The largest lambda_t any of these alpha and rule values allows with ``r``, over every rho."""
+    return max(Rescaling(r, alpha, rule).largest_lambda() for alpha in list(alphas) for rule in set(rules))
 
 
 def check_lambda_range(method: str, r: float, alphas: Iterable[float], rules: Iterable[str], where: str) -> None:
-    """lambda_t = 1 + r * clip(rho, 0, alpha) must fit float32, or the merged values overflow."""
+    """lambda_t (largest under the settings' rules) must fit float32, or the merged values overflow."""
     alphas, rules = list(alphas), list(rules)
     bound = largest_lambda(r, alphas, rules)
     if bound > FLOAT32_MAX:

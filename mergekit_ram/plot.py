@@ -5,7 +5,7 @@ Needs matplotlib (``pip install matplotlib``, or the extra ``mergekit-ram[plot]`
 
 from __future__ import annotations
 
-from mergekit_ram.stats import RamStatistics
+from mergekit_ram.stats import RamStatistics, display_names
 
 
 def check_plot_extra() -> None:
@@ -29,7 +29,7 @@ def plot_statistics(statistics: RamStatistics, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = statistics.display_names()
+    names = display_names(statistics)
     labels = [names[stats.model] for stats in statistics.models]
     width = max((len(stats.histogram) for stats in statistics.models), default=1)
     figure, (left, right) = plt.subplots(1, 2, figsize=(11, 0.6 * len(labels) + 2.6), constrained_layout=True)

@@ -8,13 +8,12 @@ A mergekit-multi file is read as mergekit-multi reads it: every RAM stage, or th
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
 from mergekit_ram.recipe_file import Stage
-from mergekit_ram.stats import RamStatistics, format_table
+from mergekit_ram.stats import RamStatistics, statistics_to_dict
 
 
 @dataclass(frozen=True)
@@ -93,43 +92,6 @@ def stage_plot_path(path: str, stage: Stage, selection: ProbeSelection) -> str:
     return f"{root}.{stage.name or 'final'}{extension or '.png'}"
 
 
-def histogram_table(statistics: RamStatistics) -> str:
-    """Per model: how many of its changed parameters k models changed, k = 1..N."""
-    width = max(len(stats.histogram) for stats in statistics.models) if statistics.models else 0
-    names = statistics.display_names()
-    header = ["model"] + [f"k={k}" for k in range(1, width + 1)]
-    rows = [header]
-    for stats in statistics.models:
-        cells = [names[stats.model]]
-        for k in range(width):
-            value = stats.histogram[k] if k < len(stats.histogram) else 0
-            share = value / stats.active if stats.active else 0.0
-            cells.append(f"{value:,} ({100 * share:.1f}%)")
-        rows.append(cells)
-    return format_table(rows)
-
-
-def module_table(statistics: RamStatistics) -> str:
-    """Density, shared, unique and local rho per part of the network and model."""
-    names = statistics.display_names()
-    rows = [["module", "model", "density", "changed", "shared", "unique", "local rho"]]
-    for module, models in statistics.by_module().items():
-        for stats in models:
-            rho = "inf" if math.isinf(stats.rho) else f"{stats.rho:.4f}"
-            rows.append(
-                [
-                    module,
-                    names[stats.model],
-                    f"{100 * stats.density:.2f}%",
-                    f"{stats.active:,}",
-                    f"{stats.shared:,}",
-                    f"{stats.unique:,}",
-                    rho,
-                ]
-            )
-    return format_table(rows, left_columns=2)
-
-
 def probe_report_json(
     selection: ProbeSelection, reports: list[tuple[Stage, RamStatistics]], by_module: bool
 ) -> dict[str, Any]:
@@ -143,22 +105,5 @@ def probe_report_json(
 
 
 def probe_json(statistics: RamStatistics, by_module: bool) -> dict[str, Any]:
-    data = statistics.to_dict()
-    if by_module:
-        data["by_module"] = {
-            module: [
-                {
-                    "model": stats.model,
-                    "parameters": stats.numel,
-                    "changed": stats.active,
-                    "density": stats.density,
-                    "shared": stats.shared,
-                    "unique": stats.unique,
-                    "overlap_histogram": {str(k + 1): v for k, v in enumerate(stats.histogram)},
-                    "local_rho": stats.rho if math.isfinite(stats.rho) else None,
-                }
-                for stats in models
-            ]
-            for module, models in statistics.by_module().items()
-        }
-    return data
+    """The statistics' JSON object; with ``by_module``, the counts per part of the network too."""
+    return statistics_to_dict(statistics, with_modules=by_module)

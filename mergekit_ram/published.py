@@ -12,7 +12,7 @@ from typing import Optional
 import click
 import yaml
 
-from mergekit_ram.stats import STATISTICS_FILE, RamStatistics
+from mergekit_ram.stats import STATISTICS_FILE, RamStatistics, card_markdown, compact_table, statistics_from_dict
 
 #: The Hub tag of every model merged with mergekit-ram's methods.
 CARD_TAG = "mergekit-ram"
@@ -24,7 +24,7 @@ def read_statistics(out_path: str) -> Optional[RamStatistics]:
     if not os.path.exists(path):
         return None
     with open(path, encoding="utf-8") as handle:
-        return RamStatistics.from_dict(json.load(handle))
+        return statistics_from_dict(json.load(handle))
 
 
 def append_card_section(out_path: str) -> None:
@@ -36,7 +36,7 @@ def append_card_section(out_path: str) -> None:
     with open(card, encoding="utf-8") as handle:
         text = handle.read()
     with open(card, "w", encoding="utf-8") as handle:
-        handle.write(with_card_tag(text, CARD_TAG) + "\n" + statistics.markdown())
+        handle.write(with_card_tag(text, CARD_TAG) + "\n" + card_markdown(statistics))
 
 
 def with_card_tag(card: str, tag: str) -> str:
@@ -65,6 +65,6 @@ def report_summary(out_path: str) -> None:
     settings = ", ".join(f"{key} = {value}" for key, value in statistics.parameters.items())
     click.echo(
         f"{statistics.method} merge written to {out_path} ({settings}); "
-        f"per-tensor counts in {STATISTICS_FILE}\n{statistics.compact_table()}",
+        f"per-tensor counts in {STATISTICS_FILE}\n{compact_table(statistics)}",
         err=True,
     )

@@ -1,6 +1,6 @@
 """A RAM merge's settings, validated once: the rescaling (r, alpha, rule), the pins, and lambda.
 
-lambda_t is global (paper eq. 4): one r, one alpha, one rule per merge and one pin per model,
+lambda_t is global (paper eq. 6): one r, one alpha, one rule per merge and one pin per model,
 whatever filters or gradients the recipe uses. ``merge_settings`` checks that over every
 tensor of the merge and returns the one ``MergeSettings`` that turns rho into lambda for the
 pre-pass, the kernel and the statistics alike. Plain data; no torch, no mergekit.
@@ -14,7 +14,7 @@ from typing import Any, Iterable, NamedTuple, Optional, Sequence
 from mergekit_ram.parameters import ALPHA, RULE, ParameterError, R
 from mergekit_ram.planned import TensorParameters
 from mergekit_ram.rescaling import Rescaling
-from mergekit_ram.stats import Pin, RamStatistics, TensorCounts
+from mergekit_ram.stats import Pin, RamStatistics, Source, TensorCounts, build_statistics, model_lambda
 
 RAM_METHODS = ("ram", "ram_plus")
 
@@ -49,21 +49,17 @@ class MergeSettings:
         return any(self.pin(model) is None for model in finetunes)
 
     def model_lambda(self, model: str, rho: Optional[float]) -> float:
-        """lambda_t: the pinned lambda, else 1 + r * clip(rho_t, 0, alpha) from the pinned or given rho.
+        """lambda_t through the statistics' one rule (``stats.model_lambda``): the pinned lambda,
+        else the rescaling of the pinned or given rho; 1 for ``ram``.
 
         ``rho`` may be None only where lambda does not depend on it (see ``needs_counts``).
         """
         pin = self.pin(model)
-        if self.rescaling is None:
-            return 1.0
-        if pin is not None:
-            kind, value = pin
-            return value if kind == "lambda" else self.rescaling.lambda_(value)
-        if rho is None:
+        if rho is None and pin is None and self.rescaling is not None:
             if self.rescaling.r != 0:
                 raise ValueError(f"lambda of {model} needs its global rho")
-            return 1.0
-        return self.rescaling.lambda_(rho)
+            rho = 0.0  # r = 0: every rho gives lambda 1
+        return model_lambda(0.0 if rho is None else rho, self.rescaling, pin)
 
     def lambdas_without_counts(self, finetunes: Sequence[str]) -> Optional[dict[str, float]]:
         """Each model's lambda when no count is needed (ram, r = 0, every model pinned); else None."""
@@ -90,17 +86,14 @@ class MergeSettings:
             applied[model] = Applied(self.model_lambda(model, None), pin[1] if pin and pin[0] == "rho" else None)
         return applied
 
-    def statistics(self, tensors: Iterable[TensorCounts], source: str) -> RamStatistics:
+    def statistics(self, tensors: Iterable[TensorCounts], source: Source) -> RamStatistics:
         """Per-model counts, rho and lambda (through ``model_lambda``) from per-tensor counts."""
-        rescaling = self.rescaling
-        return RamStatistics.build(
+        return build_statistics(
             self.method,
             tensors,
-            r=rescaling.r if rescaling is not None else 0.0,
-            alpha=rescaling.alpha if rescaling is not None else 0.0,
-            rule=rescaling.rule if rescaling is not None else "clip",  # type: ignore[arg-type]
+            rescaling=self.rescaling,
             pins={model: (kind, value) for model, kind, value in self.pins},
-            source=source,  # type: ignore[arg-type]
+            source=source,
             checkpoint_dtypes=dict(self.checkpoint_dtypes),
         )
 
@@ -155,6 +148,6 @@ def _one_value(name: str, values: Sequence[tuple[str, Any]]) -> Any:
         (first, first_tensor), (second, second_tensor) = list(seen.items())[:2]
         raise ParameterError(
             f"ram_plus: parameter {name!r} must be one value for the whole merge (lambda_t is global, "
-            f"paper eq. 4); got {first!r} for {first_tensor} and {second!r} for {second_tensor}"
+            f"paper eq. 6); got {first!r} for {first_tensor} and {second!r} for {second_tensor}"
         )
     return next(iter(seen), None)

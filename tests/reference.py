@@ -58,7 +58,7 @@ def rho(shared: int, unique: int) -> float:
 
 
 def lambda_clip(rho_value: float, r: float, alpha: float) -> float:
-    """Paper eq. 4: lambda = 1 + r * clip(rho, 0, alpha)."""
+    """Paper eq. 6: lambda = 1 + r * clip(rho, 0, alpha)."""
     return 1.0 + r * min(max(rho_value, 0.0), alpha)
 
 

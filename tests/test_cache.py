@@ -22,6 +22,7 @@ from mergekit.options import MergeOptions
 
 from mergekit_ram import cache
 from mergekit_ram.integration.planner import counted_prepass, plan_merge
+from mergekit_ram.stats import counts_to_dict
 from tests.conftest import ModelSet, load_statistics
 
 OPTIONS = MergeOptions(quiet=True)
@@ -103,7 +104,7 @@ def test_an_unwritable_cache_is_a_warning_and_the_merge_goes_on(
     out = str(tmp_path / "out")
     with caplog.at_level(logging.WARNING):
         run_merge(MergeConfiguration.model_validate(bf16_models.recipe("ram_plus")), out, options=OPTIONS)
-    assert load_statistics(out)["tensors"] == [counts.to_dict() for counts in fresh]
+    assert load_statistics(out)["tensors"] == [counts_to_dict(counts) for counts in fresh]
     messages = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any(_entry(key) in m and "MERGEKIT_RAM_CACHE=off" in m and "the merge goes on" in m for m in messages)
 

@@ -20,7 +20,8 @@ from mergekit.merge_methods.ram import ram_merge as builtin_ram
 from mergekit.merge_methods.ram import ramplus_tl_merge as builtin_ramplus_tl
 
 from mergekit_ram.integration.methods import RAM_PLUS
-from mergekit_ram.kernel import CHUNK_ELEMENTS, ram_merge, rescale_factor
+from mergekit_ram.kernel import CHUNK_ELEMENTS, ram_merge
+from mergekit_ram.rescaling import Rescaling
 from mergekit_ram.synthetic import build_base, sparse_agents, tiny_config, write_checkpoint
 from tests import reference
 from tests.conftest import ModelSet, load_weights, run_script, write_recipe
@@ -137,7 +138,7 @@ def test_default_alpha_caps_ramplus_tl_lambda_at_1_02() -> None:
     second[1:10] = 0.03
     merged = merge_tensors([base, first, second], builtin_ramplus_tl, base_index=0)
     assert float(merged[0]) == pytest.approx(0.01 * 1.02, rel=1e-6)
-    ours = ram_merge(base, [first, second], EPSILON, [rescale_factor(9.0, 0.1, 2.0, "clip"), 1.0]).merged
+    ours = ram_merge(base, [first, second], EPSILON, [Rescaling(0.1, 2.0, "clip").lambda_(9.0), 1.0]).merged
     assert float(ours[0]) == pytest.approx(0.01 * 1.2, rel=1e-6)
 
 
@@ -219,12 +220,12 @@ def test_authors_rule_gives_the_papers_agents_one_lambda() -> None:
     rhos = [(1 - share) / share for share in shares]
     assert [round(rho, 2) for rho in rhos] == [14.87, 1.45, 1.11]
 
-    ours = [rescale_factor(rho, 0.1, 2.0, "clip") for rho in rhos]
+    ours = [Rescaling(0.1, 2.0, "clip").lambda_(rho) for rho in rhos]
     assert ours == [reference.lambda_clip(rho, 0.1, 2.0) for rho in rhos]
     assert [round(lam, 4) for lam in ours] == [1.2, 1.1451, 1.1105]
     authors = [1 + 0.1 * min(1.0, rho) for rho in rhos]  # 1 + (R - 1) * min(1, rho), R = 1.1
     assert authors == [1.1, 1.1, 1.1]
-    ramplus_tl_default = [rescale_factor(rho, 0.1, 0.2, "clip") for rho in rhos]
+    ramplus_tl_default = [Rescaling(0.1, 0.2, "clip").lambda_(rho) for rho in rhos]
     assert [round(lam, 4) for lam in ramplus_tl_default] == [1.02, 1.02, 1.02]
 
     printed = subprocess.run(

@@ -35,6 +35,7 @@ PAGES = (
     "prepass.md",
     "comparison.md",
     "publishing.md",
+    "statistics.md",
     "troubleshooting.md",
     "changelog.md",
     "contributing.md",
@@ -127,16 +128,17 @@ def collect_messages(source: str, filename: str) -> list[Message]:
     return messages
 
 
-def package_files() -> list[str]:
-    """Every Python file of the package, its subpackages included."""
-    return sorted(glob.glob(os.path.join(PACKAGE, "**", "*.py"), recursive=True))
+def package_modules() -> list[str]:
+    """Every module of the package, subpackages included, relative to it (``stats/render.py``)."""
+    paths = glob.glob(os.path.join(PACKAGE, "**", "*.py"), recursive=True)
+    return sorted(os.path.relpath(path, PACKAGE).replace(os.sep, "/") for path in paths)
 
 
 def package_messages() -> list[Message]:
     messages = []
-    for path in package_files():
-        with open(path, encoding="utf-8") as handle:
-            messages += collect_messages(handle.read(), os.path.relpath(path, ROOT))
+    for module in package_modules():
+        with open(os.path.join(PACKAGE, module), encoding="utf-8") as handle:
+            messages += collect_messages(handle.read(), f"mergekit_ram/{module}")
     return messages
 
 
@@ -243,7 +245,7 @@ def link_problems(page: str, root: str = ROOT) -> list[str]:
         with open(os.path.join(root, file), encoding="utf-8") as handle:
             if not re.search(rf"^def {name}\(", handle.read(), flags=re.MULTILINE):
                 problems.append(f"{file}::{name}: no such test")
-    for file in set(re.findall(r"\b((?:docs/scripts|mergekit_ram|tests|benchmarks)/\w+\.py)\b", text)):
+    for file in set(re.findall(r"\b((?:docs/scripts|mergekit_ram|tests|benchmarks)/(?:\w+/)*\w+\.py)\b", text)):
         if not os.path.exists(os.path.join(root, file)):
             problems.append(f"{file}: no such file")
     return problems
@@ -275,8 +277,7 @@ def test_readme_links_are_absolute_and_checked(tmp_path) -> None:
 
 def test_contributing_describes_every_module() -> None:
     text = read("contributing.md")
-    modules = [os.path.relpath(path, PACKAGE) for path in package_files()]
-    missing = [module for module in modules if f"`{module}`" not in text]
+    missing = [module for module in package_modules() if f"`{module}`" not in text]
     assert not missing, f"docs/contributing.md has no line for {missing}"
 
 

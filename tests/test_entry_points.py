@@ -10,7 +10,7 @@ import sys
 import torch
 import yaml
 
-from mergekit_ram.stats import RamStatistics
+from mergekit_ram.stats import display_names, format_rho, read_ratio, statistics_from_dict
 from tests.conftest import ModelSet, load_statistics, load_weights, run_script, write_recipe
 
 OFF = {"MERGEKIT_RAM_AUTOLOAD": "0"}
@@ -31,11 +31,11 @@ def summary_rows(stderr: str, out: str) -> dict[str, list[str]]:
 
 
 def expected_rows(statistics: dict) -> dict[str, list[str]]:
-    names = RamStatistics.from_dict(statistics).display_names()
+    names = display_names(statistics_from_dict(statistics))
     return {
         names[m["model"]]: [
             f"{100 * m['density']:.2f}%",
-            "inf" if m["rho"] is None else f"{m['rho']:.4f}",
+            format_rho(read_ratio(m["rho"])),
             f"{m['lambda']:.4f}",
         ]
         for m in statistics["models"]

@@ -13,9 +13,7 @@ from mergekit_ram.kernel import (
     CHUNK_ELEMENTS,
     MergeOverflowError,
     NonFiniteInputError,
-    overlap_ratio,
     ram_merge,
-    rescale_factor,
 )
 from mergekit_ram.memory import peak_allocated_bytes
 from tests import reference
@@ -213,20 +211,6 @@ def test_large_finite_values_are_not_mistaken_for_inf() -> None:
     finetune[:500] = -3e35  # |tau| = 6e35; the sum of magnitudes overflows float32
     result = ram_merge(base, [finetune], EPSILON)
     assert torch.isfinite(result.merged).all()
-
-
-def test_rho_and_lambda_follow_the_paper() -> None:
-    assert overlap_ratio(30, 2) == reference.rho(30, 2) == 15.0
-    assert overlap_ratio(0, 0) == 0.0
-    assert math.isinf(overlap_ratio(5, 0))
-    for rho in (0.0, 0.5, 1.11, 1.45, 2.0, 14.9, math.inf):
-        assert rescale_factor(rho, 0.1, 2.0, "clip") == reference.lambda_clip(rho, 0.1, 2.0)
-        assert rescale_factor(rho, 0.1, 2.0, "soft") == reference.lambda_soft(rho, 0.1)
-    assert rescale_factor(14.9, 0.1, 2.0, "clip") == pytest.approx(1.2)
-    assert rescale_factor(1.45, 0.1, 2.0, "clip") == pytest.approx(1.145)
-    assert rescale_factor(3.0, 0.1, 2.0, "soft") == pytest.approx(1.075)
-    with pytest.raises(ValueError, match="rule"):
-        rescale_factor(1.0, 0.1, 2.0, "tanh")  # type: ignore[arg-type]
 
 
 def peak_scratch_bytes(function) -> int:

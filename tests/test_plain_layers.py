@@ -60,7 +60,7 @@ def test_reported_lambda_is_the_applied_lambda() -> None:
     statistics = settings.statistics([counts], "pre-pass")
     applied = settings.applied(["a", "b"], statistics)
     assert applied == {"a": Applied(1.15, 1.5), "b": Applied(1.5, None)}  # rho_a = 3 / 2
-    assert statistics.lambdas() == {"a": 1.15, "b": 1.5}
+    assert {stats.model: stats.lambda_ for stats in statistics.models} == {"a": 1.15, "b": 1.5}
 
 
 def identity(label: str, path: str) -> ModelIdentity:

@@ -318,7 +318,7 @@ def test_degenerate_finetunes_merge_without_nan(bf16_models: ModelSet, tmp_path,
     if kind == "all identical":
         twin = load_file(os.path.join(bf16_models.agents[1], "model.safetensors"))
         assert all(torch.equal(merged[name], tensor) for name, tensor in twin.items())
-        assert [m["rho"] for m in statistics["models"]] == [None, None]  # nothing unique: rho = inf
+        assert [m["rho"] for m in statistics["models"]] == ["inf", "inf"]  # nothing unique: rho = inf
         assert [m["lambda"] for m in statistics["models"]] == [1.2, 1.2]  # defined, never used
     else:
         assert statistics["models"][0]["changed"] == 0 and statistics["models"][0]["lambda"] == 1.0

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import json
+import math
 import os
 import shutil
 from typing import Any
@@ -16,7 +18,18 @@ from safetensors.torch import load_file, save_file
 
 from mergekit_ram import cache
 from mergekit_ram.integration.planner import plan_merge
-from mergekit_ram.stats import module_of
+from mergekit_ram.rescaling import Rescaling
+from mergekit_ram.stats import (
+    SCHEMA_VERSION,
+    TensorCounts,
+    build_statistics,
+    by_module,
+    model_lambda,
+    module_of,
+    statistics_from_dict,
+    statistics_to_dict,
+    statistics_to_json,
+)
 from mergekit_ram.synthetic import build_agents, independent_overlap, tiny_config
 from tests import reference
 from tests.conftest import ModelSet, load_statistics, load_weights, run_script, write_recipe
@@ -211,3 +224,84 @@ def test_warnings_that_save_a_wasted_merge(tmp_path, case: str, expected: str) -
     assert any(expected in warning for warning in load_statistics(out)["warnings"])
     quiet = run_script("mergekit-ram", "probe", str(tmp_path / "r.yml"))
     assert expected in quiet.stderr
+
+
+# The arithmetic and the schema on counts built by hand (no merge) ----------------------
+
+#: Model a: unique 2 + 3, shared 10 + 5 (rho 15 / 5 = 3); model b: nothing unique (rho inf).
+HAND_COUNTS = (
+    TensorCounts("model.layers.0.mlp.up_proj.weight", 100, 1e-5, ("a", "b"), ((2, 10), (0, 10))),
+    TensorCounts("model.layers.0.self_attn.q_proj.weight", 50, 1e-5, ("a", "b"), ((3, 5), (0, 5))),
+)
+
+
+def test_lambda_is_decided_once_per_model() -> None:
+    paper = Rescaling(0.1, 2.0, "clip")
+    assert model_lambda(3.0, paper) == 1.2  # 1 + 0.1 * clip(3, 0, 2)
+    assert model_lambda(3.0, paper, ("rho", 0.5)) == 1.05  # the pinned rho: 1 + 0.1 * 0.5
+    assert model_lambda(3.0, paper, ("lambda", 1.7)) == 1.7  # a pinned lambda as is
+    assert model_lambda(3.0, None) == 1.0  # ram
+
+    statistics = build_statistics("ram_plus", HAND_COUNTS, rescaling=Rescaling(0.1, 5.0, "clip"))
+    a, b = statistics.models
+    assert (a.numel, a.active, a.unique, a.shared, a.density) == (150, 20, 5, 15, 20 / 150)
+    assert (a.rho, a.lambda_, a.pinned) == (3.0, 1.3, None)  # 1 + 0.1 * 3, under alpha = 5
+    assert (b.rho, b.lambda_) == (math.inf, 1.5)  # the bound 1 + 0.1 * 5, never applied
+    assert statistics.parameters == {"epsilon": 1e-5, "r": 0.1, "alpha": 5.0, "rule": "clip"}
+
+    pinned = build_statistics(
+        "ram_plus", HAND_COUNTS, rescaling=Rescaling(), pins={"a": ("rho", 0.5), "c": ("lambda", 1.3)}
+    )
+    a, b, c = pinned.models
+    assert (a.rho, a.measured_rho, a.lambda_, a.pinned) == (0.5, 3.0, 1.05, "rho")
+    assert (c.model, c.numel, c.histogram, c.rho, c.lambda_, c.pinned) == ("c", 0, (), 0.0, 1.3, "lambda")
+
+    ram = build_statistics("ram", HAND_COUNTS, rescaling=None)
+    assert [stats.lambda_ for stats in ram.models] == [1.0, 1.0]
+    assert ram.parameters == {"epsilon": 1e-5}
+
+
+def test_counts_by_module_keep_rho_local() -> None:
+    embeddings = TensorCounts("model.embed_tokens.weight", 10, 1e-5, ("a", "b"), ((1, 0), (0, 0)))
+    modules = by_module(build_statistics("ram_plus", (*HAND_COUNTS, embeddings), rescaling=Rescaling()))
+    assert list(modules) == ["embeddings", "attention", "mlp"]  # MODULES order, not alphabetical
+    assert [(s.model, s.histogram, s.measured_rho) for s in modules["embeddings"]] == [
+        ("a", (1, 0), 0.0),
+        ("b", (0, 0), 0.0),
+    ]
+    assert [(s.model, s.histogram, s.measured_rho) for s in modules["attention"]] == [
+        ("a", (3, 5), 5 / 3),
+        ("b", (0, 5), math.inf),
+    ]
+    assert [(s.model, s.histogram, s.measured_rho) for s in modules["mlp"]] == [
+        ("a", (2, 10), 5.0),
+        ("b", (0, 10), math.inf),
+    ]
+
+
+def test_the_json_schema_round_trips_and_reads_schema_1() -> None:
+    statistics = build_statistics("ram_plus", HAND_COUNTS, rescaling=Rescaling(0.1, 2.0, "soft"))
+    text = statistics_to_json(statistics)
+    data = json.loads(text)
+    assert data["schema"] == SCHEMA_VERSION == 2
+    assert [(m["rho"], m["measured_rho"]) for m in data["models"]] == [(3.0, 3.0), ("inf", "inf")]
+    assert [m["lambda"] for m in data["models"]] == [1.075, 1.1]  # soft: 1 + 0.1 * 3 / 4; 1 + 0.1
+    assert statistics_from_dict(data) == statistics
+
+    probe = statistics_to_dict(statistics, with_modules=True)["by_module"]
+    assert [row["local_rho"] for row in probe["mlp"]] == [5.0, "inf"]
+
+    # Schema 1 wrote null for infinity; such files still read as the same statistics.
+    old = copy.deepcopy(data)
+    old["schema"] = 1
+    for model in old["models"]:
+        model.update({key: None if value == "inf" else value for key, value in model.items() if "rho" in key})
+    assert old["models"][1]["rho"] is None
+    assert statistics_from_dict(old) == statistics
+
+    with pytest.raises(ValueError, match=r"ram_statistics.json has schema 3; this mergekit-ram reads schemas 1, 2"):
+        statistics_from_dict({**data, "schema": 3})
+    hand_edited = copy.deepcopy(data)
+    hand_edited["models"][1]["rho"] = "Infinity"
+    with pytest.raises(ValueError, match="a rho is 'Infinity'; expected a number or 'inf'"):
+        statistics_from_dict(hand_edited)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import sys
 from typing import Any, Optional
@@ -18,7 +19,7 @@ from benchmarks.agents.merges import FAMILIES, R_GRID, RULES, ram_plus_name
 from benchmarks.agents.plot import plot_results
 from benchmarks.agents.records import Results, agent_statistics, best_and_default, variant_steps
 from benchmarks.agents.tasks import TASKS
-from mergekit_ram.stats import MODULES, markdown_table
+from mergekit_ram.stats import MODULES, markdown_table, read_ratio
 
 LOG = logging.getLogger(__name__)
 
@@ -30,6 +31,12 @@ TASK_NAMES = {"add": "addition", "rev": "reversal", "tool": "tool call"}
 
 def pct(value: Optional[float]) -> str:
     return "-" if value is None else f"{100 * value:.1f}"
+
+
+def rho_cell(value: Any) -> str:
+    """A rho from a ``ram_statistics.json`` (either schema: ``null`` or ``"inf"`` is infinite), two decimals."""
+    rho = read_ratio(value)
+    return "inf" if math.isinf(rho) else f"{rho:.2f}"
 
 
 def score_cells(scores: dict[str, float], sizes: dict[str, int]) -> list[str]:
@@ -100,7 +107,7 @@ def statistics_section(results: Results, variant: str) -> str:
         m = statistics["models"][task]
         changed = max(m["changed"], 1)
         histogram = m["overlap_histogram"]
-        rho = "inf" if m["rho"] is None else f"{m['rho']:.2f}"
+        rho = rho_cell(m["rho"])
         updates = results.analysis.get(variant, {}).get("updates", {}).get("agents", {}).get(task)
         independent = f"{100 * updates['unique_share_if_independent']:.1f}%" if updates else "-"
         rows.append(
@@ -271,7 +278,7 @@ def variation_section(results: Results) -> str:
             stats = "<br>".join(
                 f"{t}: {100 * statistics['models'][t]['density']:.1f}% / "
                 f"{100 * statistics['models'][t]['unique'] / max(statistics['models'][t]['changed'], 1):.1f}% / "
-                + ("inf" if statistics["models"][t]["rho"] is None else f"{statistics['models'][t]['rho']:.2f}")
+                + rho_cell(statistics["models"][t]["rho"])
                 for t in TASKS
             )
         specialists = results.specialists_average(variant)

@@ -7,7 +7,7 @@ figures). rho comes from the paper's unique shares (section 3, Figure 2): an age
 changed parameters are a share ``u`` unique has ``rho = shared / unique = (1 - u) / u``.
 
 Rules, all with ``r = 0.1`` unless ``--r`` says otherwise:
-- ``ram_plus`` clip (paper eq. 4, this plugin's default): ``1 + r * clip(rho, 0, 2.0)``;
+- ``ram_plus`` clip (paper eq. 6, this plugin's default): ``1 + r * clip(rho, 0, 2.0)``;
 - ``ram_plus`` soft (RAM+s, appendix E): ``1 + r * rho / (1 + rho)``;
 - mergekit 0.1.5 ``ramplus_tl`` with its default ``alpha = 0.2``: ``1 + r * clip(rho, 0, 0.2)``,
   evaluated here on the whole-model rho (``ramplus_tl`` itself uses each tensor's rho);
@@ -19,8 +19,9 @@ Rules, all with ``r = 0.1`` unless ``--r`` says otherwise:
 from __future__ import annotations
 
 import argparse
+from typing import Callable
 
-from mergekit_ram.kernel import rescale_factor
+from mergekit_ram.rescaling import Rescaling
 from mergekit_ram.stats import markdown_table
 
 #: Share of each agent's changed parameters that no other agent changed (paper, Figure 2).
@@ -38,13 +39,11 @@ def authors_lambda(rho: float, r: float) -> float:
     return 1.0 + r * min(1.0, rho)
 
 
-def rules(r: float) -> dict[str, object]:
+def rules(r: float) -> dict[str, Callable[[float], float]]:
     return {
-        f"ram_plus clip (alpha {PAPER_ALPHA:g})": lambda rho: rescale_factor(rho, r, PAPER_ALPHA, "clip"),
-        "ram_plus soft (RAM+s)": lambda rho: rescale_factor(rho, r, PAPER_ALPHA, "soft"),
-        f"ramplus_tl default (alpha {RAMPLUS_TL_ALPHA:g})": lambda rho: rescale_factor(
-            rho, r, RAMPLUS_TL_ALPHA, "clip"
-        ),
+        f"ram_plus clip (alpha {PAPER_ALPHA:g})": Rescaling(r, PAPER_ALPHA, "clip").lambda_,
+        "ram_plus soft (RAM+s)": Rescaling(r, PAPER_ALPHA, "soft").lambda_,
+        f"ramplus_tl default (alpha {RAMPLUS_TL_ALPHA:g})": Rescaling(r, RAMPLUS_TL_ALPHA, "clip").lambda_,
         "authors' script (bound 1)": lambda rho: authors_lambda(rho, r),
     }
 

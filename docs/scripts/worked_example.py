@@ -13,7 +13,8 @@ import math
 
 import torch
 
-from mergekit_ram.kernel import overlap_ratio, ram_merge, rescale_factor
+from mergekit_ram.kernel import ram_merge
+from mergekit_ram.rescaling import Rescaling, rho_of_histogram
 
 EPSILON, R, ALPHA = 1e-5, 0.1, 2.0
 NAMES = ("A", "B", "C")
@@ -46,10 +47,10 @@ def main() -> None:
     lambdas = {}
     for name, histogram in zip(NAMES, counted.histograms):
         unique, shared = histogram[0], sum(histogram[1:])
-        rho = overlap_ratio(shared, unique)
+        rho = rho_of_histogram(histogram)
         assert math.isclose(rho, EXPECTED_RHO[name]), (name, rho)
         for rule in ("clip", "soft"):
-            lam = rescale_factor(rho, R, ALPHA, rule)
+            lam = Rescaling(R, ALPHA, rule).lambda_(rho)
             assert math.isclose(lam, EXPECTED_LAMBDA[rule][name]), (name, rule, lam)
             lambdas.setdefault(rule, []).append(lam)
         print(

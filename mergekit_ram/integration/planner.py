@@ -45,7 +45,7 @@ from mergekit_ram.integration.tasks import (
 from mergekit_ram.integration.versions import require, wrap
 from mergekit_ram.planned import PlannedTensor
 from mergekit_ram.settings import MergeSettings, merge_settings
-from mergekit_ram.stats import RamStatistics, TensorCounts
+from mergekit_ram.stats import RamStatistics, TensorCounts, log_statistics
 
 LOG = logging.getLogger(__name__)
 
@@ -155,7 +155,7 @@ def attach_ram_plan(
     counts: tuple[TakeCounts, ...] = ()
     if settings.needs_counts(finetunes):
         statistics = settings.statistics(counted_prepass(plan, options), source="pre-pass")
-        statistics.log()
+        log_statistics(statistics)
     applied = settings.applied(finetunes, statistics)
     tasks: list[Task] = [with_lambdas(task, applied) for task in merge_tasks]
     if statistics is None:

@@ -26,7 +26,7 @@ from mergekit_ram.integration.methods import METHODS
 from mergekit_ram.planned import ModelPin, PlannedTensor, TensorInput, TensorParameters
 from mergekit_ram.settings import Applied, MergeSettings
 from mergekit_ram.staging import write_atomically
-from mergekit_ram.stats import STATISTICS_FILE, RamStatistics, TensorCounts
+from mergekit_ram.stats import STATISTICS_FILE, RamStatistics, TensorCounts, log_statistics, statistics_to_json
 
 _SHARED = ("epsilon", "r", "alpha", "rule")
 
@@ -251,7 +251,7 @@ class WriteRamStatistics(Task[RamStatistics]):
         else:
             tensors = [kwargs[f"counts_{index}"] for index in range(len(self.counts))]
             statistics = self.settings.statistics([t for t in tensors if t is not None], source="merge")
-            statistics.log()
+            log_statistics(statistics)
         if self.out_path is not None:
-            write_atomically(os.path.join(self.out_path, STATISTICS_FILE), statistics.to_json())
+            write_atomically(os.path.join(self.out_path, STATISTICS_FILE), statistics_to_json(statistics))
         return statistics

@@ -1,0 +1,180 @@
+"""From per-tensor counts to a merge's statistics: sums per model, rho, lambda, warnings.
+
+rho_t = shared_t / unique_t over every tensor of the merge (``rescaling.rho_of_histogram``);
+lambda_t comes from :func:`model_lambda` alone, so the lambda reported is the one applied.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from typing import Iterable, Mapping, Optional
+
+from mergekit_ram.rescaling import PLAUSIBLE_LAMBDA, Rescaling
+from mergekit_ram.stats.data import (
+    ModelStatistics,
+    ModuleStatistics,
+    OverlapCounts,
+    Pin,
+    RamStatistics,
+    Source,
+    TensorCounts,
+)
+
+#: The parts of a network ``module_of`` tells apart, in the order they are shown.
+MODULES = ("embeddings", "attention", "mlp", "norms", "output head", "other")
+#: Above this density for every model, RAM's premise (sparse updates) does not hold.
+DENSE = 0.9
+
+
+def model_lambda(rho: float, rescaling: Optional[Rescaling], pin: Optional[tuple[Pin, float]] = None) -> float:
+    """lambda_t: a pinned lambda as is; else the rule on rho_t (the pinned rho if any); 1 for RAM."""
+    if pin is not None and pin[0] == "lambda":
+        return pin[1]
+    if rescaling is None:
+        return 1.0
+    return rescaling.lambda_(pin[1] if pin is not None else rho)
+
+
+def sum_counts(tensors: Iterable[TensorCounts]) -> dict[str, OverlapCounts]:
+    """Per model, in order of first appearance: elements considered and the histogram, summed over tensors."""
+    numel: dict[str, int] = {}
+    histograms: dict[str, list[int]] = {}
+    for counts in tensors:
+        for model, row in zip(counts.models, counts.histograms):
+            numel[model] = numel.get(model, 0) + counts.numel
+            total = histograms.setdefault(model, [])
+            total.extend([0] * (len(row) - len(total)))
+            for index, value in enumerate(row):
+                total[index] += value
+    return {model: OverlapCounts(model, numel[model], tuple(histograms[model])) for model in numel}
+
+
+def build_statistics(
+    method: str,
+    tensors: Iterable[TensorCounts],
+    *,
+    rescaling: Optional[Rescaling],
+    pins: Optional[Mapping[str, tuple[Pin, float]]] = None,
+    source: Source = "pre-pass",
+    checkpoint_dtypes: Optional[Mapping[str, Iterable[str]]] = None,
+) -> RamStatistics:
+    """Sum per-tensor counts per model, then rho_t and lambda_t (pins override).
+
+    ``rescaling`` is None for ``ram`` (every lambda 1). A pinned model without counts is
+    listed after the counted ones. ``checkpoint_dtypes`` (safetensors dtype names per model)
+    only feeds the warnings.
+    """
+    tensors = tuple(tensors)
+    pins = dict(pins or {})
+    summed = sum_counts(tensors)
+    models = []
+    for model in list(summed) + [m for m in pins if m not in summed]:
+        counts = summed.get(model, OverlapCounts(model, 0, ()))
+        pin = pins.get(model)
+        rho = pin[1] if pin is not None and pin[0] == "rho" else counts.measured_rho
+        models.append(
+            ModelStatistics(
+                model=model,
+                numel=counts.numel,
+                histogram=counts.histogram,
+                rho=rho,
+                lambda_=model_lambda(counts.measured_rho, rescaling, pin),
+                pinned=pin[0] if pin is not None else None,
+            )
+        )
+    epsilons = tuple(sorted({counts.epsilon for counts in tensors}))
+    return RamStatistics(
+        method=method,
+        source=source,
+        epsilons=epsilons,
+        rescaling=rescaling,
+        models=tuple(models),
+        tensors=tensors,
+        warnings=_warnings(models, epsilons, checkpoint_dtypes or {}),
+        versions=package_versions(),
+    )
+
+
+def by_module(statistics: RamStatistics) -> dict[str, tuple[ModuleStatistics, ...]]:
+    """The counts split by part of the network (``MODULES`` order; parts with no tensor left out)."""
+    groups: dict[str, list[TensorCounts]] = {}
+    for counts in statistics.tensors:
+        groups.setdefault(module_of(counts.name), []).append(counts)
+    return {
+        module: tuple(
+            ModuleStatistics(model=counts.model, numel=counts.numel, histogram=counts.histogram, module=module)
+            for counts in sum_counts(groups[module]).values()
+        )
+        for module in MODULES
+        if module in groups
+    }
+
+
+def module_of(name: str) -> str:
+    """The part of a transformer a tensor belongs to, from its name."""
+    lowered = name.lower()
+    if "lm_head" in lowered or lowered.startswith("output.") or "embed_out" in lowered:
+        return "output head"
+    if "embed" in lowered or ".wte." in lowered or ".wpe." in lowered:
+        return "embeddings"
+    if "norm" in lowered or ".ln_" in lowered or "layernorm" in lowered:
+        return "norms"
+    if "attn" in lowered or "attention" in lowered:
+        return "attention"
+    if "mlp" in lowered or "feed_forward" in lowered or "experts" in lowered or ".ffn" in lowered:
+        return "mlp"
+    return "other"
+
+
+def _warnings(
+    models: Iterable[ModelStatistics], epsilons: Iterable[float], checkpoint_dtypes: Mapping[str, Iterable[str]]
+) -> tuple[str, ...]:
+    """The statistics that predict a wasted merge, in words."""
+    models, epsilons = list(models), list(epsilons)
+    found = []
+    half = sorted(model for model, dtypes in checkpoint_dtypes.items() if "F16" in set(dtypes))
+    if half and any(epsilon > 0 for epsilon in epsilons):
+        found.append(
+            f"float16 checkpoints ({', '.join(half)}): a one-ulp change is below epsilon={max(epsilons):g} for "
+            "|w| < about 0.016, so epsilon hides many real float16 updates; consider a smaller epsilon "
+            "(see docs/epsilon.md)"
+        )
+    mixed = {model: sorted(set(dtypes)) for model, dtypes in checkpoint_dtypes.items()}
+    if len({tuple(dtypes) for dtypes in mixed.values()}) > 1:
+        listing = ", ".join(f"{model}: {'/'.join(dtypes)}" for model, dtypes in sorted(mixed.items()))
+        found.append(
+            f"the checkpoints are stored in different dtypes ({listing}): rounding alone makes elements look "
+            "changed, so densities and overlaps are inflated; convert them to one dtype first"
+        )
+    counted = [stats for stats in models if stats.numel]
+    if counted and all(stats.density >= DENSE for stats in counted):
+        densities = ", ".join(f"{100 * stats.density:.0f}%" for stats in counted)
+        found.append(
+            f"every model changed at least {100 * DENSE:.0f}% of its parameters ({densities}): RAM's premise of "
+            "sparse, mostly disjoint updates does not hold here; TIES or DARE suit dense task vectors better"
+        )
+    for stats in models:
+        if stats.lambda_ > PLAUSIBLE_LAMBDA:
+            found.append(
+                f"{stats.model}: lambda {stats.lambda_:g} is implausibly large (the paper's are about 1.2; "
+                f"above {PLAUSIBLE_LAMBDA:g} its unique updates are applied more than {PLAUSIBLE_LAMBDA:g}-fold): "
+                "check r and alpha, or the pinned lambda"
+            )
+    for stats in counted:
+        if stats.active == 0:
+            found.append(
+                f"{stats.model} changed no parameter by more than epsilon: is it the base model itself, "
+                "or a wrong path?"
+            )
+    return tuple(found)
+
+
+def package_versions() -> dict[str, str]:
+    """The versions a statistics file records (and the pre-pass cache key includes)."""
+    versions = {}
+    for name in ("mergekit-ram", "mergekit", "torch"):
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = "not installed"
+    return versions

@@ -1,0 +1,190 @@
+"""Statistics for people: fixed-width tables, the model card's markdown, and the log.
+
+Every rendering reads one :class:`RamStatistics`, so they all show the same figures.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from typing import Sequence
+
+from mergekit_ram.stats.arithmetic import by_module
+from mergekit_ram.stats.data import RamStatistics
+from mergekit_ram.stats.schema import STATISTICS_FILE
+
+LOG = logging.getLogger("mergekit_ram.stats")
+
+#: Where the card sends readers for the plugin.
+PROJECT_URL = "https://github.com/mergekit-ram/mergekit-ram"
+
+_WITHOUT_PLUGIN = {
+    "ram": "Without mergekit-ram, mergekit silently runs its own built-in `ram` instead: it computes in "
+    "the checkpoints' dtype, so on bfloat16 or float16 checkpoints its numbers differ from this model's "
+    "(mergekit-ram computes in float32, or the inputs' precision if wider, and rounds once) unless the "
+    "recipe sets `dtype: float32`, and it writes no `ram_statistics.json`.",
+    "ram_plus": "Without mergekit-ram, mergekit refuses `ram_plus` (an unknown merge method); its own "
+    "`ramplus_tl` is a different, tensor-local rule.",
+}
+
+
+def format_table(rows: Sequence[Sequence[str]], left_columns: int = 1) -> str:
+    """Fixed-width columns; the first ``left_columns`` left-aligned, the rest right-aligned."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = [
+        "  ".join(cell.ljust(w) if i < left_columns else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+        for row in rows
+    ]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def markdown_table(rows: Sequence[Sequence[object]], align: str = "lr") -> str:
+    """A GitHub markdown table; ``rows[0]`` is the header, every cell goes through ``str``.
+
+    ``align`` has one letter per column, ``l`` (``---``) or ``r`` (``---:``); its last letter
+    repeats for the columns beyond it: ``"lr"``, the default, is the first column left-aligned
+    and the rest right-aligned (as :func:`format_table`), ``"l"`` every column left-aligned.
+    """
+    width = len(rows[0])
+    letters = align.ljust(width, align[-1])[:width]
+    lines = ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+    lines.insert(1, "|" + "|".join("---:" if letter == "r" else "---" for letter in letters) + "|")
+    return "\n".join(lines)
+
+
+def format_rho(rho: float) -> str:
+    return "inf" if math.isinf(rho) else f"{rho:.4f}"
+
+
+def display_names(statistics: RamStatistics) -> dict[str, str]:
+    """Local paths as their last component when that is unambiguous."""
+    models = [stats.model for stats in statistics.models]
+    short = {model: os.path.basename(model.rstrip(os.sep)) if os.path.isabs(model) else model for model in models}
+    return short if len(set(short.values())) == len(models) else {model: model for model in models}
+
+
+def model_table(statistics: RamStatistics) -> str:
+    """A fixed-width table: model, density, changed, shared, unique, rho, lambda."""
+    names = display_names(statistics)
+    rows = [("model", "density", "changed", "shared", "unique", "rho", "lambda")]
+    for stats in statistics.models:
+        rows.append(
+            (
+                names[stats.model],
+                f"{100 * stats.density:.2f}%",
+                f"{stats.active:,}",
+                f"{stats.shared:,}",
+                f"{stats.unique:,}",
+                format_rho(stats.rho) + (" (pinned)" if stats.pinned == "rho" else ""),
+                f"{stats.lambda_:.4f}" + (" (pinned)" if stats.pinned == "lambda" else ""),
+            )
+        )
+    return format_table(rows)
+
+
+def compact_table(statistics: RamStatistics) -> str:
+    """The table shown after a merge: model, density, rho, lambda (pins marked *)."""
+    names = display_names(statistics)
+    rows = [("model", "density", "rho", "lambda")]
+    for stats in statistics.models:
+        rows.append(
+            (
+                names[stats.model],
+                f"{100 * stats.density:.2f}%",
+                format_rho(stats.rho) + ("*" if stats.pinned == "rho" else ""),
+                f"{stats.lambda_:.4f}" + ("*" if stats.pinned == "lambda" else ""),
+            )
+        )
+    pinned = any(stats.pinned for stats in statistics.models)
+    return format_table(rows) + ("\n* pinned in the recipe" if pinned else "")
+
+
+def histogram_table(statistics: RamStatistics) -> str:
+    """Per model: how many of its changed parameters k models changed, k = 1..N."""
+    width = max(len(stats.histogram) for stats in statistics.models) if statistics.models else 0
+    names = display_names(statistics)
+    rows = [["model"] + [f"k={k}" for k in range(1, width + 1)]]
+    for stats in statistics.models:
+        cells = [names[stats.model]]
+        for k in range(width):
+            value = stats.histogram[k] if k < len(stats.histogram) else 0
+            share = value / stats.active if stats.active else 0.0
+            cells.append(f"{value:,} ({100 * share:.1f}%)")
+        rows.append(cells)
+    return format_table(rows)
+
+
+def module_table(statistics: RamStatistics) -> str:
+    """Density, shared, unique and local rho per part of the network and model."""
+    names = display_names(statistics)
+    rows = [["module", "model", "density", "changed", "shared", "unique", "local rho"]]
+    for module, models in by_module(statistics).items():
+        for stats in models:
+            rows.append(
+                [
+                    module,
+                    names[stats.model],
+                    f"{100 * stats.density:.2f}%",
+                    f"{stats.active:,}",
+                    f"{stats.shared:,}",
+                    f"{stats.unique:,}",
+                    format_rho(stats.measured_rho),
+                ]
+            )
+    return format_table(rows, left_columns=2)
+
+
+def card_markdown(statistics: RamStatistics) -> str:
+    """The model card's mergekit-ram sections: where the method comes from, how to rerun
+    the merge, and the statistics."""
+    versions = statistics.versions
+    settings = ", ".join(f"`{key}` = {value}" for key, value in statistics.parameters.items())
+    lines = [
+        "## Reproducing this merge",
+        "",
+        f"The `{statistics.method}` merge method comes from [mergekit-ram]({PROJECT_URL}), a plugin for "
+        f"mergekit (here mergekit-ram {versions.get('mergekit-ram', '?')}, mergekit "
+        f"{versions.get('mergekit', '?')}, torch {versions.get('torch', '?')}). To rerun it, "
+        "install mergekit-ram into mergekit's Python environment (from a clone of the project: "
+        "`pip install .`; from a built wheel: `pip install dist/mergekit_ram-*.whl`; once released: "
+        "`pip install mergekit-ram`), then run `mergekit-yaml mergekit_config.yml <output folder>` "
+        "with the configuration above (saved beside the weights).",
+        "",
+        _WITHOUT_PLUGIN.get(statistics.method, ""),
+        "",
+        "## RAM statistics",
+        "",
+        f"Merged with `{statistics.method}` ({settings}); counts from the {statistics.source}, "
+        f"mergekit-ram {versions.get('mergekit-ram', '?')}, mergekit {versions.get('mergekit', '?')}.",
+        "",
+        "| model | density | changed | shared | unique | rho | lambda |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for stats in statistics.models:
+        pin = f" ({stats.pinned} pinned)" if stats.pinned else ""
+        lines.append(
+            f"| {stats.model} | {100 * stats.density:.2f}% | {stats.active:,} | {stats.shared:,} | "
+            f"{stats.unique:,} | {format_rho(stats.rho)} | {stats.lambda_:.4f}{pin} |"
+        )
+    lines += ["", f"Full counts per tensor: `{STATISTICS_FILE}`.", ""]
+    return "\n".join(lines)
+
+
+def log_statistics(statistics: RamStatistics, logger: logging.Logger = LOG) -> None:
+    """The warnings, then one line per model (density, shared, unique, rho, lambda)."""
+    for warning in statistics.warnings:
+        logger.warning("%s", warning)
+    for stats in statistics.models:
+        logger.info(
+            "%s: %s: density %.2f%%, shared %d, unique %d, rho %s, lambda %.4f%s",
+            statistics.method,
+            stats.model,
+            100 * stats.density,
+            stats.shared,
+            stats.unique,
+            format_rho(stats.rho),
+            stats.lambda_,
+            f" ({stats.pinned} pinned)" if stats.pinned else "",
+        )

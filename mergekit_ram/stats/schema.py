@@ -1,0 +1,146 @@
+"""``ram_statistics.json``: the versioned JSON form of :class:`RamStatistics` (docs/statistics.md).
+
+Schema 2 writes an infinite rho as the string ``"inf"`` (``float("inf")`` reads it back;
+JSON has no infinity and ``Infinity`` is not standard JSON). Schema 1 wrote ``null`` there;
+files of either schema are read.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any, Mapping, Optional, Union
+
+from mergekit_ram.rescaling import Rescaling
+from mergekit_ram.stats.arithmetic import by_module
+from mergekit_ram.stats.data import ModelStatistics, OverlapCounts, RamStatistics, TensorCounts
+
+STATISTICS_FILE = "ram_statistics.json"
+#: 1: the first (rho null when infinite); 2: rho "inf" when infinite.
+SCHEMA_VERSION = 2
+READABLE_SCHEMAS = (1, 2)
+#: How schema 2 writes an infinite rho.
+INFINITY = "inf"
+
+
+def write_ratio(value: float) -> Union[float, str]:
+    """A rho for the JSON file: the number, or ``"inf"``."""
+    return INFINITY if math.isinf(value) else value
+
+
+def read_ratio(value: Union[float, str, None]) -> float:
+    """A rho from the JSON file of either schema: a number, ``"inf"`` (2) or ``null`` (1) for infinity."""
+    if value is None or value == INFINITY:
+        return math.inf
+    if isinstance(value, str):
+        raise ValueError(f"{STATISTICS_FILE}: a rho is {value!r}; expected a number or {INFINITY!r}")
+    return float(value)
+
+
+def counts_to_dict(counts: TensorCounts) -> dict[str, Any]:
+    """One tensor's counts (also the pre-pass cache's format)."""
+    return {
+        "name": counts.name,
+        "numel": counts.numel,
+        "epsilon": counts.epsilon,
+        "models": list(counts.models),
+        "histograms": [list(row) for row in counts.histograms],
+    }
+
+
+def counts_from_dict(data: Mapping[str, Any]) -> TensorCounts:
+    return TensorCounts(
+        name=data["name"],
+        numel=int(data["numel"]),
+        epsilon=float(data["epsilon"]),
+        models=tuple(data["models"]),
+        histograms=tuple(tuple(int(v) for v in row) for row in data["histograms"]),
+    )
+
+
+def _counts_fields(counts: OverlapCounts) -> dict[str, Any]:
+    return {
+        "model": counts.model,
+        "parameters": counts.numel,
+        "changed": counts.active,
+        "density": counts.density,
+        "unique": counts.unique,
+        "shared": counts.shared,
+        "overlap_histogram": {str(k + 1): v for k, v in enumerate(counts.histogram)},
+    }
+
+
+def statistics_to_dict(statistics: RamStatistics, *, with_modules: bool = False) -> dict[str, Any]:
+    """The JSON object (schema ``SCHEMA_VERSION``); ``with_modules`` adds the probe's ``by_module``."""
+    data: dict[str, Any] = {
+        "schema": SCHEMA_VERSION,
+        "method": statistics.method,
+        "parameters": statistics.parameters,
+        "source": statistics.source,
+        "warnings": list(statistics.warnings),
+        "versions": dict(statistics.versions),
+        "models": [
+            {
+                **_counts_fields(stats),
+                "rho": write_ratio(stats.rho),
+                "measured_rho": write_ratio(stats.measured_rho),
+                "lambda": stats.lambda_,
+                "pinned": stats.pinned,
+            }
+            for stats in statistics.models
+        ],
+        "tensors": [counts_to_dict(counts) for counts in statistics.tensors],
+    }
+    if with_modules:
+        data["by_module"] = {
+            module: [{**_counts_fields(stats), "local_rho": write_ratio(stats.measured_rho)} for stats in models]
+            for module, models in by_module(statistics).items()
+        }
+    return data
+
+
+def statistics_to_json(statistics: RamStatistics) -> str:
+    """The text of ``ram_statistics.json``."""
+    return json.dumps(statistics_to_dict(statistics), indent=2, allow_nan=False) + "\n"
+
+
+def statistics_from_dict(data: Mapping[str, Any]) -> RamStatistics:
+    """Read a ``ram_statistics.json`` object of any schema in ``READABLE_SCHEMAS``."""
+    schema = data.get("schema")
+    if schema not in READABLE_SCHEMAS:
+        raise ValueError(
+            f"{STATISTICS_FILE} has schema {schema!r}; this mergekit-ram reads schemas "
+            f"{', '.join(map(str, READABLE_SCHEMAS))} (a newer mergekit-ram wrote it?)"
+        )
+    parameters = data["parameters"]
+    epsilon = parameters["epsilon"]
+    models = tuple(
+        ModelStatistics(
+            model=entry["model"],
+            numel=int(entry["parameters"]),
+            histogram=tuple(
+                int(entry["overlap_histogram"][str(k + 1)]) for k in range(len(entry["overlap_histogram"]))
+            ),
+            rho=read_ratio(entry["rho"]),
+            lambda_=float(entry["lambda"]),
+            pinned=entry["pinned"],
+        )
+        for entry in data["models"]
+    )
+    return RamStatistics(
+        method=data["method"],
+        source=data["source"],
+        epsilons=tuple(epsilon) if isinstance(epsilon, list) else (epsilon,),
+        rescaling=_rescaling(parameters),
+        models=models,
+        tensors=tuple(counts_from_dict(entry) for entry in data["tensors"]),
+        warnings=tuple(data.get("warnings", ())),
+        versions=dict(data["versions"]),
+    )
+
+
+def _rescaling(parameters: Mapping[str, Any]) -> Optional[Rescaling]:
+    """The file's r, alpha and rule (absent for ``ram``)."""
+    if "r" not in parameters:
+        return None
+    return Rescaling(r=parameters["r"], alpha=parameters["alpha"], rule=parameters["rule"])
