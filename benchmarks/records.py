@@ -130,6 +130,10 @@ class Machine:
         """One-minute load average when the run started."""
         return self.load_average[0]
 
+    def description(self) -> str:
+        """``AMD EPYC, 2 CPU cores visible, Python 3.11.7, torch 2.13.0+cpu``: the machine in one line."""
+        return f"{self.cpu}, {self.cpu_count} CPU cores visible, Python {self.python}, torch {self.torch}"
+
     def thread_settings(self) -> str:
         """``, OMP_WAIT_POLICY=PASSIVE...`` (empty without thread variables)."""
         return "".join(f", {key}={value}" for key, value in (self.thread_env or {}).items())
