@@ -115,8 +115,9 @@ def save_sharded(state: State, out: Path, dtype: torch.dtype, config_source: Pat
         save_file(shard, str(out / filename), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(shard, filename))
     total = sum(tensor.nbytes for shard in shards for tensor in shard.values())
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    write_json(out / "model.safetensors.index.json", index, indent=None)
+    write_json(
+        out / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=None
+    )
     shutil.copy(config_source / "config.json", out / "config.json")
 
 

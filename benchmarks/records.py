@@ -554,7 +554,7 @@ class InMemoryRun:
     runs: dict[str, list[Measurement]]  # by approach label
     summary: dict[str, ApproachSummary]
     comparison: Optional[OutputComparison]
-    rho: dict[str, Optional[list[float]]]  # per approach, per agent (last round)
+    rho: dict[str, Optional[Sequence[Optional[float]]]]  # per approach, per agent (last round); None: infinite
     limit: Optional[MemoryLimit]
     source: str = field(default="", compare=False)
 

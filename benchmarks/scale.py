@@ -174,7 +174,7 @@ def in_memory_vs_ours(
 
     summary = {label: summarise_approach(measurements) for label, measurements in runs.items()}
     last_baseline, last_ours = runs[BASELINE][-1].baseline, runs[OURS][-1].statistics
-    rho = {
+    rho: dict[str, Optional[Sequence[Optional[float]]]] = {
         BASELINE: None if last_baseline is None else last_baseline.rho,
         OURS: [figures.rho for figures in (last_ours or {}).values()] or None,
     }

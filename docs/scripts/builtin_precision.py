@@ -94,8 +94,8 @@ def main() -> None:
         finetunes = [load_weights(path) for path in agent_paths]
         recipe = {"base_model": base_path, "models": [{"model": path} for path in agent_paths]}
         counts = {name: reference.counts(t, [ft[name] for ft in finetunes], EPSILON) for name, t in base.items()}
-        overlap = {
-            name: sum(m.to(torch.int64) for m in reference.masks(t, [ft[name] for ft in finetunes], EPSILON))
+        overlap = {  # per element: how many agents changed it
+            name: torch.stack(reference.masks(t, [ft[name] for ft in finetunes], EPSILON)).to(torch.int64).sum(0)
             for name, t in base.items()
         }
         numel = sum(t.numel() for t in base.values())
@@ -111,7 +111,8 @@ def main() -> None:
 
         builtin = {"MERGEKIT_RAM_AUTOLOAD": "0"}
         in_float32 = {"dtype": "float32", "out_dtype": "bfloat16"}
-        runs = [  # label, recipe keys, environment, exact lambdas per tensor
+        runs: list[tuple[str, dict[str, Any], dict[str, str], Callable[[str], list[float]]]] = [
+            # label, recipe keys, environment, exact lambdas per tensor
             ("mergekit ram (built-in)", {"merge_method": "ram"}, builtin, lambda name: [1.0] * 3),
             (
                 "mergekit ram (built-in), `dtype: float32`, `out_dtype: bfloat16`",

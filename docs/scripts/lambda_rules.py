@@ -19,6 +19,7 @@ Rules, all with ``r = 0.1`` unless ``--r`` says otherwise:
 from __future__ import annotations
 
 import argparse
+from typing import Callable
 
 from mergekit_ram.kernel import rescale_factor
 from mergekit_ram.stats import markdown_table
@@ -38,7 +39,8 @@ def authors_lambda(rho: float, r: float) -> float:
     return 1.0 + r * min(1.0, rho)
 
 
-def rules(r: float) -> dict[str, object]:
+def rules(r: float) -> dict[str, Callable[[float], float]]:
+    """lambda as a function of rho under each rule, by the name the table shows."""
     return {
         f"ram_plus clip (alpha {PAPER_ALPHA:g})": lambda rho: rescale_factor(rho, r, PAPER_ALPHA, "clip"),
         "ram_plus soft (RAM+s)": lambda rho: rescale_factor(rho, r, PAPER_ALPHA, "soft"),
