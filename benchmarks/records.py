@@ -81,9 +81,12 @@ class GitState(FlatRecord):
 
     @property
     def label(self) -> str:
-        """``PATH COMMIT`` with ``(modified)`` when the path had uncommitted changes."""
+        """``COMMIT`` (the last to change the path) with ``(modified)`` when the path had uncommitted changes.
+
+        The checkout's location is left out: it means nothing outside the machine that measured.
+        """
         commit = (self.last_change or self.commit or "?")[:10]
-        return f"`{self.path}` {commit}" + (" (modified)" if self.dirty else "")
+        return f"`{commit}`" + (" (modified)" if self.dirty else "")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -122,7 +122,16 @@ def machine_block(results: StoredResults) -> str:
                 machine.plugin.label,
             ]
         )
-    headers = ["results file", "measured", "CPUs", "memory", "load at start", "versions", "OpenMP", "mergekit_ram"]
+    headers = [
+        "results file",
+        "measured",
+        "CPUs",
+        "memory",
+        "load at start",
+        "versions",
+        "OpenMP",
+        "mergekit_ram commit",
+    ]
     return markdown_table([headers, *rows], "l")
 
 
@@ -177,8 +186,8 @@ def kernel_block(results: StoredResults) -> str:
     return "\n".join(
         [
             f"{fmt_count(result.numel)} bfloat16 elements per tensor, torch threads "
-            f"{result.machine.torch_threads}" + result.machine.thread_settings() + f", kernel from "
-            f"`{result.kernel_module}`.",
+            f"{result.machine.torch_threads}" + result.machine.thread_settings() + ", kernel of `mergekit_ram` "
+            f"{result.machine.plugin.label}.",
             "",
             kernel_table(result.kernel),
             "",
