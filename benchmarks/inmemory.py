@@ -17,7 +17,6 @@ not float32. Neither changes the memory or time of the approach much.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import shutil
 import sys
@@ -30,18 +29,20 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from benchmarks.common import setup_logging
+from benchmarks.records import BaselineFigures, read_json, write_json
 
 LOG = logging.getLogger(__name__)
 
 State = dict[str, torch.Tensor]
+#: The baseline's report of its own merge (:class:`benchmarks.records.BaselineFigures`), beside the output.
+BASELINE_FIGURES_FILE = "inmemory_statistics.json"
 
 
 def shard_files(directory: Path) -> list[Path]:
     """The safetensors files of a checkpoint, from its index when it has one (mergekit names its shards freely)."""
     index = directory / "model.safetensors.index.json"
     if index.exists():
-        with open(index, encoding="utf-8") as handle:
-            return [directory / name for name in dict.fromkeys(json.load(handle)["weight_map"].values())]
+        return [directory / name for name in dict.fromkeys(read_json(index)["weight_map"].values())]
     return sorted(directory.glob("*.safetensors"))
 
 
@@ -114,8 +115,9 @@ def save_sharded(state: State, out: Path, dtype: torch.dtype, config_source: Pat
         save_file(shard, str(out / filename), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(shard, filename))
     total = sum(tensor.nbytes for shard in shards for tensor in shard.values())
-    with open(out / "model.safetensors.index.json", "w", encoding="utf-8") as handle:
-        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, handle)
+    write_json(
+        out / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=None
+    )
     shutil.copy(config_source / "config.json", out / "config.json")
 
 
@@ -133,10 +135,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     merged, rhos, lambdas = merge_in_memory(args.base, args.agents, epsilon=args.epsilon, r=args.r, alpha=args.alpha)
     merged_s = time.perf_counter() - started
     save_sharded(merged, args.out, stored_dtype(args.base), args.base)
-    with open(args.out / "inmemory_statistics.json", "w", encoding="utf-8") as handle:
-        json.dump(
-            {"rho": rhos, "lambda": lambdas, "merge_s": merged_s, "total_s": time.perf_counter() - started}, handle
-        )
+    figures = BaselineFigures(rho=rhos, lambda_=lambdas, merge_s=merged_s, total_s=time.perf_counter() - started)
+    write_json(args.out / BASELINE_FIGURES_FILE, figures.to_dict())
     return 0
 
 

@@ -184,12 +184,10 @@ def run_merge(
         with open(log_path, encoding="utf-8", errors="replace") as handle:
             found = PREPASS_LINE.findall(handle.read())
         if found:
-            measurement.extra["prepass_s"] = float(found[-1])
+            measurement = replace(measurement, prepass_s=float(found[-1]))
         statistics = out / "ram_statistics.json"
         if statistics.exists():
-            measurement.extra["statistics"] = {
-                model: figures.to_dict() for model, figures in summarise_statistics(read_json(statistics)).items()
-            }
+            measurement = replace(measurement, statistics=summarise_statistics(read_json(statistics)))
     if not keep_output:
         shutil.rmtree(out, ignore_errors=True)
     return measurement
@@ -273,7 +271,7 @@ def summarise(runs: Mapping[str, Sequence[Measurement]]) -> dict[str, MethodSumm
     summary: dict[str, MethodSummary] = {}
     for method, measurements in runs.items():
         prepass = [(m.prepass_s, m.wall_s) for m in measurements if m.prepass_s is not None]
-        statistics = [m.extra["statistics"] for m in measurements if "statistics" in m.extra]
+        statistics = [m.statistics for m in measurements if m.statistics is not None]
         summary[method] = MethodSummary(
             runs=len(measurements),
             wall_s=median(m.wall_s for m in measurements),
@@ -283,9 +281,7 @@ def summarise(runs: Mapping[str, Sequence[Measurement]]) -> dict[str, MethodSumm
             peak_anon_bytes=median(m.peak_anon_bytes for m in measurements),
             prepass_s=median(seconds for seconds, _ in prepass) if prepass else None,
             prepass_share=median(seconds / wall for seconds, wall in prepass) if prepass else None,
-            statistics={model: ModelFigures.from_dict(entry) for model, entry in statistics[-1].items()}
-            if statistics
-            else None,
+            statistics=statistics[-1] if statistics else None,
         )
     reference = summary.get(REFERENCE)
     if reference:

@@ -35,7 +35,7 @@ from typing import IO, Mapping, Optional, Sequence
 import torch
 
 from benchmarks.common import CACHE_DIR, GIB, fmt_bytes, fmt_count, setup_logging
-from benchmarks.records import ModelSet
+from benchmarks.records import ModelSet, read_json, write_json
 from mergekit_ram.stats import markdown_table
 from mergekit_ram.synthetic import PAPER_OVERLAP, Subset, independent_overlap, tiny_config
 
@@ -243,10 +243,9 @@ def ensure_models(
     spec = generation_spec(size, overlap, seed, shard_bytes, chunk)
     marker = root / "complete.json"
     if marker.exists():
-        with open(marker, encoding="utf-8") as handle:
-            if json.load(handle)["spec"] == spec:
-                LOG.info("using cached models %s", root)
-                return ModelSet.load(root)
+        if read_json(marker)["spec"] == spec:
+            LOG.info("using cached models %s", root)
+            return ModelSet.load(root)
         LOG.info("cached models %s were generated differently; regenerating", root)
     return generate(size, root, spec, overlap_for(overlap), seed=seed, shard_bytes=shard_bytes, chunk=chunk)
 
@@ -302,8 +301,7 @@ def generate(
     if len(shards) > 1:
         index = {"metadata": {"total_size": parameters * BYTES_PER_PARAMETER}, "weight_map": weight_map}
         for directory in directories:
-            with open(directory / "model.safetensors.index.json", "w", encoding="utf-8") as index_file:
-                json.dump(index, index_file, indent=2)
+            write_json(directory / "model.safetensors.index.json", index)
     elapsed = time.perf_counter() - started
 
     densities, unique_shares = measured_profile(histogram, draw.n_agents, parameters)
@@ -320,8 +318,7 @@ def generate(
         densities=densities,
         unique_shares=unique_shares,
     )
-    with open(partial / "complete.json", "w", encoding="utf-8") as marker:
-        json.dump({"spec": spec, "set": model_set.to_dict()}, marker, indent=2)
+    write_json(partial / "complete.json", {"spec": spec, "set": model_set.to_dict()})
     partial.rename(root)
     LOG.info("generated %s in %.0f s, %s on disk", size.name, elapsed, fmt_bytes(disk))
     return model_set

@@ -12,28 +12,46 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any, ClassVar, Mapping, Optional, Sequence, Union
+from typing import Any, ClassVar, Mapping, Optional, Sequence, TypeVar, Union
 
 JSON = dict[str, Any]
 #: Where the runs write their records (``optimisations/`` and ``history/`` below it hold older ones).
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
+F = TypeVar("F", bound="FlatRecord")
 
-def write_json(path: Union[str, Path], payload: Any, indent: int = 2) -> Path:
-    """``payload`` as indented JSON and a final newline, the folder created if need be."""
+
+def json_text(payload: Any, indent: Optional[int] = 2) -> str:
+    """``payload`` as JSON (indented unless ``indent`` is None) and a final newline: how every file is written."""
+    return json.dumps(payload, indent=indent, sort_keys=False, default=str) + "\n"
+
+
+def write_json(path: Union[str, Path], payload: Any, indent: Optional[int] = 2) -> Path:
+    """Write :func:`json_text` of ``payload`` to ``path``, the folder created if need be."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", encoding="utf-8") as handle:
-        json.dump(payload, handle, indent=indent, sort_keys=False, default=str)
-        handle.write("\n")
+    path.write_text(json_text(payload, indent), encoding="utf-8")
     return path
 
 
-def read_json(path: Path) -> JSON:
+def read_json(path: Union[str, Path]) -> Any:
+    """The JSON document at ``path`` (every JSON file the benchmarks read goes through here)."""
     with open(path, encoding="utf-8") as handle:
         return json.load(handle)
+
+
+@dataclass(frozen=True)
+class FlatRecord:
+    """A record stored as its fields, as they are: ``from_dict`` and ``to_dict`` need no code of their own."""
+
+    @classmethod
+    def from_dict(cls: type[F], data: Mapping[str, Any]) -> F:
+        return cls(**data)
+
+    def to_dict(self) -> JSON:
+        return asdict(self)
 
 
 def _without_none(data: JSON, keys: Sequence[str]) -> JSON:
@@ -49,7 +67,7 @@ def _ratio(value: float, reference: float) -> Optional[float]:
 
 
 @dataclass(frozen=True, kw_only=True)
-class GitState:
+class GitState(FlatRecord):
     """Commit of a checkout, and whether a path in it had uncommitted changes: which code a figure is of."""
 
     path: str
@@ -58,18 +76,17 @@ class GitState:
     last_change: Optional[str] = None  # last commit touching the path; not recorded by the oldest runs
     dirty: Optional[bool]
 
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> GitState:
-        return cls(**data)
-
     def to_dict(self) -> JSON:
         return _without_none(asdict(self), ("last_change",))
 
     @property
     def label(self) -> str:
-        """``PATH COMMIT`` with ``(modified)`` when the path had uncommitted changes."""
+        """``COMMIT`` (the last to change the path) with ``(modified)`` when the path had uncommitted changes.
+
+        The checkout's location is left out: it means nothing outside the machine that measured.
+        """
         commit = (self.last_change or self.commit or "?")[:10]
-        return f"`{self.path}` {commit}" + (" (modified)" if self.dirty else "")
+        return f"`{commit}`" + (" (modified)" if self.dirty else "")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -116,14 +133,23 @@ class Machine:
         """One-minute load average when the run started."""
         return self.load_average[0]
 
+    def description(self) -> str:
+        """``AMD EPYC, 2 CPU cores visible, Python 3.11.7, torch 2.13.0+cpu``: the machine in one line."""
+        return f"{self.cpu}, {self.cpu_count} CPU cores visible, Python {self.python}, torch {self.torch}"
+
     def thread_settings(self) -> str:
         """``, OMP_WAIT_POLICY=PASSIVE...`` (empty without thread variables)."""
         return "".join(f", {key}={value}" for key, value in (self.thread_env or {}).items())
 
 
-@dataclass
+@dataclass(frozen=True)
 class Measurement:
-    """One measured child process."""
+    """One measured child process, and what its caller read from its output.
+
+    Stored with the caller's findings under ``extra``: ``prepass_s``, and ``statistics``, which
+    holds either a merge's per-model figures or the in-memory baseline's own report (the
+    baseline's has ``merge_s``).
+    """
 
     argv: list[str]
     returncode: int
@@ -136,15 +162,36 @@ class Measurement:
     load_after: float
     log_path: Optional[str] = None
     log_tail: str = ""
-    #: what the caller parsed from the run: ``prepass_s``, ``statistics`` (its ram_statistics.json, summarised)
-    extra: dict[str, Any] = field(default_factory=dict)
+    prepass_s: Optional[float] = None  # the ram_plus pre-pass time its -v log reported
+    statistics: Optional[dict[str, ModelFigures]] = None  # a ram / ram_plus merge: per model, its ram_statistics.json
+    baseline: Optional[BaselineFigures] = None  # the in-memory baseline: its inmemory_statistics.json
+
+    EXTRA: ClassVar[tuple[str, ...]] = ("prepass_s", "statistics", "baseline")
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Measurement:
-        return cls(**data)
+        extra = data.get("extra", {})
+        statistics = extra.get("statistics")
+        baseline = statistics is not None and "merge_s" in statistics
+        return cls(
+            **{key: value for key, value in data.items() if key != "extra"},
+            prepass_s=extra.get("prepass_s"),
+            statistics=None
+            if statistics is None or baseline
+            else {model: ModelFigures.from_dict(entry) for model, entry in statistics.items()},
+            baseline=BaselineFigures.from_dict(statistics) if baseline else None,
+        )
 
     def to_dict(self) -> JSON:
-        return asdict(self)
+        data = {item.name: getattr(self, item.name) for item in fields(self) if item.name not in self.EXTRA}
+        extra: JSON = {}
+        if self.prepass_s is not None:
+            extra["prepass_s"] = self.prepass_s
+        if self.statistics is not None:
+            extra["statistics"] = {model: figures.to_dict() for model, figures in self.statistics.items()}
+        elif self.baseline is not None:
+            extra["statistics"] = self.baseline.to_dict()
+        return {**data, "extra": extra}
 
     @property
     def ok(self) -> bool:
@@ -153,11 +200,6 @@ class Measurement:
     @property
     def cpu_s(self) -> float:
         return self.user_s + self.sys_s
-
-    @property
-    def prepass_s(self) -> Optional[float]:
-        """The ``ram_plus`` pre-pass time its ``-v`` log reported, if it did."""
-        return self.extra.get("prepass_s")
 
 
 @dataclass(frozen=True)
@@ -224,6 +266,23 @@ class ModelFigures:
         return {"density": self.density, "rho": self.rho, "lambda": self.lambda_}
 
 
+@dataclass(frozen=True)
+class BaselineFigures:
+    """The in-memory baseline's report of its own merge (``inmemory_statistics.json``, ``benchmarks.inmemory``)."""
+
+    rho: list[float]  # per agent
+    lambda_: list[float]
+    merge_s: float  # reading and merging, without saving
+    total_s: float
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> BaselineFigures:
+        return cls(rho=data["rho"], lambda_=data["lambda"], merge_s=data["merge_s"], total_s=data["total_s"])
+
+    def to_dict(self) -> JSON:
+        return {"rho": self.rho, "lambda": self.lambda_, "merge_s": self.merge_s, "total_s": self.total_s}
+
+
 @dataclass(frozen=True, kw_only=True)
 class MethodSummary:
     """One method's medians over a run's rounds, and their ratios to the reference method."""
@@ -282,17 +341,13 @@ class MethodSummary:
 
 
 @dataclass(frozen=True)
-class MethodsOptions:
+class MethodsOptions(FlatRecord):
     repeats: int
     out_shard_size: str
     out_dtype: Optional[str]
     extra_args: list[str]
     warmup: bool
     method_parameters: dict[str, dict[str, float]]
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> MethodsOptions:
-        return cls(**data)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -325,7 +380,7 @@ class MethodsRun:
             "kind": self.KIND,
             "size": self.size,
             "models": self.models.to_dict(),
-            "options": asdict(self.options),
+            "options": self.options.to_dict(),
             "machine": self.machine.to_dict(),
             "runs": {method: [m.to_dict() for m in runs] for method, runs in self.runs.items()},
             "summary": {method: entry.to_dict() for method, entry in self.summary.items()},
@@ -336,7 +391,7 @@ class MethodsRun:
 
 
 @dataclass(frozen=True)
-class KernelTiming:
+class KernelTiming(FlatRecord):
     """One kernel call measured: N fine-tunes of ``numel`` elements."""
 
     n: int
@@ -349,22 +404,14 @@ class KernelTiming:
     scratch_bytes: int
     scratch_bytes_per_element: float
 
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> KernelTiming:
-        return cls(**data)
-
 
 @dataclass(frozen=True)
-class StartupCost:
+class StartupCost(FlatRecord):
     """Cumulative import time of the start-up hook's modules, medians over fresh interpreters."""
 
     repeats: int
     cumulative_us: dict[str, Optional[float]]  # None: the module was not imported
     interpreter_wall_s: float
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> StartupCost:
-        return cls(**data)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -396,8 +443,8 @@ class KernelRun:
             "machine": self.machine.to_dict(),
             "kernel_module": self.kernel_module,
             "numel": self.numel,
-            "kernel": [asdict(row) for row in self.kernel],
-            "startup": asdict(self.startup),
+            "kernel": [row.to_dict() for row in self.kernel],
+            "startup": self.startup.to_dict(),
         }
 
 
@@ -405,14 +452,14 @@ class KernelRun:
 
 
 @dataclass(frozen=True)
-class ScaleOptions:
+class ScaleOptions(FlatRecord):
     repeats: int
     out_shard_size: str
     cap_bytes: Optional[int] = None  # inmemory only: RLIMIT_DATA of both children
 
 
 @dataclass(frozen=True)
-class OutOfCoreSummary:
+class OutOfCoreSummary(FlatRecord):
     """Medians of the out-of-core ``ram_plus`` runs."""
 
     wall_s: float
@@ -443,10 +490,10 @@ class OutOfCoreRun:
             size=data["size"],
             models=ModelSet.from_dict(data["models"]),
             machine=Machine.from_dict(data["machine"]),
-            options=ScaleOptions(**data["options"]),
+            options=ScaleOptions.from_dict(data["options"]),
             inputs_exceed_memory=data["inputs_exceed_memory"],
             runs=[Measurement.from_dict(m) for m in data["runs"]],
-            summary=OutOfCoreSummary(**data["summary"]),
+            summary=OutOfCoreSummary.from_dict(data["summary"]),
             source=source,
         )
 
@@ -459,12 +506,12 @@ class OutOfCoreRun:
             "options": {"out_shard_size": self.options.out_shard_size, "repeats": self.options.repeats},
             "inputs_exceed_memory": self.inputs_exceed_memory,
             "runs": [m.to_dict() for m in self.runs],
-            "summary": asdict(self.summary),
+            "summary": self.summary.to_dict(),
         }
 
 
 @dataclass(frozen=True)
-class ApproachSummary:
+class ApproachSummary(FlatRecord):
     """Medians of one approach's completed runs (NaN when none completed)."""
 
     completed: int
@@ -475,7 +522,7 @@ class ApproachSummary:
 
 
 @dataclass(frozen=True)
-class OutputComparison:
+class OutputComparison(FlatRecord):
     """Element-wise agreement of the two merged checkpoints."""
 
     elements: int
@@ -486,7 +533,7 @@ class OutputComparison:
 
 
 @dataclass(frozen=True)
-class MemoryLimit:
+class MemoryLimit(FlatRecord):
     """The largest model the in-memory approach merges in the machine's memory, and the first named size beyond."""
 
     bytes_per_parameter: float
@@ -510,7 +557,7 @@ class InMemoryRun:
     runs: dict[str, list[Measurement]]  # by approach label
     summary: dict[str, ApproachSummary]
     comparison: Optional[OutputComparison]
-    rho: dict[str, Optional[list[float]]]  # per approach, per agent (last round)
+    rho: dict[str, Optional[Sequence[Optional[float]]]]  # per approach, per agent (last round); None: infinite
     limit: Optional[MemoryLimit]
     source: str = field(default="", compare=False)
 
@@ -521,13 +568,13 @@ class InMemoryRun:
             size=data["size"],
             models=ModelSet.from_dict(data["models"]),
             machine=Machine.from_dict(data["machine"]),
-            options=ScaleOptions(**data["options"]),
+            options=ScaleOptions.from_dict(data["options"]),
             interpreter_overhead=Measurement.from_dict(data["interpreter_overhead"]),
             runs={label: [Measurement.from_dict(m) for m in runs] for label, runs in data["runs"].items()},
-            summary={label: ApproachSummary(**entry) for label, entry in data["summary"].items()},
-            comparison=None if comparison is None else OutputComparison(**comparison),
+            summary={label: ApproachSummary.from_dict(entry) for label, entry in data["summary"].items()},
+            comparison=None if comparison is None else OutputComparison.from_dict(comparison),
             rho=dict(data["rho"]),
-            limit=None if limit is None else MemoryLimit(**limit),
+            limit=None if limit is None else MemoryLimit.from_dict(limit),
             source=source,
         )
 
@@ -537,13 +584,13 @@ class InMemoryRun:
             "size": self.size,
             "models": self.models.to_dict(),
             "machine": self.machine.to_dict(),
-            "options": asdict(self.options),
+            "options": self.options.to_dict(),
             "interpreter_overhead": self.interpreter_overhead.to_dict(),
             "runs": {label: [m.to_dict() for m in runs] for label, runs in self.runs.items()},
-            "summary": {label: asdict(entry) for label, entry in self.summary.items()},
-            "comparison": None if self.comparison is None else asdict(self.comparison),
+            "summary": {label: entry.to_dict() for label, entry in self.summary.items()},
+            "comparison": None if self.comparison is None else self.comparison.to_dict(),
             "rho": self.rho,
-            "limit": None if self.limit is None else asdict(self.limit),
+            "limit": None if self.limit is None else self.limit.to_dict(),
         }
 
 
@@ -567,8 +614,8 @@ def save_record(path: Path, record: Record) -> Path:
 
 
 def round_trips(path: Path) -> bool:
-    """Whether the file at ``path`` loads and saves back to the same JSON (the format stays compatible)."""
-    return load_record(path).to_dict() == read_json(path)
+    """Whether the file at ``path`` loads and saves back to the same bytes (the format stays compatible)."""
+    return json_text(load_record(path).to_dict()) == path.read_text(encoding="utf-8")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -576,8 +623,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     paths = [Path(arg) for arg in argv] if argv else sorted(RESULTS_DIR.rglob("*.json"))
     failed = [path for path in paths if not round_trips(path)]
     for path in failed:
-        print(f"{path}: does not save back to the same JSON")
-    print(f"{len(paths) - len(failed)} of {len(paths)} results files load and save back unchanged")
+        print(f"{path}: does not save back to the same bytes")
+    print(f"{len(paths) - len(failed)} of {len(paths)} results files load and save back byte-identical")
     return 1 if failed else 0
 
 

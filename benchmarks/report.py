@@ -20,7 +20,7 @@ import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from benchmarks.common import (
     DOC_PATH,
@@ -122,7 +122,16 @@ def machine_block(results: StoredResults) -> str:
                 machine.plugin.label,
             ]
         )
-    headers = ["results file", "measured", "CPUs", "memory", "load at start", "versions", "OpenMP", "mergekit_ram"]
+    headers = [
+        "results file",
+        "measured",
+        "CPUs",
+        "memory",
+        "load at start",
+        "versions",
+        "OpenMP",
+        "mergekit_ram commit",
+    ]
     return markdown_table([headers, *rows], "l")
 
 
@@ -177,8 +186,8 @@ def kernel_block(results: StoredResults) -> str:
     return "\n".join(
         [
             f"{fmt_count(result.numel)} bfloat16 elements per tensor, torch threads "
-            f"{result.machine.torch_threads}" + result.machine.thread_settings() + f", kernel from "
-            f"`{result.kernel_module}`.",
+            f"{result.machine.torch_threads}" + result.machine.thread_settings() + ", kernel of `mergekit_ram` "
+            f"{result.machine.plugin.label}.",
             "",
             kernel_table(result.kernel),
             "",
@@ -259,11 +268,25 @@ def latest_per_size(
     return [Observation.of(result, summary) for result, summary in latest.values()]
 
 
-def estimate(results: StoredResults, size_name: str = PAPER_SIZE) -> dict[str, dict[str, Any]]:
+@dataclass(frozen=True)
+class Estimate:
+    """One method at a size not measured, from linear fits over the measured sizes."""
+
+    wall_s: float
+    seconds_per_billion: float  # slope of wall time over parameters
+    cpu_seconds_per_billion: Optional[float]  # None: CPU time measured at fewer than two sizes
+    peak_anon_bytes: float
+    max_rss_bytes: float
+    bytes_per_largest_element: float  # slope of anonymous memory over the largest tensor's elements
+    points: int  # sizes the fits use
+    largest_measured: int  # parameters of the largest size measured
+
+
+def estimate(results: StoredResults, size_name: str = PAPER_SIZE) -> dict[str, Estimate]:
     """Time and peak anonymous memory per method at ``size_name``, extrapolated from the measured sizes."""
     size = SIZES[size_name]
     parameters, largest = size.parameters(), size.largest_tensor()
-    estimates: dict[str, dict[str, Any]] = {}
+    estimates: dict[str, Estimate] = {}
     for method in ESTIMATE_METHODS:
         points = observations(results, method)
         if len({point.parameters for point in points}) < 2:
@@ -274,16 +297,16 @@ def estimate(results: StoredResults, size_name: str = PAPER_SIZE) -> dict[str, d
         rss_fit = linear_fit([(point.largest_tensor, point.merge_rss_bytes) for point in points])
         shard = points[-1].shard_bytes
         buffered = min(shard, parameters * 2)
-        estimates[method] = {
-            "wall_s": time_fit[0] + time_fit[1] * parameters,
-            "seconds_per_billion": time_fit[1] * 1e9,
-            "cpu_seconds_per_billion": linear_fit(cpu_points)[1] * 1e9 if len(cpu_points) >= 2 else None,
-            "peak_anon_bytes": memory_fit[0] + memory_fit[1] * largest + buffered,
-            "max_rss_bytes": rss_fit[0] + rss_fit[1] * largest + buffered,
-            "bytes_per_largest_element": memory_fit[1],
-            "points": len(points),
-            "largest_measured": max(point.parameters for point in points),
-        }
+        estimates[method] = Estimate(
+            wall_s=time_fit[0] + time_fit[1] * parameters,
+            seconds_per_billion=time_fit[1] * 1e9,
+            cpu_seconds_per_billion=linear_fit(cpu_points)[1] * 1e9 if len(cpu_points) >= 2 else None,
+            peak_anon_bytes=memory_fit[0] + memory_fit[1] * largest + buffered,
+            max_rss_bytes=rss_fit[0] + rss_fit[1] * largest + buffered,
+            bytes_per_largest_element=memory_fit[1],
+            points=len(points),
+            largest_measured=max(point.parameters for point in points),
+        )
     return estimates
 
 
@@ -295,13 +318,13 @@ def estimate_block(results: StoredResults) -> str:
     rows = [
         [
             f"`{method}`",
-            f"{entry['seconds_per_billion']:.1f} s",
-            "n/a" if entry["cpu_seconds_per_billion"] is None else f"{entry['cpu_seconds_per_billion']:.1f} s",
-            fmt_seconds(entry["wall_s"]),
-            f"{entry['bytes_per_largest_element']:.1f}",
-            fmt_bytes(entry["peak_anon_bytes"]),
-            fmt_bytes(entry["max_rss_bytes"]),
-            f"{entry['points']} (up to {fmt_count(entry['largest_measured'])})",
+            f"{entry.seconds_per_billion:.1f} s",
+            "n/a" if entry.cpu_seconds_per_billion is None else f"{entry.cpu_seconds_per_billion:.1f} s",
+            fmt_seconds(entry.wall_s),
+            f"{entry.bytes_per_largest_element:.1f}",
+            fmt_bytes(entry.peak_anon_bytes),
+            fmt_bytes(entry.max_rss_bytes),
+            f"{entry.points} (up to {fmt_count(entry.largest_measured)})",
         ]
         for method, entry in estimates.items()
     ]

@@ -21,11 +21,11 @@ fails with an allocation error where ours completes.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import math
 import shutil
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
@@ -45,12 +45,13 @@ from benchmarks.common import (
     run_measured,
     setup_logging,
 )
-from benchmarks.inmemory import shard_files
+from benchmarks.inmemory import BASELINE_FIGURES_FILE, shard_files
 from benchmarks.methods import run_merge
 from benchmarks.models import SIZES, ensure_models
 from benchmarks.records import (
     RESULTS_DIR,
     ApproachSummary,
+    BaselineFigures,
     InMemoryRun,
     Measurement,
     MemoryLimit,
@@ -59,6 +60,7 @@ from benchmarks.records import (
     OutOfCoreSummary,
     OutputComparison,
     ScaleOptions,
+    read_json,
     save_record,
 )
 from mergekit_ram.stats import markdown_table
@@ -148,8 +150,8 @@ def in_memory_vs_ours(
             data_limit_bytes=cap_bytes,
         )
         if baseline.ok:
-            with open(baseline_out / "inmemory_statistics.json", encoding="utf-8") as handle:
-                baseline.extra["statistics"] = json.load(handle)
+            figures = BaselineFigures.from_dict(read_json(baseline_out / BASELINE_FIGURES_FILE))
+            baseline = replace(baseline, baseline=figures)
         runs[BASELINE].append(baseline)
         ours = run_merge(
             "ram_plus",
@@ -171,9 +173,11 @@ def in_memory_vs_ours(
     shutil.rmtree(workdir / "out-ram_plus", ignore_errors=True)
 
     summary = {label: summarise_approach(measurements) for label, measurements in runs.items()}
-    last_baseline = runs[BASELINE][-1].extra.get("statistics", {})
-    last_ours = runs[OURS][-1].extra.get("statistics", {})
-    rho = {BASELINE: last_baseline.get("rho"), OURS: [entry["rho"] for entry in last_ours.values()] or None}
+    last_baseline, last_ours = runs[BASELINE][-1].baseline, runs[OURS][-1].statistics
+    rho: dict[str, Optional[Sequence[Optional[float]]]] = {
+        BASELINE: None if last_baseline is None else last_baseline.rho,
+        OURS: [figures.rho for figures in (last_ours or {}).values()] or None,
+    }
     limit = None
     if summary[BASELINE].completed:
         bytes_per_parameter = (summary[BASELINE].peak_anon_bytes - overhead.peak_anon_bytes) / models.parameters

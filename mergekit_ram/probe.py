@@ -79,8 +79,10 @@ def select_stages(recipe_path: str, stage_name: Optional[str] = None, intermedia
 
 def probe_config(config: Any, options: Any) -> RamStatistics:
     """Run only the pre-pass of a ``ram`` / ``ram_plus`` MergeConfiguration; its statistics."""
+    from mergekit_ram.integration import register
     from mergekit_ram.integration.planner import probe_statistics
 
+    register()
     return probe_statistics(config, options)
 
 

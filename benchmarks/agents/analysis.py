@@ -16,12 +16,13 @@ Two measurements on the checkpoints themselves (no merging):
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import torch
 
 from benchmarks.agents.evaluate import EvalSets, accuracy
 from benchmarks.agents.model import load_model
+from benchmarks.agents.records import AgentUpdates, Binade, UpdateAnalysis
 
 DOSES = (0.1, 0.2, 1 / 3, 0.5, 1.0)
 #: Binades reported; smaller weights (and zeros) are pooled in the first, larger ones in the last.
@@ -34,7 +35,7 @@ def _states(paths: Mapping[str, str]) -> dict[str, dict[str, torch.Tensor]]:
     }
 
 
-def where_updates_land(base: str, agents: Mapping[str, str], epsilon: float = 1e-5) -> dict[str, Any]:
+def where_updates_land(base: str, agents: Mapping[str, str], epsilon: float = 1e-5) -> UpdateAnalysis:
     """Density per binade of |w_base| for each agent, and overlap against independence."""
     states = _states({"base": base, **agents})
     base_state = states.pop("base")
@@ -47,31 +48,25 @@ def where_updates_land(base: str, agents: Mapping[str, str], epsilon: float = 1e
     exponent = torch.floor(torch.log2(weights.clamp(min=2.0**-126))).long().clamp(min=BINADES[0], max=BINADES[-1])
     count = torch.stack(list(masks.values())).sum(0)
     densities = {task: mask.float().mean().item() for task, mask in masks.items()}
-    result: dict[str, Any] = {
-        "binades": [
-            {
-                "exponent": k,
-                "share_of_weights": (exponent == k).float().mean().item(),
-                "half_step": 2.0 ** (k - 8),
-            }
-            for k in BINADES
-        ],
-        "agents": {},
-    }
+    binades = [
+        Binade(exponent=k, share_of_weights=(exponent == k).float().mean().item(), half_step=2.0 ** (k - 8))
+        for k in BINADES
+    ]
+    updates = {}
     for task, mask in masks.items():
         independent = 1.0
         for other, density in densities.items():
             if other != task:
                 independent *= 1.0 - density
-        result["agents"][task] = {
-            "density": densities[task],
-            "density_by_binade": [
+        updates[task] = AgentUpdates(
+            density=densities[task],
+            density_by_binade=[
                 mask[exponent == k].float().mean().item() if (exponent == k).any() else None for k in BINADES
             ],
-            "unique_share": (mask & (count == 1)).sum().item() / max(int(mask.sum()), 1),
-            "unique_share_if_independent": independent,
-        }
-    return result
+            unique_share=(mask & (count == 1)).sum().item() / max(int(mask.sum()), 1),
+            unique_share_if_independent=independent,
+        )
+    return UpdateAnalysis(binades=binades, agents=updates)
 
 
 def dose_response(

@@ -21,13 +21,16 @@ from __future__ import annotations
 import logging
 import random
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from benchmarks.agents import tokenizer
 from benchmarks.agents.model import completion_text, make_batch, sample, token_logprobs
 from benchmarks.agents.tasks import Problem, reward, sample_problems
+
+if TYPE_CHECKING:  # transformers loads on first use
+    from transformers import PreTrainedModel
 
 LOG = logging.getLogger(__name__)
 
@@ -55,10 +58,10 @@ def grpo_step_advantages(rewards: torch.Tensor) -> torch.Tensor:
 
 
 def train_agent(
-    model: torch.nn.Module,
+    model: PreTrainedModel,
     task: str,
     config: GrpoConfig,
-    snapshot: Callable[[int, torch.nn.Module], None],
+    snapshot: Callable[[int, PreTrainedModel], None],
     snapshot_steps: tuple[int, ...],
 ) -> list[float]:
     """Train ``model`` in place on ``task``; call ``snapshot(step, model)`` at the given steps.

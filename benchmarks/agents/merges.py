@@ -21,15 +21,15 @@ import json
 import logging
 import os
 import shutil
-import subprocess
-import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Mapping, Optional
+from pathlib import Path
+from typing import Any, Mapping
 
 import yaml
 
+from benchmarks.common import run_measured
+from benchmarks.records import FlatRecord
 from mergekit_ram.cli import console_script
-from mergekit_ram.stats import module_of
 
 LOG = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ FAMILIES = ("task_arithmetic", "ties", "dare_linear", "dare_ties", "ramplus_tl",
 
 
 @dataclass(frozen=True)
-class Setting:
+class Setting(FlatRecord):
     """One merge: a mergekit method with its parameters.
 
     ``family`` groups the settings among which the best is selected; ``default`` marks the
@@ -173,7 +173,10 @@ def recipe(setting: Setting, base: str, agents: Mapping[str, str]) -> dict[str, 
 
 
 def run_mergekit(recipe_document: Mapping[str, Any], out_dir: str, seed: int) -> float:
-    """Write ``recipe.yml`` and run ``mergekit-yaml`` on it, one CPU thread; returns seconds."""
+    """Write ``recipe.yml`` and run ``mergekit-yaml`` on it, one CPU thread; returns its wall seconds.
+
+    Its output goes to ``mergekit-yaml.log`` beside the recipe.
+    """
     os.makedirs(out_dir, exist_ok=True)
     recipe_path = os.path.join(out_dir, "recipe.yml")
     with open(recipe_path, "w", encoding="utf-8") as handle:
@@ -198,42 +201,10 @@ def run_mergekit(recipe_document: Mapping[str, Any], out_dir: str, seed: int) ->
         "--random-seed",
         str(seed),
     ]
-    start = time.perf_counter()
-    completed = subprocess.run(command, env=environment, capture_output=True, text=True)
-    seconds = time.perf_counter() - start
-    if completed.returncode != 0:
-        raise RuntimeError(f"mergekit-yaml failed on {recipe_path}:\n{completed.stderr[-4000:]}")
-    return seconds
-
-
-def ram_statistics_summary(model_dir: str, names: Mapping[str, str]) -> Optional[dict[str, Any]]:
-    """Per-agent counts, rho and lambda from ``ram_statistics.json`` (``ram`` / ``ram_plus`` merges).
-
-    ``names`` maps the model ids in the file (paths) to short names. Adds, per agent and
-    per tensor kind, the changed and unique element counts.
-    """
-    path = os.path.join(model_dir, "ram_statistics.json")
-    if not os.path.exists(path):
-        return None
-    with open(path, encoding="utf-8") as handle:
-        data = json.load(handle)
-
-    def short(model: str) -> str:
-        return names.get(model, names.get(os.path.abspath(model), model))
-
-    models = {
-        short(entry["model"]): {k: v for k, v in entry.items() if k not in ("model", "pinned")}
-        for entry in data["models"]
-    }
-    kinds: dict[str, dict[str, dict[str, int]]] = {}
-    for tensor in data["tensors"]:
-        kind = module_of(tensor["name"])
-        for model, histogram in zip(tensor["models"], tensor["histograms"]):
-            counts = kinds.setdefault(short(model), {}).setdefault(kind, {"parameters": 0, "changed": 0, "unique": 0})
-            counts["parameters"] += tensor["numel"]
-            counts["changed"] += sum(histogram)
-            counts["unique"] += histogram[0] if histogram else 0
-    return {"parameters": data["parameters"], "models": models, "by_kind": kinds}
+    measurement = run_measured(command, env=environment, log_path=Path(out_dir) / "mergekit-yaml.log")
+    if not measurement.ok:
+        raise RuntimeError(f"mergekit-yaml failed on {recipe_path}:\n{measurement.log_tail}")
+    return measurement.wall_s
 
 
 def fingerprint(*parts: Any) -> str:

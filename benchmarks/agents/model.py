@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 
 from benchmarks.agents import tokenizer
 from benchmarks.agents.tasks import Problem
+
+if TYPE_CHECKING:  # transformers loads on first use
+    from transformers import PreTrainedModel
 
 
 @dataclass(frozen=True)
@@ -27,7 +30,7 @@ class ModelSize:
     num_kv_heads: int = 2
 
 
-def new_model(size: ModelSize, seed: int) -> torch.nn.Module:
+def new_model(size: ModelSize, seed: int) -> PreTrainedModel:
     """A freshly initialised float32 ``LlamaForCausalLM`` over the character vocabulary."""
     from transformers import AutoModelForCausalLM
 
@@ -47,16 +50,17 @@ def new_model(size: ModelSize, seed: int) -> torch.nn.Module:
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
 
 
-def save_model(model: torch.nn.Module, path: str, dtype: torch.dtype) -> None:
+def save_model(model: PreTrainedModel, path: str, dtype: torch.dtype) -> None:
     """Save as safetensors in ``dtype`` (bfloat16 for base and agents), with the tokenizer."""
     os.makedirs(path, exist_ok=True)
     copy = type(model)(model.config)
     copy.load_state_dict(model.state_dict())
-    copy.to(dtype).save_pretrained(path, safe_serialization=True)
+    copy.to(dtype)  # type: ignore[arg-type]  # transformers types its wrapped to() as if unbound
+    copy.save_pretrained(path, safe_serialization=True)
     tokenizer.save_tokenizer(path)
 
 
-def load_model(path: str) -> torch.nn.Module:
+def load_model(path: str) -> PreTrainedModel:
     """Load any checkpoint (bfloat16 or float32) into float32: upcasting bfloat16 is exact."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as transformers_logging

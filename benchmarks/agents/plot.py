@@ -119,20 +119,20 @@ def plot_results(results: Results, path: str) -> None:
     ticks = []
     for variant in results.variants:
         statistics = agent_statistics(results, variant)
-        updates = results.analysis.get(variant, {}).get("updates", {}).get("agents", {})
+        analysis = results.analysis.get(variant)
+        updates = analysis.updates.agents if analysis else {}
         if statistics is None:
             continue
         for task in TASKS:
-            model = statistics["models"][task]
-            histogram = model["overlap_histogram"]
+            model = statistics.counts.models[task]
             bottom = 0.0
             for k in range(1, len(TASKS) + 1):
-                share = 100 * histogram.get(str(k), 0) / max(model["parameters"], 1)
+                share = 100 * model.changed_by(k) / max(model.parameters, 1)
                 label = f"changed by {k} agent{'s' if k > 1 else ''}" if not labels else None
                 axis.bar(position, share, 0.7, bottom=bottom, color=colors[k - 1], label=label)
                 bottom += share
             if task in updates:
-                independent = 100 * model["density"] * updates[task]["unique_share_if_independent"]
+                independent = 100 * model.density * updates[task].unique_share_if_independent
                 axis.plot(
                     [position - 0.35, position + 0.35],
                     [independent] * 2,
@@ -151,9 +151,10 @@ def plot_results(results: Results, path: str) -> None:
     # (f) dose-response: share of each agent's own-task gain reached by base + lambda * tau
     axis = axes[1, 2]
     for variant, style in ((main, "-"), *((v, "--") for v in early)):
-        response = results.analysis.get(variant, {}).get("dose_response")
-        if not response:
+        analysis = results.analysis.get(variant)
+        if not analysis:
             continue
+        response = analysis.dose_response
         for task in TASKS:
             base = results.base_scores()[task]
             doses = [float(d) for d in response[task]]

@@ -11,12 +11,15 @@ import logging
 import math
 import random
 from dataclasses import dataclass, replace
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
 from benchmarks.agents.model import ModelSize, new_model, problem_batch, supervised_loss
 from benchmarks.agents.tasks import GENERATORS, TASKS, Problem, restyle, split_of
+
+if TYPE_CHECKING:  # transformers loads on first use
+    from transformers import PreTrainedModel
 
 LOG = logging.getLogger(__name__)
 
@@ -64,7 +67,7 @@ def learning_rate(step: int, config: PretrainConfig) -> float:
     return config.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
 
 
-def pretrain(size: ModelSize, config: PretrainConfig) -> torch.nn.Module:
+def pretrain(size: ModelSize, config: PretrainConfig) -> PreTrainedModel:
     """Train a base model from scratch; returns it in float32 (the caller saves it in bfloat16)."""
     model = new_model(size, config.seed)
     model.train()

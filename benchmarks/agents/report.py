@@ -9,17 +9,16 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import os
 import sys
-from typing import Any, Optional
+from typing import Optional
 
 from benchmarks.agents.evaluate import standard_error
 from benchmarks.agents.merges import FAMILIES, R_GRID, RULES, ram_plus_name
 from benchmarks.agents.plot import plot_results
-from benchmarks.agents.records import Results, agent_statistics, best_and_default, variant_steps
+from benchmarks.agents.records import Binade, Results, agent_statistics, best_and_default, variant_steps
 from benchmarks.agents.tasks import TASKS
-from mergekit_ram.stats import MODULES, markdown_table, read_ratio
+from mergekit_ram.stats import MODULES, markdown_table
 
 LOG = logging.getLogger(__name__)
 
@@ -33,12 +32,6 @@ def pct(value: Optional[float]) -> str:
     return "-" if value is None else f"{100 * value:.1f}"
 
 
-def rho_cell(value: Any) -> str:
-    """A rho from a ``ram_statistics.json`` (either schema: ``null`` or ``"inf"`` is infinite), two decimals."""
-    rho = read_ratio(value)
-    return "inf" if math.isinf(rho) else f"{rho:.2f}"
-
-
 def score_cells(scores: dict[str, float], sizes: dict[str, int]) -> list[str]:
     cells = [pct(scores[task]) for task in TASKS]
     se = standard_error({task: scores[task] for task in TASKS}, sizes)
@@ -50,25 +43,25 @@ def score_cells(scores: dict[str, float], sizes: dict[str, int]) -> list[str]:
 
 def setup_section(results: Results) -> str:
     c = results.config
-    g, p, e = c["grpo"], c["pretrain"], c["evaluation"]
-    size = c["size"]
+    g, p, e = c.grpo, c.pretrain, c.evaluation
+    size = c.size
     timings = ", ".join(f"{name} {seconds / 60:.1f} min" for name, seconds in results.timings.items())
     return "\n".join(
         [
             f"- Command: `{results.command}` ({results.workers} worker processes, one thread each)",
             f"- Machine: {results.machine}",
             f"- Wall time of each stage when it ran (a rerun that finds a stage cached keeps its time): {timings}",
-            f"- Base: Llama, {results.parameters:,} parameters (hidden {size['hidden_size']}, "
-            f"{size['num_layers']} layers, {size['num_heads']} heads / {size['num_kv_heads']} KV heads, "
-            f"MLP {size['intermediate_size']}), character tokenizer; {p['steps']} supervised steps of "
-            f"{p['batch_size']} problems (task shares {' / '.join(f'{x:g}' for x in p['mixture'])} for "
-            f"{' / '.join(TASKS)}; {100 * p['canonical_share']:g}% of answers in the canonical convention), "
-            f"AdamW lr {p['lr']:g} with cosine decay, saved in bfloat16",
-            f"- Agents: GRPO from the base, {g['steps']} steps x {g['prompts']} prompts x {g['group']} samples, "
-            f"temperature {g['temperature']:g}, AdamW lr {g['lr']:g} ({g['warmup']} warm-up steps), no KL, "
+            f"- Base: Llama, {results.parameters:,} parameters (hidden {size.hidden_size}, "
+            f"{size.num_layers} layers, {size.num_heads} heads / {size.num_kv_heads} KV heads, "
+            f"MLP {size.intermediate_size}), character tokenizer; {p.steps} supervised steps of "
+            f"{p.batch_size} problems (task shares {' / '.join(f'{x:g}' for x in p.mixture)} for "
+            f"{' / '.join(TASKS)}; {100 * p.canonical_share:g}% of answers in the canonical convention), "
+            f"AdamW lr {p.lr:g} with cosine decay, saved in bfloat16",
+            f"- Agents: GRPO from the base, {g.steps} steps x {g.prompts} prompts x {g.group} samples, "
+            f"temperature {g.temperature:g}, AdamW lr {g.lr:g} ({g.warmup} warm-up steps), no KL, "
             "float32 training, bfloat16 checkpoints "
-            f"(snapshots at steps {', '.join(map(str, c['snapshots']))})",
-            f"- Evaluation: greedy exact match; {e['val']} validation and {e['test']} test problems per task, "
+            f"(snapshots at steps {', '.join(map(str, c.snapshots))})",
+            f"- Evaluation: greedy exact match; {e.val} validation and {e.test} test problems per task, "
             "all held out from training by a hash of the prompt. `±` is one binomial standard error of the average",
         ]
     )
@@ -87,11 +80,11 @@ def checkpoint_section(results: Results, variant: str) -> str:
     rows.append(["each agent on its own task", *score_cells(specialists, sizes)])
     curves = []
     for task in TASKS:
-        curve = results.agents.get(task, {}).get("reward_curve") or []
-        if len(curve) >= 10:
+        run = results.agents.get(task)
+        curve = run.reward_curve if run else []
+        if run and len(curve) >= 10:
             first, last = sum(curve[:5]) / 5, sum(curve[-5:]) / 5
-            seconds = results.agents[task]["seconds"]
-            curves.append(f"{TASK_NAMES[task]} {first:.2f} → {last:.2f} ({seconds:.0f} s)")
+            curves.append(f"{TASK_NAMES[task]} {first:.2f} → {last:.2f} ({run.seconds:.0f} s)")
     note = ""
     if curves:
         note = "\n\nMean sampled reward during RL, first five → last five steps (training time): " + "; ".join(curves)
@@ -103,24 +96,24 @@ def statistics_section(results: Results, variant: str) -> str:
     if statistics is None:
         return "(no `ram` merge, so no statistics)"
     rows = []
+    analysis = results.analysis.get(variant)
     for task in TASKS:
-        m = statistics["models"][task]
-        changed = max(m["changed"], 1)
-        histogram = m["overlap_histogram"]
-        rho = rho_cell(m["rho"])
-        updates = results.analysis.get(variant, {}).get("updates", {}).get("agents", {}).get(task)
-        independent = f"{100 * updates['unique_share_if_independent']:.1f}%" if updates else "-"
+        m = statistics.counts.models[task]
+        changed = max(m.changed, 1)
+        rho = "inf" if m.rho is None else f"{m.rho:.2f}"
+        updates = analysis.updates.agents.get(task) if analysis else None
+        independent = f"{100 * updates.unique_share_if_independent:.1f}%" if updates else "-"
         rows.append(
             [
                 f"{TASK_NAMES[task]} agent",
-                f"{100 * m['density']:.1f}%",
-                f"{m['changed']:,}",
-                f"{100 * m['unique'] / changed:.1f}%",
+                f"{100 * m.density:.1f}%",
+                f"{m.changed:,}",
+                f"{100 * m.unique / changed:.1f}%",
                 independent,
-                " / ".join(f"{100 * histogram.get(str(k), 0) / changed:.0f}" for k in range(1, len(TASKS) + 1)),
+                " / ".join(f"{100 * m.changed_by(k) / changed:.0f}" for k in range(1, len(TASKS) + 1)),
                 rho,
-                f"{m.get('lambda_clip', float('nan')):.3f}",
-                f"{m.get('lambda_soft', float('nan')):.3f}",
+                f"{statistics.lambda_of('clip', task):.3f}",
+                f"{statistics.lambda_of('soft', task):.3f}",
             ]
         )
     table = markdown_table(
@@ -140,20 +133,20 @@ def statistics_section(results: Results, variant: str) -> str:
         ]
     )
     kind_rows = []
-    present = [kind for kind in MODULES if any(kind in statistics["by_kind"][task] for task in TASKS)]
+    present = [kind for kind in MODULES if any(kind in statistics.counts.by_kind[task] for task in TASKS)]
     for task in TASKS:
-        kinds = statistics["by_kind"][task]
+        kinds = statistics.counts.by_kind[task]
         cells = []
         for kind in present:
             if kind in kinds:
                 k = kinds[kind]
-                unique = 100 * k["unique"] / max(k["changed"], 1)
-                cells.append(f"{100 * k['changed'] / k['parameters']:.1f}% ({unique:.0f}%)")
+                unique = 100 * k.unique / max(k.changed, 1)
+                cells.append(f"{100 * k.changed / k.parameters:.1f}% ({unique:.0f}%)")
             else:
                 cells.append("-")
         kind_rows.append([f"{TASK_NAMES[task]} agent", *cells])
     kind_table = markdown_table([["agent", *present], *kind_rows])
-    epsilon = statistics["parameters"].get("epsilon")
+    epsilon = statistics.counts.parameters.get("epsilon")
     return (
         f"{table}\n\nCounts from the `ram_statistics.json` that mergekit-ram writes beside each merge "
         f"(epsilon {epsilon}); lambda with r = 0.1, alpha = 2.\n\n"
@@ -164,21 +157,21 @@ def statistics_section(results: Results, variant: str) -> str:
 def binade_section(results: Results) -> str:
     """Density by binade of |w_base|, per agent and snapshot."""
     rows = []
-    binades: list[dict[str, Any]] = []
+    binades: list[Binade] = []
     for variant in results.variants:
-        updates = results.analysis.get(variant, {}).get("updates")
-        if not updates:
+        analysis = results.analysis.get(variant)
+        if not analysis:
             continue
-        binades = updates["binades"]
+        binades = analysis.updates.binades
         for task in TASKS:
-            densities = updates["agents"][task]["density_by_binade"]
+            densities = analysis.updates.agents[task].density_by_binade
             cells = ["-" if d is None else f"{100 * d:.0f}" for d in densities]
             rows.append([f"{TASK_NAMES[task]}, {variant_steps(variant)} steps", *cells])
     if not rows:
         return ""
-    labels = [(f"< 2^{b['exponent'] + 1}" if i == 0 else f"2^{b['exponent']}") for i, b in enumerate(binades)]
-    rows.append(["share of all weights", *[f"{100 * b['share_of_weights']:.0f}" for b in binades]])
-    rows.append(["half a bfloat16 step", *[f"{b['half_step']:.0e}" for b in binades]])
+    labels = [(f"< 2^{b.exponent + 1}" if i == 0 else f"2^{b.exponent}") for i, b in enumerate(binades)]
+    rows.append(["share of all weights", *[f"{100 * b.share_of_weights:.0f}" for b in binades]])
+    rows.append(["half a bfloat16 step", *[f"{b.half_step:.0e}" for b in binades]])
     return markdown_table([["agent, RL steps; abs(w) in", *labels], *rows])
 
 
@@ -187,9 +180,10 @@ def dose_section(results: Results) -> str:
     rows = []
     doses: list[str] = []
     for variant in results.variants:
-        response = results.analysis.get(variant, {}).get("dose_response")
-        if not response:
+        analysis = results.analysis.get(variant)
+        if not analysis:
             continue
+        response = analysis.dose_response
         for task in TASKS:
             doses = list(response[task])
             base = results.base_scores()[task]
@@ -238,7 +232,7 @@ def r_ablation_section(results: Results, variant: str) -> str:
                 continue
             lambdas = ""
             if record.ram_statistics is not None:
-                lambdas = " / ".join(f"{record.ram_statistics['models'][t]['lambda']:.3f}" for t in TASKS)
+                lambdas = " / ".join(f"{record.ram_statistics.models[t].lambda_:.3f}" for t in TASKS)
             rows.append(
                 [
                     rule,
@@ -275,10 +269,10 @@ def variation_section(results: Results) -> str:
         statistics = agent_statistics(results, variant)
         stats = "-"
         if statistics is not None:
+            models = statistics.counts.models
             stats = "<br>".join(
-                f"{t}: {100 * statistics['models'][t]['density']:.1f}% / "
-                f"{100 * statistics['models'][t]['unique'] / max(statistics['models'][t]['changed'], 1):.1f}% / "
-                + rho_cell(statistics["models"][t]["rho"])
+                f"{t}: {100 * models[t].density:.1f}% / {100 * models[t].unique / max(models[t].changed, 1):.1f}% / "
+                + ("inf" if models[t].rho is None else f"{models[t].rho:.2f}")
                 for t in TASKS
             )
         specialists = results.specialists_average(variant)

@@ -13,15 +13,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import logging
 import multiprocessing
 import os
-import platform
 import shutil
 import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterable, Iterator, Optional, TypeVar
 
 import torch
@@ -31,21 +29,25 @@ from benchmarks.agents.analysis import dose_response, where_updates_land
 from benchmarks.agents.config import FULL, SMOKE, ExperimentConfig
 from benchmarks.agents.evaluate import EvalConfig, eval_sets, evaluate_path
 from benchmarks.agents.grpo import MAX_NEW_TOKENS, train_agent
-from benchmarks.agents.merges import (
-    Setting,
-    file_digest,
-    fingerprint,
-    merge_grid,
-    ram_statistics_summary,
-    recipe,
-    run_mergekit,
-)
+from benchmarks.agents.merges import Setting, file_digest, fingerprint, merge_grid, recipe, run_mergekit
 from benchmarks.agents.model import load_model, save_model
 from benchmarks.agents.pretrain import pretrain
-from benchmarks.agents.records import BASE, MergeRecord, Results, checkpoint_name, variant_name, variant_steps
+from benchmarks.agents.records import (
+    BASE,
+    RESULTS_INDENT,
+    AgentRun,
+    MergeRecord,
+    MergeStatistics,
+    Results,
+    Scores,
+    VariantAnalysis,
+    checkpoint_name,
+    variant_name,
+    variant_steps,
+)
 from benchmarks.agents.tasks import TASKS
-from benchmarks.common import cpu_model
-from benchmarks.records import write_json
+from benchmarks.common import machine_info
+from benchmarks.records import read_json, write_json
 
 LOG = logging.getLogger("benchmarks.agents")
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -55,8 +57,8 @@ AGENT_CODE = (*BASE_CODE, "grpo.py")
 EVAL_CODE = ("tasks.py", "tokenizer.py", "model.py", "evaluate.py")
 MERGE_CODE = (*EVAL_CODE, "merges.py")
 ANALYSIS_CODE = (*EVAL_CODE, "analysis.py")
-#: Indentation of the cached records, timings and results.json (many, long records).
-CACHE_INDENT = 1
+#: Indentation of the cached records and timings, as of results.json.
+CACHE_INDENT = RESULTS_INDENT
 T = TypeVar("T")
 R = TypeVar("R")
 
@@ -74,8 +76,7 @@ def read_cached(path: str, key: str) -> Optional[dict[str, Any]]:
     """The JSON record at ``path`` if it was written for ``key``."""
     if not os.path.exists(path):
         return None
-    with open(path, encoding="utf-8") as handle:
-        record = json.load(handle)
+    record = read_json(path)
     return record if record.get("key") == key else None
 
 
@@ -90,8 +91,7 @@ class StageTimings:
         self.path = os.path.join(cache, "timings.json")
         self.timings: dict[str, float] = {}
         if os.path.exists(self.path):
-            with open(self.path, encoding="utf-8") as handle:
-                self.timings = json.load(handle)
+            self.timings = read_json(self.path)
 
     @contextlib.contextmanager
     def stage(self, name: str) -> Iterator[None]:
@@ -175,12 +175,12 @@ def agent_dir(directory: str, step: int) -> str:
     return os.path.join(directory, variant_name(step))
 
 
-def train_agent_job(job: AgentJob) -> dict[str, Any]:
+def train_agent_job(job: AgentJob) -> AgentRun:
     """RL-train one agent from the base; save a bfloat16 checkpoint at every snapshot step."""
     meta_path = os.path.join(job.directory, "meta.json")
     cached = read_cached(meta_path, job.key)
     if cached is not None:
-        return cached
+        return AgentRun(reward_curve=cached["reward_curve"], seconds=cached["seconds"])
     start = time.perf_counter()
     model = load_model(job.base)  # float32 copy of the bfloat16 base: exact
     seed = job.config.grpo.seed + TASKS.index(job.task)
@@ -191,9 +191,9 @@ def train_agent_job(job: AgentJob) -> dict[str, Any]:
         lambda step, trained: save_model(trained, agent_dir(job.directory, step), torch.bfloat16),
         job.config.snapshots,
     )
-    record = {"key": job.key, "task": job.task, "seconds": time.perf_counter() - start, "reward_curve": curve}
-    write_json(meta_path, record, indent=CACHE_INDENT)
-    return record
+    run = AgentRun(reward_curve=curve, seconds=time.perf_counter() - start)
+    write_json(meta_path, {"key": job.key, "task": job.task, **run.to_dict()}, indent=CACHE_INDENT)
+    return run
 
 
 @dataclass(frozen=True)
@@ -203,7 +203,7 @@ class EvalJob:
     key: str
 
 
-def evaluate_job(job: EvalJob) -> dict[str, Any]:
+def evaluate_job(job: EvalJob) -> Scores:
     record_path = os.path.join(job.path, "eval.json")
     cached = read_cached(record_path, job.key)
     if cached is not None:
@@ -226,28 +226,28 @@ class MergeJob:
     keep_weights: bool = False
 
 
-def merge_job(job: MergeJob) -> dict[str, Any]:
+def merge_job(job: MergeJob) -> MergeRecord:
     """Merge with ``mergekit-yaml``, evaluate, keep the RAM statistics; drop the weights."""
     result_path = os.path.join(job.directory, "result.json")
     cached = read_cached(result_path, job.key)
     if cached is not None:
-        return cached
+        return MergeRecord.from_dict(cached)
     document = recipe(job.setting, job.base, job.agents)
     seconds = run_mergekit(document, job.directory, job.seed)
     model_dir = os.path.join(job.directory, "model")
     scores = evaluate_path(model_dir, eval_sets(job.evaluation), job.evaluation.batch_size)
-    statistics = ram_statistics_summary(model_dir, {path: task for task, path in job.agents.items()})
+    statistics = MergeStatistics.read(model_dir, {path: task for task, path in job.agents.items()})
     if not job.keep_weights:
         shutil.rmtree(model_dir)
-    record = {
-        "key": job.key,
-        "variant": job.variant,
-        "setting": asdict(job.setting),
-        "merge_seconds": seconds,
-        "scores": scores,
-        "ram_statistics": statistics,
-    }
-    write_json(result_path, record, indent=CACHE_INDENT)
+    record = MergeRecord(
+        key=job.key,
+        variant=job.variant,
+        setting=job.setting,
+        merge_seconds=seconds,
+        scores=scores,
+        ram_statistics=statistics,
+    )
+    write_json(result_path, record.to_dict(), indent=CACHE_INDENT)
     return record
 
 
@@ -275,8 +275,8 @@ def build_base(config: ExperimentConfig, cache: str) -> str:
     return path
 
 
-def build_agents(config: ExperimentConfig, cache: str, base: str, workers: Workers) -> dict[str, dict[str, Any]]:
-    """One RL agent per task, trained in parallel (one thread each); returns their records."""
+def build_agents(config: ExperimentConfig, cache: str, base: str, workers: Workers) -> dict[str, AgentRun]:
+    """One RL agent per task, trained in parallel (one thread each); returns their training by task."""
     base_key = model_digest(base)
     jobs = [
         AgentJob(
@@ -288,8 +288,7 @@ def build_agents(config: ExperimentConfig, cache: str, base: str, workers: Worke
         )
         for task in sorted(TASKS, key=lambda task: -MAX_NEW_TOKENS[task])  # longest rollouts first
     ]
-    records = workers.map(train_agent_job, jobs)
-    return {record["task"]: record for record in records}
+    return {job.task: run for job, run in zip(jobs, workers.map(train_agent_job, jobs))}
 
 
 def variants(config: ExperimentConfig) -> list[str]:
@@ -301,7 +300,7 @@ def agent_paths(config: ExperimentConfig, cache: str, variant: str) -> dict[str,
     return {task: agent_dir(os.path.join(cache, "agents", task), step) for task in TASKS}
 
 
-def evaluate_checkpoints(paths: dict[str, str], config: ExperimentConfig, workers: Workers) -> dict[str, Any]:
+def evaluate_checkpoints(paths: dict[str, str], config: ExperimentConfig, workers: Workers) -> dict[str, Scores]:
     jobs = [
         EvalJob(
             path, config.evaluation, fingerprint("eval", model_digest(path), config.evaluation, code_version(EVAL_CODE))
@@ -311,7 +310,7 @@ def evaluate_checkpoints(paths: dict[str, str], config: ExperimentConfig, worker
     return dict(zip(paths, workers.map(evaluate_job, jobs)))
 
 
-def analyse(config: ExperimentConfig, cache: str, base: str) -> dict[str, Any]:
+def analyse(config: ExperimentConfig, cache: str, base: str) -> dict[str, VariantAnalysis]:
     """Per variant: where the agents' updates land, and each agent's dose-response (cached)."""
     result = {}
     for variant in variants(config):
@@ -326,15 +325,14 @@ def analyse(config: ExperimentConfig, cache: str, base: str) -> dict[str, Any]:
         path = os.path.join(cache, "analysis", f"{variant}.json")
         cached = read_cached(path, key)
         if cached is None:
-            cached = {
-                "key": key,
-                "updates": where_updates_land(base, agents),
-                "dose_response": dose_response(
-                    base, agents, eval_sets(config.evaluation), config.evaluation.batch_size
-                ),
-            }
-            write_json(path, cached, indent=CACHE_INDENT)
-        result[variant] = {k: v for k, v in cached.items() if k != "key"}
+            analysis = VariantAnalysis(
+                updates=where_updates_land(base, agents),
+                dose_response=dose_response(base, agents, eval_sets(config.evaluation), config.evaluation.batch_size),
+            )
+            write_json(path, {"key": key, **analysis.to_dict()}, indent=CACHE_INDENT)
+        else:
+            analysis = VariantAnalysis.from_dict(cached)
+        result[variant] = analysis
     return result
 
 
@@ -347,7 +345,7 @@ def merge_settings(config: ExperimentConfig, variant: str) -> list[Setting]:
     return grid if main or config.full_grid_on_snapshots else [s for s in grid if s.default]
 
 
-def run_merges(config: ExperimentConfig, cache: str, base: str, workers: Workers) -> list[dict[str, Any]]:
+def run_merges(config: ExperimentConfig, cache: str, base: str, workers: Workers) -> list[MergeRecord]:
     jobs = []
     base_digest = model_digest(base)
     for variant in variants(config):
@@ -370,11 +368,6 @@ def run_merges(config: ExperimentConfig, cache: str, base: str, workers: Workers
             )
     LOG.info("merges: %d mergekit-yaml runs on %d workers", len(jobs), workers.count)
     return workers.map(merge_job, jobs)
-
-
-def machine_description() -> str:
-    python = platform.python_version()
-    return f"{cpu_model()}, {os.cpu_count()} CPU cores visible, Python {python}, torch {torch.__version__}"
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -414,22 +407,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     with timings.stage("analysis"), torch_threads(1):
         analysis = analyse(config, cache, base)
 
-    with open(os.path.join(base, "meta.json"), encoding="utf-8") as handle:
-        base_meta = json.load(handle)
+    base_meta = read_json(os.path.join(base, "meta.json"))
     command = "python -m benchmarks.agents.run " + " ".join(argv if argv is not None else sys.argv[1:])
     results = Results(
-        config=asdict(config),
+        config=config,
         command=command.strip(),
-        machine=machine_description(),
+        machine=machine_info().description(),
         workers=args.workers,
         timings=timings.as_built(),
         parameters=base_meta["parameters"],
         checkpoint_scores=scores,
-        agents={
-            task: {"reward_curve": record["reward_curve"], "seconds": record["seconds"]}
-            for task, record in agents.items()
-        },
-        merges=[MergeRecord.from_dict(merge) for merge in merges],
+        agents=agents,
+        merges=merges,
         analysis=analysis,
         main_variant=variant_name(config.main_snapshot),
     )

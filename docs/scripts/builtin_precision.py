@@ -21,42 +21,28 @@ float32 result as it is.
 from __future__ import annotations
 
 import argparse
-import glob
 import os
-import subprocess
 import sys
 import tempfile
 from typing import Any, Callable
 
 import torch
-import yaml
-from safetensors.torch import load_file
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, os.pardir))
 
-from mergekit_ram.cli import console_script  # noqa: E402
 from mergekit_ram.stats import markdown_table  # noqa: E402
 from mergekit_ram.synthetic import PAPER_AGENTS, PAPER_OVERLAP, build_agents, tiny_config  # noqa: E402
 from tests import reference  # noqa: E402
+from tests.conftest import load_weights, run_script, write_recipe  # noqa: E402
 
 EPSILON = 1e-5
 
 
-def load_weights(path: str) -> dict[str, torch.Tensor]:
-    weights: dict[str, torch.Tensor] = {}
-    for file in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
-        weights.update(load_file(file))
-    return weights
-
-
 def merge(recipe: dict[str, Any], directory: str, name: str, env: dict[str, str]) -> dict[str, torch.Tensor]:
-    path = os.path.join(directory, f"{name}.yml")
-    with open(path, "w", encoding="utf-8") as handle:
-        yaml.safe_dump(recipe, handle)
+    """The weights ``mergekit-yaml`` writes for ``recipe`` (every pre-pass runs: no cache)."""
+    path = write_recipe(os.path.join(directory, f"{name}.yml"), recipe)
     out = os.path.join(directory, name)
-    environment = {**os.environ, "HF_HUB_OFFLINE": "1", "MERGEKIT_RAM_CACHE": "off", **env}
-    command = [console_script("mergekit-yaml"), path, out, "--quiet"]
-    subprocess.run(command, env=environment, check=True, capture_output=True)
+    run_script("mergekit-yaml", path, out, "--quiet", env={"MERGEKIT_RAM_CACHE": "off", **env})
     return load_weights(out)
 
 
@@ -108,8 +94,8 @@ def main() -> None:
         finetunes = [load_weights(path) for path in agent_paths]
         recipe = {"base_model": base_path, "models": [{"model": path} for path in agent_paths]}
         counts = {name: reference.counts(t, [ft[name] for ft in finetunes], EPSILON) for name, t in base.items()}
-        overlap = {
-            name: sum(m.to(torch.int64) for m in reference.masks(t, [ft[name] for ft in finetunes], EPSILON))
+        overlap = {  # per element: how many agents changed it
+            name: torch.stack(reference.masks(t, [ft[name] for ft in finetunes], EPSILON)).to(torch.int64).sum(0)
             for name, t in base.items()
         }
         numel = sum(t.numel() for t in base.values())
@@ -125,7 +111,8 @@ def main() -> None:
 
         builtin = {"MERGEKIT_RAM_AUTOLOAD": "0"}
         in_float32 = {"dtype": "float32", "out_dtype": "bfloat16"}
-        runs = [  # label, recipe keys, environment, exact lambdas per tensor
+        runs: list[tuple[str, dict[str, Any], dict[str, str], Callable[[str], list[float]]]] = [
+            # label, recipe keys, environment, exact lambdas per tensor
             ("mergekit ram (built-in)", {"merge_method": "ram"}, builtin, lambda name: [1.0] * 3),
             (
                 "mergekit ram (built-in), `dtype: float32`, `out_dtype: bfloat16`",

@@ -40,6 +40,7 @@ def authors_lambda(rho: float, r: float) -> float:
 
 
 def rules(r: float) -> dict[str, Callable[[float], float]]:
+    """lambda as a function of rho under each rule, by the name the table shows."""
     return {
         f"ram_plus clip (alpha {PAPER_ALPHA:g})": Rescaling(r, PAPER_ALPHA, "clip").lambda_,
         "ram_plus soft (RAM+s)": Rescaling(r, PAPER_ALPHA, "soft").lambda_,

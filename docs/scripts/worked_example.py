@@ -44,7 +44,7 @@ def main() -> None:
     print("mask", *(f"{name}={mask}" for name, mask in zip(NAMES, masks)))
     print("c   ", counts)
 
-    lambdas = {}
+    lambdas: dict[str, list[float]] = {}
     for name, histogram in zip(NAMES, counted.histograms):
         unique, shared = histogram[0], sum(histogram[1:])
         rho = rho_of_histogram(histogram)

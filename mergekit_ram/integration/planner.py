@@ -221,15 +221,13 @@ def run_prepass(merge_tasks: Sequence[ExecuteMergeMethodTask], options: MergeOpt
 
 
 def plan_merge(config: Any, options: MergeOptions) -> PlannedMerge:
-    """Plan a recipe exactly as ``run_merge`` would, without running it (the probe)."""
+    """Plan a recipe exactly as ``run_merge`` would, without running it (the probe; the methods
+    must be registered)."""
     import mergekit.merge
     from mergekit.architecture import get_architecture_info
     from mergekit.io.tasks import LoaderCache
     from mergekit.plan import MergePlanner
 
-    from mergekit_ram.integration import register
-
-    register()
     headers = HeaderCache()
     check_config(config.merge_method, config, headers)
     arch_info = get_architecture_info(config, options)
