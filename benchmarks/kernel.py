@@ -49,9 +49,9 @@ from benchmarks.common import (
     setup_logging,
     use_plugin,
 )
+from benchmarks.memory import peak_allocated_bytes
 from benchmarks.models import PAPER_DENSITIES, AgentDraw, base_chunk, overlap_for
 from benchmarks.records import RESULTS_DIR, KernelRun, KernelTiming, StartupCost, save_record
-from mergekit_ram.memory import peak_allocated_bytes
 from mergekit_ram.stats import markdown_table
 
 LOG = logging.getLogger(__name__)

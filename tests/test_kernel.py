@@ -9,6 +9,7 @@ import threading
 import pytest
 import torch
 
+from benchmarks.memory import peak_allocated_bytes
 from mergekit_ram.kernel import (
     CHUNK_ELEMENTS,
     MergeOverflowError,
@@ -17,7 +18,6 @@ from mergekit_ram.kernel import (
     ram_merge,
     rescale_factor,
 )
-from mergekit_ram.memory import peak_allocated_bytes
 from tests import reference
 
 EPSILON = 1e-5

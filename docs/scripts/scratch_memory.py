@@ -4,7 +4,7 @@
 
 Backs the memory row of docs/comparison.md. Same measurement as
 ``tests/test_kernel.py::test_scratch_memory_is_bounded_and_independent_of_n``
-(``mergekit_ram.memory.peak_allocated_bytes``): the torch profiler records every CPU
+(``benchmarks.memory.peak_allocated_bytes``): the torch profiler records every CPU
 allocation and free while one group is merged; the peak of the
 running sum, minus the bytes of the returned tensor, is the scratch. Inputs are allocated
 before profiling, so they are not counted.
@@ -18,14 +18,18 @@ buffers grow by 4 bytes per chunk element), with one thread so the profiler sees
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
 import torch
 from mergekit.merge_methods.base import TensorGroup
 from mergekit.merge_methods.ram import ram_merge as builtin_ram
 from mergekit.merge_methods.ram import ramplus_tl_merge as builtin_ramplus_tl
 
-from mergekit_ram.kernel import CHUNK_ELEMENTS, ram_merge
-from mergekit_ram.memory import peak_allocated_bytes
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, os.pardir))
+
+from benchmarks.memory import peak_allocated_bytes  # noqa: E402
+from mergekit_ram.kernel import CHUNK_ELEMENTS, ram_merge  # noqa: E402
 
 EPSILON = 1e-5
 
