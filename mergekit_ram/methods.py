@@ -29,7 +29,14 @@ from mergekit.merge_methods.dtype import align_dtype
 
 from mergekit_ram.checks import InputError
 from mergekit_ram.errors import RamError
-from mergekit_ram.kernel import KernelResult, MergeOverflowError, NonFiniteInputError, ram_merge, rescale_factor
+from mergekit_ram.kernel import (
+    Histograms,
+    MergeOverflowError,
+    NonFiniteInputError,
+    count_overlaps,
+    merge_tensors,
+    rescale_factor,
+)
 from mergekit_ram.parameters import METHOD_PARAMETERS, ParameterError
 from mergekit_ram.stats import Pin, RamStatistics, TensorCounts
 
@@ -185,8 +192,7 @@ class RamMergeMethod(GroupMergeMethod):
     def _count(self, group: TensorGroup, parameters: dict[str, Any], dtype: Optional[torch.dtype]) -> TensorCounts:
         original = {entry.id: entry.tensor.dtype for entry in group.entries}
         group = align_dtype(group, dtype)
-        result = self._kernel(group, parameters, None, merge=False, count=True, out_dtype=None, original=original)
-        return _tensor_counts(group, parameters, result)
+        return self._counts(group, parameters, original)
 
     def _merge(
         self,
@@ -200,41 +206,51 @@ class RamMergeMethod(GroupMergeMethod):
         """One group: the merged tensor (the base when only counting for the pre-pass), its counts."""
         original = {entry.id: entry.tensor.dtype for entry in group.entries}
         group = align_dtype(group, dtype)
-        base = group.base.tensor
         request = _COUNT_REQUEST.get()
-        merge = request is None or request.merge
-        lambdas = self.lambdas(group, parameters) if merge else None
+        if request is not None and not request.merge:
+            request.counts = self._counts(group, parameters, original)
+            return group.base.tensor, request.counts
+        lambdas = self.lambdas(group, parameters)
         count = count or request is not None
-        result = self._kernel(
-            group, parameters, lambdas, merge=merge, count=count, out_dtype=out_dtype, original=original
-        )
-        counts = _tensor_counts(group, parameters, result) if count else None
-        if request is not None:
-            request.counts = counts
-        return (base if result.merged is None else result.merged), counts
-
-    def _kernel(
-        self,
-        group: TensorGroup,
-        parameters: dict[str, Any],
-        lambdas: Optional[list[float]],
-        *,
-        merge: bool,
-        count: bool,
-        out_dtype: Optional[torch.dtype],
-        original: Mapping[Any, torch.dtype],
-    ) -> KernelResult:
-        """The kernel on one group; errors name the model, the tensor and the setting."""
-        try:
-            return ram_merge(
+        with self._named_errors(group, parameters, lambdas, original):
+            result = merge_tensors(
                 group.base.tensor,
                 [entry.tensor for entry in group.non_base],
                 parameters["epsilon"],
                 lambdas,
-                merge=merge,
+                workers=torch.get_num_threads(),
                 count=count,
                 out_dtype=out_dtype,
             )
+        counts = _tensor_counts(group, parameters, result.histograms) if result.histograms is not None else None
+        if request is not None:
+            request.counts = counts
+        return result.merged, counts
+
+    def _counts(
+        self, group: TensorGroup, parameters: dict[str, Any], original: Mapping[Any, torch.dtype]
+    ) -> TensorCounts:
+        """The group's overlap counts, without merging."""
+        with self._named_errors(group, parameters, None, original):
+            result = count_overlaps(
+                group.base.tensor,
+                [entry.tensor for entry in group.non_base],
+                parameters["epsilon"],
+                workers=torch.get_num_threads(),
+            )
+        return _tensor_counts(group, parameters, result.histograms)
+
+    @contextlib.contextmanager
+    def _named_errors(
+        self,
+        group: TensorGroup,
+        parameters: dict[str, Any],
+        lambdas: Optional[list[float]],
+        original: Mapping[Any, torch.dtype],
+    ) -> Iterator[None]:
+        """The kernel's errors as the plugin's: they name the model, the tensor and the setting."""
+        try:
+            yield
         except NonFiniteInputError as error:
             raise _input_error(group, error, original) from None
         except MergeOverflowError as error:
@@ -351,13 +367,13 @@ def _with_rho(group: TensorGroup, parameters: dict[str, Any], statistics: RamSta
     return {**parameters, "rho": PerInputValues(values)}
 
 
-def _tensor_counts(group: TensorGroup, parameters: dict[str, Any], result: KernelResult) -> TensorCounts:
+def _tensor_counts(group: TensorGroup, parameters: dict[str, Any], histograms: Histograms) -> TensorCounts:
     return TensorCounts(
         name=group.metadata.name or "",
         numel=group.base.tensor.numel(),
         epsilon=parameters["epsilon"],
         models=tuple(str(entry.id) for entry in group.non_base),
-        histograms=result.histograms or (),
+        histograms=histograms,
     )
 
 

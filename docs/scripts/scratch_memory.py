@@ -10,9 +10,10 @@ running sum, minus the bytes of the returned tensor, is the scratch. Inputs are 
 before profiling, so they are not counted.
 
 The built-in kernels are called as mergekit calls them for one group (``merge_group`` on a
-``TensorGroup``), whatever is registered under their names; ours is ``mergekit_ram.kernel.ram_merge``
-as the merge runs it (merge only, no counting; with counting, as in ``ram`` merges, its
-buffers grow by 4 bytes per chunk element), with one thread so the profiler sees its buffers.
+``TensorGroup``), whatever is registered under their names; ours is
+``mergekit_ram.kernel.merge_tensors`` as the merge runs it (merge only, no counting; with
+counting, as in ``ram`` merges, its buffers grow by 6 bytes per chunk element), with one
+worker so the profiler sees its buffers.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from mergekit.merge_methods.ram import ramplus_tl_merge as builtin_ramplus_tl
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, os.pardir))
 
 from benchmarks.memory import peak_allocated_bytes  # noqa: E402
-from mergekit_ram.kernel import CHUNK_ELEMENTS, ram_merge  # noqa: E402
+from mergekit_ram.kernel import CHUNK_ELEMENTS, merge_tensors  # noqa: E402
 
 EPSILON = 1e-5
 
@@ -54,7 +55,7 @@ def measure(numel: int, n: int, dtype: torch.dtype) -> dict[str, tuple[int, torc
     runs = {
         "mergekit ram (built-in)": lambda: builtin_ram.merge_group(group, epsilon=EPSILON),
         "mergekit ramplus_tl": lambda: builtin_ramplus_tl.merge_group(group, r=0.1, alpha=0.2, epsilon=EPSILON),
-        "mergekit-ram ram_plus": lambda: ram_merge(base, finetunes, EPSILON, lambdas).merged,
+        "mergekit-ram ram_plus": lambda: merge_tensors(base, finetunes, EPSILON, lambdas, workers=1).merged,
     }
     results = {}
     for name, run in runs.items():
