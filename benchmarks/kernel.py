@@ -3,9 +3,10 @@
 For N = 2, 3, 5 fine-tunes of one bfloat16 tensor (16M elements by default; agents drawn as
 in the synthetic models, densities 3.2%, 46.2%, 54.3%, then 25% and 40%):
 
-- ours: ``mergekit_ram.kernel.ram_merge`` merging only (RAM, and RAM+ with lambdas != 1),
-  merging and counting (what ``ram`` runs, it takes its statistics during the merge), and
-  counting only (the ``ram_plus`` pre-pass);
+- ours: ``mergekit_ram.kernel.merge_tensors`` merging only (RAM, and RAM+ with lambdas != 1)
+  and merging and counting (what ``ram`` runs, it takes its statistics during the merge), and
+  ``mergekit_ram.kernel.count_overlaps`` (the ``ram_plus`` pre-pass), each on torch's thread
+  count as the merge methods call them;
 - mergekit 0.1.5's built-ins through ``mergekit.merge_methods.api.merge_tensors``: ``ram`` and
   ``ramplus_tl`` in the input dtype, and ``ram`` with ``dtype=float32`` (what a recipe needs
   for exact results). The objects come from ``mergekit.merge_methods.ram`` directly: the
@@ -49,9 +50,9 @@ from benchmarks.common import (
     setup_logging,
     use_plugin,
 )
+from benchmarks.memory import peak_allocated_bytes
 from benchmarks.models import PAPER_DENSITIES, AgentDraw, base_chunk, overlap_for
 from benchmarks.records import RESULTS_DIR, KernelRun, KernelTiming, StartupCost, save_record
-from mergekit_ram.memory import peak_allocated_bytes
 from mergekit_ram.stats import markdown_table
 
 LOG = logging.getLogger(__name__)
@@ -86,23 +87,27 @@ def median_seconds(function: Callable[[], Any], repeats: int) -> tuple[float, li
 
 def variants(base: torch.Tensor, finetunes: list[torch.Tensor]) -> dict[str, Callable[[], Any]]:
     """Every kernel call measured, by label."""
-    from mergekit.merge_methods.api import merge_tensors
+    from mergekit.merge_methods.api import merge_tensors as mergekit_merge
     from mergekit.merge_methods.ram import ram_merge as builtin_ram
     from mergekit.merge_methods.ram import ramplus_tl_merge as builtin_ramplus_tl
 
-    from mergekit_ram.kernel import ram_merge
+    from mergekit_ram.kernel import count_overlaps, merge_tensors
 
     n = len(finetunes)
     lambdas = list(LAMBDAS[:n])
     inputs = [base, *finetunes]
+
+    def workers() -> int:
+        return torch.get_num_threads()  # as the merge methods call the kernel (1 under the scratch measurement)
+
     return {
-        "ours: merge, RAM": lambda: ram_merge(base, finetunes, EPSILON, None, merge=True, count=False),
-        "ours: merge, RAM+ (lambdas)": lambda: ram_merge(base, finetunes, EPSILON, lambdas, merge=True, count=False),
-        "ours: merge + count (ram)": lambda: ram_merge(base, finetunes, EPSILON, None, merge=True, count=True),
-        "ours: count only (pre-pass)": lambda: ram_merge(base, finetunes, EPSILON, None, merge=False, count=True),
-        BUILTIN_REFERENCE: lambda: merge_tensors(inputs, builtin_ram, base_index=0),
-        "built-in ram (dtype float32)": lambda: merge_tensors(inputs, builtin_ram, base_index=0, dtype=torch.float32),
-        "built-in ramplus_tl (bf16)": lambda: merge_tensors(inputs, builtin_ramplus_tl, base_index=0),
+        "ours: merge, RAM": lambda: merge_tensors(base, finetunes, EPSILON, workers=workers()),
+        "ours: merge, RAM+ (lambdas)": lambda: merge_tensors(base, finetunes, EPSILON, lambdas, workers=workers()),
+        "ours: merge + count (ram)": lambda: merge_tensors(base, finetunes, EPSILON, workers=workers(), count=True),
+        "ours: count only (pre-pass)": lambda: count_overlaps(base, finetunes, EPSILON, workers=workers()),
+        BUILTIN_REFERENCE: lambda: mergekit_merge(inputs, builtin_ram, base_index=0),
+        "built-in ram (dtype float32)": lambda: mergekit_merge(inputs, builtin_ram, base_index=0, dtype=torch.float32),
+        "built-in ramplus_tl (bf16)": lambda: mergekit_merge(inputs, builtin_ramplus_tl, base_index=0),
     }
 
 

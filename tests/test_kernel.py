@@ -1,21 +1,27 @@
-"""The tensor math against the independent reference, on active sets built per element."""
+"""The tensor math against the independent reference, on active sets built per element.
+
+Both entry points: ``count_overlaps`` (the pre-pass) and ``merge_tensors`` (with or without
+counts). Tensors below one chunk run on one worker; the chunking and worker tests cut them.
+"""
 
 from __future__ import annotations
 
 import functools
 import math
 import threading
+from typing import Callable
 
 import pytest
 import torch
 
+from benchmarks.memory import peak_allocated_bytes
 from mergekit_ram.kernel import (
     CHUNK_ELEMENTS,
     MergeOverflowError,
     NonFiniteInputError,
-    ram_merge,
+    count_overlaps,
+    merge_tensors,
 )
-from mergekit_ram.memory import peak_allocated_bytes
 from tests import reference
 
 EPSILON = 1e-5
@@ -51,8 +57,9 @@ def designed_group(
 def test_float32_merge_equals_reference(n: int, lambdas_kind: str) -> None:
     base, finetunes, _ = designed_group(n)
     lambdas = [1.0] * n if lambdas_kind == "ram" else [1.0 + 0.07 * (i + 1) for i in range(n)]
-    result = ram_merge(base, finetunes, EPSILON, lambdas)
+    result = merge_tensors(base, finetunes, EPSILON, lambdas, workers=1)
     expected = reference.merge(base, finetunes, EPSILON, lambdas)
+    assert result.histograms is None
     assert result.merged.dtype == torch.float32
     torch.testing.assert_close(result.merged, expected, rtol=0, atol=0)
 
@@ -61,7 +68,7 @@ def test_float32_merge_equals_reference(n: int, lambdas_kind: str) -> None:
 def test_low_precision_output_is_reference_rounded(dtype: torch.dtype) -> None:
     base, finetunes, _ = designed_group(3, dtype=dtype)
     lambdas = [1.2, 1.145, 1.11]
-    result = ram_merge(base, finetunes, EPSILON, lambdas)
+    result = merge_tensors(base, finetunes, EPSILON, lambdas, workers=1)
     expected = reference.merge(base, finetunes, EPSILON, lambdas).to(dtype)
     assert result.merged.dtype == dtype
     assert torch.equal(result.merged, expected)
@@ -69,8 +76,7 @@ def test_low_precision_output_is_reference_rounded(dtype: torch.dtype) -> None:
 
 def test_counts_match_design_and_reference() -> None:
     base, finetunes, active = designed_group(4)
-    result = ram_merge(base, finetunes, EPSILON, merge=False, count=True)
-    assert result.merged is None
+    result = count_overlaps(base, finetunes, EPSILON, workers=1)
     ref = reference.counts(base, finetunes, EPSILON)
     assert [list(row) for row in result.histograms] == ref.histograms
     overlap = active.sum(0)
@@ -79,13 +85,21 @@ def test_counts_match_design_and_reference() -> None:
         assert result.histograms[index][0] == int((active[index] & (overlap == 1)).sum())
 
 
-def test_merge_and_count_agree_with_count_only() -> None:
-    base, finetunes, _ = designed_group(3, dtype=torch.bfloat16)
-    both = ram_merge(base, finetunes, EPSILON, [1.1, 1.2, 1.3], count=True)
-    merged_only = ram_merge(base, finetunes, EPSILON, [1.1, 1.2, 1.3])
-    counted_only = ram_merge(base, finetunes, EPSILON, merge=False, count=True)
-    assert torch.equal(both.merged, merged_only.merged)
+@pytest.mark.parametrize("n", [1, 2, 3, 5])
+@pytest.mark.parametrize("lambdas_kind", ["ram", "ram_plus"])
+def test_merge_with_counts_equals_merge_and_count_overlaps(n: int, lambdas_kind: str) -> None:
+    """count=True adds the histograms of count_overlaps (the reference's) and changes no merged bit."""
+    base, finetunes, _ = designed_group(n, dtype=torch.bfloat16, seed=n)
+    lambdas = None if lambdas_kind == "ram" else [1.0 + 0.1 * (i + 1) for i in range(n)]
+    both = merge_tensors(base, finetunes, EPSILON, lambdas, workers=1, count=True)
+    merged_only = merge_tensors(base, finetunes, EPSILON, lambdas, workers=1)
+    counted_only = count_overlaps(base, finetunes, EPSILON, workers=1)
+    expected = reference.counts(base, finetunes, EPSILON).histograms
+    assert [list(row) for row in counted_only.histograms] == expected
     assert both.histograms == counted_only.histograms
+    assert merged_only.histograms is None
+    assert torch.equal(both.merged, merged_only.merged)
+    assert torch.equal(both.merged, reference.merge(base, finetunes, EPSILON, lambdas or [1.0] * n).to(base.dtype))
 
 
 @pytest.mark.parametrize("n", [15, 17, 22, 26])
@@ -93,9 +107,9 @@ def test_many_models_use_the_wider_pattern_paths(n: int) -> None:
     """int16 and int32 bincounts (15, 17), the sparse table (22), the int64 pattern (26)."""
     base, finetunes, _ = designed_group(n, shape=(40, 30))
     expected = reference.counts(base, finetunes, EPSILON).histograms
-    result = ram_merge(base, finetunes, EPSILON, merge=False, count=True)
+    result = count_overlaps(base, finetunes, EPSILON, workers=1)
     assert [list(row) for row in result.histograms] == expected
-    merged = ram_merge(base, finetunes, EPSILON, [1.1] * n, count=True)
+    merged = merge_tensors(base, finetunes, EPSILON, [1.1] * n, workers=1, count=True)
     assert [list(row) for row in merged.histograms] == expected
     assert torch.equal(merged.merged, reference.merge(base, finetunes, EPSILON, [1.1] * n))
 
@@ -103,14 +117,14 @@ def test_many_models_use_the_wider_pattern_paths(n: int) -> None:
 def test_epsilon_is_strict_and_compared_in_float32() -> None:
     base = torch.zeros(4)
     finetune = torch.tensor([1e-5, 2e-5, -1e-5, -3e-5])
-    result = ram_merge(base, [finetune], 1e-5, count=True)
+    result = merge_tensors(base, [finetune], 1e-5, workers=1, count=True)
     assert result.histograms == ((2,),)
     assert torch.equal(result.merged, torch.tensor([0.0, 2e-5, 0.0, -3e-5]))
 
 
 def test_epsilon_zero_counts_every_change() -> None:
     base, finetunes, _ = designed_group(2)
-    result = ram_merge(base, finetunes, 0.0, count=True)
+    result = merge_tensors(base, finetunes, 0.0, workers=1, count=True)
     assert [sum(row) for row in result.histograms] == [int((f != base).sum()) for f in finetunes]
     torch.testing.assert_close(result.merged, reference.merge(base, finetunes, 0.0, [1.0, 1.0]), rtol=0, atol=0)
 
@@ -124,9 +138,9 @@ def test_sum_overflow_is_an_error_never_nan_or_inf() -> None:
         torch.tensor([big, 0.0, big, 0.0, 1.0, -big]),
     ]
     with pytest.raises(MergeOverflowError) as error:
-        ram_merge(base, finetunes, EPSILON, [1.0, 1.0], count=True)
+        merge_tensors(base, finetunes, EPSILON, [1.0, 1.0], workers=1, count=True)
     assert (error.value.cause, error.value.dtype) == ("sum", torch.float32)
-    wide = ram_merge(base.double(), [f.double() for f in finetunes], EPSILON)
+    wide = merge_tensors(base.double(), [f.double() for f in finetunes], EPSILON, workers=1)
     big32 = torch.tensor(big).item()  # 3e38 as float32
     assert wide.merged.tolist() == [big32, big32, big32, big32, 1.0, -big32]
 
@@ -137,14 +151,14 @@ def test_lambda_overflow_names_the_model(lam: float) -> None:
     base = torch.zeros(4)
     finetunes = [torch.tensor([5.0, 0.0, 1.0, 0.0]), torch.tensor([0.0, 2.0, 1.0, 0.0])]  # unique: 5 and 2
     with pytest.raises(MergeOverflowError) as error:
-        ram_merge(base, finetunes, EPSILON, [lam, 1.2])
+        merge_tensors(base, finetunes, EPSILON, [lam, 1.2], workers=1)
     assert (error.value.cause, error.value.index, error.value.dtype) == ("lambda", 0, torch.float32)
     if lam == 1e300:  # refused before any work, whichever model
         with pytest.raises(MergeOverflowError) as error:
-            ram_merge(base, finetunes, EPSILON, [1.2, lam])
+            merge_tensors(base, finetunes, EPSILON, [1.2, lam], workers=1)
         assert (error.value.cause, error.value.index) == ("lambda", 1)
     else:  # 1e38 * 2 fits: applied exactly, and no NaN from 0 * lambda on inactive elements
-        fits = ram_merge(base, finetunes, EPSILON, [1.2, lam])
+        fits = merge_tensors(base, finetunes, EPSILON, [1.2, lam], workers=1)
         assert fits.merged.tolist() == [6.0, (torch.tensor(lam) * 2).item(), 1.0, 0.0]
         assert torch.equal(fits.merged, reference.merge(base, finetunes, EPSILON, [1.2, lam]))
 
@@ -153,13 +167,13 @@ def test_cast_overflow_is_an_error() -> None:
     base = torch.tensor([60000.0, 1.0])
     finetune = torch.tensor([70000.0, 1.5])
     with pytest.raises(MergeOverflowError) as error:
-        ram_merge(base, [finetune], EPSILON, out_dtype=torch.float16)
+        merge_tensors(base, [finetune], EPSILON, workers=1, out_dtype=torch.float16)
     assert (error.value.cause, error.value.dtype) == ("cast", torch.float16)
 
 
 def test_finetune_equal_to_base_changes_nothing() -> None:
     base, finetunes, _ = designed_group(2)
-    result = ram_merge(base, [base.clone(), finetunes[1]], EPSILON, [1.2, 1.2], count=True)
+    result = merge_tensors(base, [base.clone(), finetunes[1]], EPSILON, [1.2, 1.2], workers=1, count=True)
     assert result.histograms[0] == (0, 0)
     assert not torch.isnan(result.merged).any()
     torch.testing.assert_close(
@@ -169,7 +183,7 @@ def test_finetune_equal_to_base_changes_nothing() -> None:
 
 def test_identical_finetunes_average_to_themselves_without_nan() -> None:
     base, finetunes, _ = designed_group(1)
-    result = ram_merge(base, [finetunes[0], finetunes[0].clone()], EPSILON, [1.2, 1.2], count=True)
+    result = merge_tensors(base, [finetunes[0], finetunes[0].clone()], EPSILON, [1.2, 1.2], workers=1, count=True)
     assert result.histograms[0][0] == 0  # nothing unique
     assert not torch.isnan(result.merged).any()
     changed = (finetunes[0] - base).abs() > EPSILON
@@ -178,16 +192,17 @@ def test_identical_finetunes_average_to_themselves_without_nan() -> None:
 
 def test_single_model_resets_subthreshold_changes() -> None:
     base, finetunes, active = designed_group(1)
-    result = ram_merge(base, finetunes, EPSILON, [1.0])
+    result = merge_tensors(base, finetunes, EPSILON, [1.0], workers=1)
     assert torch.equal(result.merged[active[0]], finetunes[0][active[0]])
     assert torch.equal(result.merged[~active[0]], base[~active[0]])
 
 
 def test_no_finetunes_returns_the_base() -> None:
     base = torch.randn(5, 3)
-    result = ram_merge(base, [], EPSILON, count=True)
+    result = merge_tensors(base, [], EPSILON, workers=1, count=True)
     assert torch.equal(result.merged, base)
     assert result.histograms == ()
+    assert count_overlaps(base, [], EPSILON, workers=1).histograms == ()
 
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
@@ -196,12 +211,12 @@ def test_non_finite_inputs_are_named(bad: float) -> None:
     finetunes[2] = finetunes[2].clone()
     finetunes[2][3, 4] = bad
     with pytest.raises(NonFiniteInputError) as error:
-        ram_merge(base, finetunes, EPSILON)
+        merge_tensors(base, finetunes, EPSILON, workers=1)
     assert error.value.index == 2
     poisoned = base.clone()
     poisoned[0, 0] = bad
     with pytest.raises(NonFiniteInputError) as error:
-        ram_merge(poisoned, finetunes[:2], EPSILON, merge=False, count=True)
+        count_overlaps(poisoned, finetunes[:2], EPSILON, workers=1)
     assert error.value.index is None
 
 
@@ -209,7 +224,7 @@ def test_large_finite_values_are_not_mistaken_for_inf() -> None:
     base = torch.full((1000,), 3e35)
     finetune = base.clone()
     finetune[:500] = -3e35  # |tau| = 6e35; the sum of magnitudes overflows float32
-    result = ram_merge(base, [finetune], EPSILON)
+    result = merge_tensors(base, [finetune], EPSILON, workers=1)
     assert torch.isfinite(result.merged).all()
 
 
@@ -218,12 +233,22 @@ def peak_scratch_bytes(function) -> int:
     return peak_allocated_bytes(function, threads=1)[0]
 
 
-#: Scratch bytes per chunk element of a bfloat16 group, by what the kernel is asked for.
-SCRATCH_BOUNDS = {
-    "ram with statistics": (dict(count=True), 24),
-    "ram_plus merge after the pre-pass": (dict(lambdas=True), 24),
-    "ram_plus with pinned statistics": (dict(lambdas=True, count=True), 28),
-    "pre-pass (count only)": (dict(merge=False, count=True), 16),
+#: Scratch bytes per chunk element of a bfloat16 group, by what the kernel is asked for: the
+#: call on one worker (base, fine-tunes, N), whether it returns a bfloat16 output, the bound.
+SCRATCH_BOUNDS: dict[str, tuple[Callable[[torch.Tensor, list[torch.Tensor], int], object], bool, int]] = {
+    "ram without statistics": (lambda base, fts, n: merge_tensors(base, fts, EPSILON, workers=1), True, 20),
+    "ram with statistics": (lambda base, fts, n: merge_tensors(base, fts, EPSILON, workers=1, count=True), True, 26),
+    "ram_plus merge after the pre-pass": (
+        lambda base, fts, n: merge_tensors(base, fts, EPSILON, [1.1] * n, workers=1),
+        True,
+        24,
+    ),
+    "ram_plus with pinned statistics": (
+        lambda base, fts, n: merge_tensors(base, fts, EPSILON, [1.1] * n, workers=1, count=True),
+        True,
+        30,
+    ),
+    "pre-pass (count only)": (lambda base, fts, n: count_overlaps(base, fts, EPSILON, workers=1), False, 14),
 }
 
 
@@ -234,35 +259,59 @@ def test_scratch_memory_is_bounded_and_independent_of_n(mode: str) -> None:
     Measured with one worker thread (the profiler sees the calling thread's allocations);
     each further worker has its own scratch of the same size.
     """
-    options, bytes_per_element = SCRATCH_BOUNDS[mode]
+    call, has_output, bytes_per_element = SCRATCH_BOUNDS[mode]
     scratch = {}
     for numel in (2 * CHUNK_ELEMENTS, 5 * CHUNK_ELEMENTS):
         for n in (2, 3, 5):
             base, finetunes, _ = designed_group(n, shape=(numel,), dtype=torch.bfloat16)
-            merge = options.get("merge", True)
-            call = functools.partial(
-                ram_merge,
-                base,
-                finetunes,
-                EPSILON,
-                [1.1] * n if options.get("lambdas") else None,
-                merge=merge,
-                count=options.get("count", False),
-            )
-            peak = peak_scratch_bytes(call)
-            scratch[numel, n] = peak - (2 * numel if merge else 0)  # minus the bfloat16 output
+            peak = peak_scratch_bytes(functools.partial(call, base, finetunes, n))
+            scratch[numel, n] = peak - (2 * numel if has_output else 0)  # minus the bfloat16 output
     assert max(scratch.values()) - min(scratch.values()) < 4096, scratch  # a bincount of 2**N counters at most
     assert max(scratch.values()) <= bytes_per_element * CHUNK_ELEMENTS + 4096, scratch
-    assert max(scratch.values()) > (bytes_per_element - 4) * CHUNK_ELEMENTS, scratch  # the bound is tight
+    assert max(scratch.values()) > (bytes_per_element - 2) * CHUNK_ELEMENTS, scratch  # the bound is tight
 
 
 def test_chunk_boundaries_do_not_change_results() -> None:
     base, finetunes, _ = designed_group(3, shape=(1000, 7), dtype=torch.bfloat16)
-    whole = ram_merge(base, finetunes, EPSILON, [1.2, 1.1, 1.0], count=True)
+    whole = merge_tensors(base, finetunes, EPSILON, [1.2, 1.1, 1.0], workers=1, count=True)
     for chunk in (1, 997, 4096):
-        chunked = ram_merge(base, finetunes, EPSILON, [1.2, 1.1, 1.0], count=True, chunk_elements=chunk)
+        chunked = merge_tensors(base, finetunes, EPSILON, [1.2, 1.1, 1.0], workers=1, count=True, chunk_elements=chunk)
         assert torch.equal(chunked.merged, whole.merged)
         assert chunked.histograms == whole.histograms
+        assert count_overlaps(base, finetunes, EPSILON, workers=1, chunk_elements=chunk).histograms == whole.histograms
+
+
+@pytest.mark.parametrize("lambdas", [None, [1.2, 1.1, 1.0]])
+def test_two_workers_are_bit_identical_to_one(lambdas: list[float] | None) -> None:
+    """Chunks shared out to a pool of two threads: the same merged bits and histograms as one worker."""
+    base, finetunes, _ = designed_group(3, shape=(1000, 7), dtype=torch.bfloat16)
+    one = merge_tensors(base, finetunes, EPSILON, lambdas, workers=1, count=True, chunk_elements=499)
+    two = merge_tensors(base, finetunes, EPSILON, lambdas, workers=2, count=True, chunk_elements=499)
+    assert torch.equal(two.merged, one.merged)
+    assert two.histograms == one.histograms
+    assert [list(row) for row in one.histograms] == reference.counts(base, finetunes, EPSILON).histograms
+    counted = count_overlaps(base, finetunes, EPSILON, workers=2, chunk_elements=499)
+    assert counted.histograms == count_overlaps(base, finetunes, EPSILON, workers=1, chunk_elements=499).histograms
+    assert counted.histograms == one.histograms
+
+
+def test_bad_calls_are_refused() -> None:
+    """No worker, a lambda per model missing, more models than the pattern's bits when counting."""
+    base, finetunes, _ = designed_group(2)
+    for call in (count_overlaps, merge_tensors):
+        with pytest.raises(ValueError, match="workers must be at least 1, got 0"):
+            call(base, finetunes, EPSILON, workers=0)
+    with pytest.raises(ValueError, match="expected 2 lambda values, got 1"):
+        merge_tensors(base, finetunes, EPSILON, [1.2], workers=1)
+    with pytest.raises(ValueError, match="shape"):
+        count_overlaps(base, [finetunes[0].T], EPSILON, workers=1)
+    many = [finetunes[index % 2] for index in range(63)]
+    with pytest.raises(ValueError, match="at most 62 fine-tuned models, got 63"):
+        count_overlaps(base, many, EPSILON, workers=1)
+    with pytest.raises(ValueError, match="at most 62 fine-tuned models, got 63"):
+        merge_tensors(base, many, EPSILON, workers=1, count=True)
+    merged = merge_tensors(base, many, EPSILON, workers=1).merged  # merging needs no pattern
+    assert torch.equal(merged, reference.merge(base, many, EPSILON, [1.0] * 63))
 
 
 def one_step_group(dtype: torch.dtype) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -277,12 +326,14 @@ def one_step_group(dtype: torch.dtype) -> tuple[torch.Tensor, list[torch.Tensor]
 def test_out_dtype_rounds_once(out_dtype: torch.dtype) -> None:
     """From the float32 result straight to out_dtype: 1.01171875, not bfloat16's 1.015625 cast again."""
     base, finetunes = one_step_group(torch.bfloat16)
-    assert ram_merge(base, finetunes, EPSILON).merged.tolist() == [1.015625, 1.0078125, 1.0]  # bfloat16 result
-    result = ram_merge(base, finetunes, EPSILON, [1.5, 1.0], out_dtype=out_dtype).merged
+    assert merge_tensors(base, finetunes, EPSILON, workers=1).merged.tolist() == [1.015625, 1.0078125, 1.0]  # bfloat16
+    result = merge_tensors(base, finetunes, EPSILON, [1.5, 1.0], workers=1, out_dtype=out_dtype).merged
     assert result.dtype == out_dtype
     assert result.tolist() == [1.01171875, 1 + 1.5 * 2**-7, 1.0]
     base, finetunes, _ = designed_group(3, dtype=torch.bfloat16)
-    merged = ram_merge(base, finetunes, EPSILON, [1.2, 1.1, 1.0], out_dtype=out_dtype, chunk_elements=999).merged
+    merged = merge_tensors(
+        base, finetunes, EPSILON, [1.2, 1.1, 1.0], workers=1, out_dtype=out_dtype, chunk_elements=999
+    ).merged
     assert torch.equal(merged, reference.merge(base, finetunes, EPSILON, [1.2, 1.1, 1.0]).to(out_dtype))
 
 
@@ -293,7 +344,7 @@ def test_float64_inputs_are_merged_in_float64() -> None:
     a[0], b[0] = 1.25, 1.5  # shared
     a[1] = 1.000030000001  # unique to a; float32 would round both ends
     b[2, :7] = 0.75
-    result = ram_merge(base, [a, b], EPSILON, [1.2, 1.1], count=True, chunk_elements=256)
+    result = merge_tensors(base, [a, b], EPSILON, [1.2, 1.1], workers=1, count=True, chunk_elements=256)
     assert result.merged.dtype == torch.float64
     assert torch.equal(result.merged[3:], base[3:])
     assert result.merged[3, 0].item() == 1.000000000001
@@ -302,7 +353,7 @@ def test_float64_inputs_are_merged_in_float64() -> None:
     assert torch.equal(result.merged, expected)
     assert result.merged[1, 0].item() == 1.000000000001 + 1.2 * (1.000030000001 - 1.000000000001)
     assert result.histograms == ((300, 300), (7, 300))
-    as_float32 = ram_merge(base, [a, b], EPSILON, [1.2, 1.1], out_dtype=torch.float32).merged
+    as_float32 = merge_tensors(base, [a, b], EPSILON, [1.2, 1.1], workers=1, out_dtype=torch.float32).merged
     assert torch.equal(as_float32, expected.float())  # one rounding, from float64
 
 
@@ -311,8 +362,8 @@ def test_inputs_that_require_grad_merge_with_history() -> None:
     base, finetunes, _ = designed_group(3, shape=(300, 7))
     lambdas = [1.2, 1.1, 1.0]
     leaves = [tensor.clone().requires_grad_(True) for tensor in (base, *finetunes)]
-    result = ram_merge(leaves[0], leaves[1:], EPSILON, lambdas, count=True, chunk_elements=500, workers=2)
-    plain = ram_merge(base, finetunes, EPSILON, lambdas, count=True)
+    result = merge_tensors(leaves[0], leaves[1:], EPSILON, lambdas, workers=2, count=True, chunk_elements=500)
+    plain = merge_tensors(base, finetunes, EPSILON, lambdas, workers=1, count=True)
     assert result.merged.grad_fn is not None
     assert torch.equal(result.merged.detach(), plain.merged)
     assert result.histograms == plain.histograms
@@ -325,7 +376,7 @@ def test_inputs_that_require_grad_merge_with_history() -> None:
     # d/d base = 1 - sum_t w_t: exactly 0 where c >= 2 here; the reference sums c rounded terms g / c
     torch.testing.assert_close(leaves[0].grad, references[0].grad, rtol=0, atol=4e-7)
     with torch.no_grad():
-        assert ram_merge(leaves[0], leaves[1:], EPSILON, lambdas).merged.grad_fn is None
+        assert merge_tensors(leaves[0], leaves[1:], EPSILON, lambdas, workers=1).merged.grad_fn is None
 
 
 def test_concurrent_callers_keep_their_thread_counts() -> None:
@@ -343,7 +394,7 @@ def test_concurrent_callers_keep_their_thread_counts() -> None:
             start.wait()
             counts = set()
             for _ in range(4):
-                ram_merge(base, finetunes, EPSILON, [1.1, 1.2, 1.3], workers=2)
+                merge_tensors(base, finetunes, EPSILON, [1.1, 1.2, 1.3], workers=2)
                 counts.add(torch.get_num_threads())
             seen[threads] = counts
         except BaseException as error:  # noqa: BLE001 - reported below
@@ -365,7 +416,8 @@ def test_pool_threads_leave_the_process_default_alone() -> None:
     """A thread started after a merge gets torch's default, not the pool threads' single thread."""
     base, finetunes, _ = designed_group(2, shape=(4 * CHUNK_ELEMENTS,))
     saved = torch.get_num_threads()
-    ram_merge(base, finetunes, EPSILON, workers=2)
+    merge_tensors(base, finetunes, EPSILON, workers=2)
+    count_overlaps(base, finetunes, EPSILON, workers=2)
     assert torch.get_num_threads() == saved
     later: list[int] = []
     thread = threading.Thread(target=lambda: later.append(torch.get_num_threads()))

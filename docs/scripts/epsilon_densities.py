@@ -11,8 +11,8 @@ Setup (all fixed by the seed):
   "relative": |delta| / |w| log-uniform in [1e-4, 1e-1];
 - the checkpoints as they are usually published: the base is stored in dtype D, the fine-tune
   is trained from that stored base in float32 and saved in D as well;
-- densities are counted by ``mergekit_ram.kernel.ram_merge`` in counting mode (the code the
-  ``ram_plus`` pre-pass and ``ram_statistics.json`` use), with the fine-tune as the only model.
+- densities are counted by ``mergekit_ram.kernel.count_overlaps`` (the code the ``ram_plus``
+  pre-pass and ``ram_statistics.json`` use), with the fine-tune as the only model.
 
 A last table is a control with no training at all: the base kept in float32 and a copy of it
 rounded to bfloat16 or float16, i.e. two checkpoints of the same model in different dtypes.
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from mergekit_ram.kernel import ram_merge
+from mergekit_ram.kernel import count_overlaps, merge_tensors
 from mergekit_ram.stats import markdown_table
 
 SEED = 0
@@ -53,13 +53,13 @@ def make_updates(generator: torch.Generator, base: torch.Tensor) -> dict[str, to
 
 def active_mask(base: torch.Tensor, finetune: torch.Tensor, epsilon: float) -> torch.Tensor:
     """The kernel's own mask, recovered as ``merged != base`` (a unit update, lambda 1)."""
-    merged = ram_merge(base.float(), [finetune.float()], epsilon).merged
+    merged = merge_tensors(base.float(), [finetune.float()], epsilon, workers=torch.get_num_threads()).merged
     return merged != base.float()
 
 
 def density(base: torch.Tensor, finetune: torch.Tensor, epsilon: float) -> float:
     """Share of elements the kernel counts as changed (its histogram, as in the pre-pass)."""
-    histograms = ram_merge(base, [finetune], epsilon, merge=False, count=True).histograms
+    histograms = count_overlaps(base, [finetune], epsilon, workers=torch.get_num_threads()).histograms
     return histograms[0][0] / base.numel()
 
 

@@ -4,28 +4,33 @@
 
 Backs the memory row of docs/comparison.md. Same measurement as
 ``tests/test_kernel.py::test_scratch_memory_is_bounded_and_independent_of_n``
-(``mergekit_ram.memory.peak_allocated_bytes``): the torch profiler records every CPU
+(``benchmarks.memory.peak_allocated_bytes``): the torch profiler records every CPU
 allocation and free while one group is merged; the peak of the
 running sum, minus the bytes of the returned tensor, is the scratch. Inputs are allocated
 before profiling, so they are not counted.
 
 The built-in kernels are called as mergekit calls them for one group (``merge_group`` on a
-``TensorGroup``), whatever is registered under their names; ours is ``mergekit_ram.kernel.ram_merge``
-as the merge runs it (merge only, no counting; with counting, as in ``ram`` merges, its
-buffers grow by 4 bytes per chunk element), with one thread so the profiler sees its buffers.
+``TensorGroup``), whatever is registered under their names; ours is
+``mergekit_ram.kernel.merge_tensors`` as the merge runs it (merge only, no counting; with
+counting, as in ``ram`` merges, its buffers grow by 6 bytes per chunk element), with one
+worker so the profiler sees its buffers.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
 import torch
 from mergekit.merge_methods.base import TensorGroup
 from mergekit.merge_methods.ram import ram_merge as builtin_ram
 from mergekit.merge_methods.ram import ramplus_tl_merge as builtin_ramplus_tl
 
-from mergekit_ram.kernel import CHUNK_ELEMENTS, ram_merge
-from mergekit_ram.memory import peak_allocated_bytes
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, os.pardir))
+
+from benchmarks.memory import peak_allocated_bytes  # noqa: E402
+from mergekit_ram.kernel import CHUNK_ELEMENTS, merge_tensors  # noqa: E402
 
 EPSILON = 1e-5
 
@@ -50,7 +55,7 @@ def measure(numel: int, n: int, dtype: torch.dtype) -> dict[str, tuple[int, torc
     runs = {
         "mergekit ram (built-in)": lambda: builtin_ram.merge_group(group, epsilon=EPSILON),
         "mergekit ramplus_tl": lambda: builtin_ramplus_tl.merge_group(group, r=0.1, alpha=0.2, epsilon=EPSILON),
-        "mergekit-ram ram_plus": lambda: ram_merge(base, finetunes, EPSILON, lambdas).merged,
+        "mergekit-ram ram_plus": lambda: merge_tensors(base, finetunes, EPSILON, lambdas, workers=1).merged,
     }
     results = {}
     for name, run in runs.items():

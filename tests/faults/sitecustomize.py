@@ -6,7 +6,8 @@
   (the file is complete), so a signal lands between two of mergekit's writes;
 - ``replace:TEXT``: ``os.replace`` with TEXT in its source path (not a ``*.partial`` temporary
   file); ACTION runs after the rename;
-- ``kernel:prepass`` / ``kernel:merge``: the RAM kernel counting (pre-pass) or merging a tensor.
+- ``kernel:prepass`` / ``kernel:merge``: the RAM kernel counting (``count_overlaps``, the pre-pass)
+  or merging (``merge_tensors``) a tensor.
 
 ACTION: ``SIGINT``, ``SIGTERM``, ``SIGKILL`` (sent to this process), ``ENOSPC`` (raise
 ``OSError(ENOSPC)`` instead, as a full disk does), or ``wait`` (block until the file named by
@@ -82,15 +83,15 @@ def _install(where, what, target, action):
 
         import mergekit_ram.integration.methods as methods
 
-        entry = "merge_tensors" if what == "merge" else "count_overlaps"
-        original_kernel = getattr(methods, entry)
+        name = {"prepass": "count_overlaps", "merge": "merge_tensors"}[what]
+        original_kernel = getattr(methods, name)
 
         def fault_kernel(*args, **kwargs):
             if hit():
                 _act(action)
             return original_kernel(*args, **kwargs)
 
-        setattr(methods, entry, fault_kernel)
+        setattr(methods, name, fault_kernel)
 
 
 if _SPEC:

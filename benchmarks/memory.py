@@ -1,11 +1,12 @@
 """Peak CPU memory torch allocates while a function runs.
 
-The scratch measurement behind the kernel tests, docs/comparison.md and the benchmarks:
-the torch profiler records every CPU allocation and free; the peak of their running sum
-is the answer. Inputs allocated before the call are not counted; the result is. Only the
-calling thread is seen, so measure the plugin's kernel with ``threads=1``: it then does all
-its work in the calling thread (each further worker thread holds one more scratch of the
-same size).
+Test and benchmark instrumentation, not part of the package (the wheel does not ship it): the
+scratch measurement behind the kernel tests, docs/comparison.md and the benchmarks. The torch
+profiler records every CPU allocation and free; the peak of their running sum is the answer.
+Inputs allocated before the call are not counted; the result is. Only the calling thread is
+seen, so call the plugin's kernel with ``workers=1`` (and measure with ``threads=1``): it then
+does all its work in the calling thread (each further worker thread holds one more scratch of
+the same size).
 """
 
 from __future__ import annotations
