@@ -25,7 +25,7 @@ test: install
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest
 
 lint: install
-	$(BIN)/ruff check . && $(BIN)/ruff format --check .
+	$(BIN)/ruff check . && $(BIN)/ruff format --check . && $(BIN)/mypy
 
 # Build the sdist and the wheel, twine check them, compare their contents with
 # tests/release_contents.txt, install the wheel into a fresh environment and run the demo there
