@@ -14,7 +14,13 @@ BOUNDARY = PACKAGE / "integration"
 
 #: Tests of the plain layers, run again with mergekit unimportable (the kernel's scratch-memory
 #: measurements, which prove nothing about imports, only once: in the main run).
-PLAIN_TESTS = ("tests/test_plain_layers.py", "tests/test_kernel.py", "-k", "not scratch_memory")
+PLAIN_TESTS = (
+    "tests/test_plain_layers.py",
+    "tests/test_kernel.py",
+    "tests/test_rescaling.py",
+    "-k",
+    "not scratch_memory",
+)
 
 #: A meta-path finder that makes ``mergekit`` (and its submodules) unimportable.
 BLOCK_MERGEKIT = """

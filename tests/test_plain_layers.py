@@ -19,7 +19,7 @@ from mergekit_ram.errors import InputError
 from mergekit_ram.parameters import ParameterError
 from mergekit_ram.planned import ModelIdentity, ModelPin, PlannedTensor, TensorInput, TensorParameters
 from mergekit_ram.settings import Applied, merge_settings
-from mergekit_ram.stats import TensorCounts
+from mergekit_ram.stats import TensorCounts, counts_to_dict
 
 
 def parameters(name: str, r: float = 0.1, alpha: float = 2.0, rule: str = "clip", **pins: tuple) -> TensorParameters:
@@ -139,5 +139,5 @@ def test_cache_key_follows_what_the_counts_depend_on(tmp_path, monkeypatch: pyte
     assert cache.load(key, [tensor], headers) == [counts]
     path = os.path.join(str(tmp_path / "cache"), "prepass", f"{key}.json")
     with open(path, "w", encoding="utf-8") as handle:
-        json.dump({"tensors": [{**counts.to_dict(), "numel": 7}]}, handle)
+        json.dump({"tensors": [{**counts_to_dict(counts), "numel": 7}]}, handle)
     assert cache.load(key, [tensor], headers) is None  # 7 elements where the header says 6
