@@ -213,29 +213,57 @@ def test_scratch_bytes_per_element_builtin_vs_plugin() -> None:
     assert ours <= 24 * CHUNK_ELEMENTS + 4096, ours  # a chunk's buffers, whatever the tensor's size
 
 
+def markdown_rows(text: str) -> list[list[str]]:
+    """The cells of every row of the markdown tables in ``text``, separator rows left out, backticks dropped."""
+    rows = []
+    for line in text.splitlines():
+        if line.startswith("| ") and line.endswith(" |"):
+            rows.append([cell.strip().replace("`", "") for cell in line[1:-1].split("|")])
+    return rows
+
+
+#: docs/comparison.md section 2, as docs/scripts/lambda_rules.py prints it (r = 0.1).
+LAMBDA_RULES_TABLE = [
+    [
+        "agent",
+        "unique share",
+        "rho",
+        "ram_plus clip (alpha 2)",
+        "ram_plus soft (RAM+s)",
+        "ramplus_tl default (alpha 0.2)",
+        "authors' script (bound 1)",
+    ],
+    ["coding (CURE)", "6.3%", "14.873", "1.2000", "1.0937", "1.0200", "1.1000"],
+    ["tool use (ToolRL)", "40.8%", "1.451", "1.1451", "1.0592", "1.0200", "1.1000"],
+    ["memory (MemAgent)", "47.5%", "1.105", "1.1105", "1.0525", "1.0200", "1.1000"],
+]
+
+
 def test_authors_rule_gives_the_papers_agents_one_lambda() -> None:
-    """docs/scripts/lambda_rules.py prints what these rules give with the paper's unique shares."""
-    shares = (0.063, 0.408, 0.475)
-    rhos = [(1 - share) / share for share in shares]
-    assert [round(rho, 2) for rho in rhos] == [14.87, 1.45, 1.11]
-
-    ours = [rescale_factor(rho, 0.1, 2.0, "clip") for rho in rhos]
-    assert ours == [reference.lambda_clip(rho, 0.1, 2.0) for rho in rhos]
-    assert [round(lam, 4) for lam in ours] == [1.2, 1.1451, 1.1105]
-    authors = [1 + 0.1 * min(1.0, rho) for rho in rhos]  # 1 + (R - 1) * min(1, rho), R = 1.1
-    assert authors == [1.1, 1.1, 1.1]
-    ramplus_tl_default = [rescale_factor(rho, 0.1, 0.2, "clip") for rho in rhos]
-    assert [round(lam, 4) for lam in ramplus_tl_default] == [1.02, 1.02, 1.02]
-
+    """docs/scripts/lambda_rules.py prints the plugin's rules on the paper's figures, as docs/comparison.md shows."""
     printed = subprocess.run(
         [sys.executable, os.path.join(ROOT, "docs", "scripts", "lambda_rules.py")],
         capture_output=True,
         text=True,
         check=True,
     ).stdout
-    rows = [line.split("|")[2:-1] for line in printed.splitlines() if line.startswith("| ") and "%" in line]
-    assert len(rows) == 3
-    for row, rho, clip, tl, auth in zip(rows, rhos, ours, ramplus_tl_default, authors):
-        cells = [cell.strip() for cell in row]
-        assert cells[1] == f"{rho:.3f}"
-        assert (cells[2], cells[4], cells[5]) == (f"{clip:.4f}", f"{tl:.4f}", f"{auth:.4f}")
+    assert printed.startswith("r = 0.1\n")
+    assert markdown_rows(printed) == LAMBDA_RULES_TABLE
+    with open(os.path.join(ROOT, "docs", "comparison.md"), encoding="utf-8") as handle:
+        page = handle.read()
+    section = page[page.index("## 2. lambda rules") : page.index("## 3. ")]
+    assert markdown_rows(section) == LAMBDA_RULES_TABLE
+
+    # The plugin's own rule on the unrounded rho (u: the paper's unique shares, rho = (1 - u) / u).
+    rhos = [(1 - share) / share for share in (0.063, 0.408, 0.475)]
+    clip = [rescale_factor(rho, 0.1, 2.0, "clip") for rho in rhos]
+    soft = [rescale_factor(rho, 0.1, 2.0, "soft") for rho in rhos]
+    ramplus_tl_default = [rescale_factor(rho, 0.1, 0.2, "clip") for rho in rhos]
+    computed = [
+        [f"{rho:.3f}", *(f"{rule[i]:.4f}" for rule in (clip, soft, ramplus_tl_default))] for i, rho in enumerate(rhos)
+    ]
+    assert computed == [row[2:6] for row in LAMBDA_RULES_TABLE[1:]]
+    # Where the clip bites, the lambda is exactly 1 + r * alpha: 1.2 (coding agent), 1.02 (every agent).
+    assert clip[0] == 1.2 and ramplus_tl_default == [1.02, 1.02, 1.02]
+    # The authors' bound is 1 and every rho is above it: one lambda, 1 + r = 1.1, for all three.
+    assert min(rhos) > 1.0 and {row[6] for row in LAMBDA_RULES_TABLE[1:]} == {"1.1000"}
