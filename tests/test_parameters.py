@@ -189,9 +189,10 @@ def test_the_command_line_shows_the_message(bf16_models: ModelSet, tmp_path) -> 
 
 
 @pytest.mark.parametrize("kind", ["rho", "lambda"])
-def test_pinned_statistics_skip_the_prepass_and_reproduce(bf16_models: ModelSet, tmp_path, kind: str) -> None:
-    computed = str(tmp_path / "computed")
-    merge(bf16_models.recipe("ram_plus"), computed)
+def test_pinned_statistics_skip_the_prepass_and_reproduce(
+    bf16_models: ModelSet, ram_plus_merge: Merged, tmp_path, kind: str
+) -> None:
+    computed = ram_plus_merge.out  # the same recipe, counted by the pre-pass
     figures = load_statistics(computed)["models"]
 
     pinned_recipe = bf16_models.recipe("ram_plus")
