@@ -13,6 +13,9 @@ from typing import Any, Optional
 import pytest
 import torch
 import yaml
+from mergekit.config import MergeConfiguration
+from mergekit.merge import run_merge
+from mergekit.options import MergeOptions
 from safetensors.torch import load_file
 
 from mergekit_ram.synthetic import PAPER_AGENTS, PAPER_OVERLAP, Agents, build_agents, tiny_config
@@ -35,6 +38,11 @@ def run_script(
     if check and completed.returncode != 0:
         raise AssertionError(f"{name} {' '.join(args)} failed ({completed.returncode}):\n{completed.stderr[-6000:]}")
     return completed
+
+
+def merge_in_process(recipe: dict[str, Any], out: str, **options: Any) -> None:
+    """``recipe`` merged by mergekit's run_merge in this process (the plugin registered as users get it)."""
+    run_merge(MergeConfiguration.model_validate(recipe), out, options=MergeOptions(quiet=True, **options))
 
 
 def write_recipe(path: str, recipe: dict[str, Any]) -> str:

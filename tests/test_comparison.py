@@ -1,7 +1,8 @@
 """The rows of docs/comparison.md: ``ram_plus`` against mergekit 0.1.5's ``ramplus_tl`` and built-in ``ram``.
 
-Every test runs mergekit's own methods (through the real ``mergekit-yaml``, or the method
-objects mergekit registers) and compares them with ``tests/reference.py``.
+Every test runs mergekit's own methods (through mergekit's run_merge, the real ``mergekit-yaml``
+where the plugin must be off, or the method objects mergekit registers) and compares them with
+``tests/reference.py``.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from tests.conftest import (
     Merged,
     ModelSet,
     load_weights,
+    merge_in_process,
     run_script,
     write_recipe,
 )
@@ -100,9 +102,7 @@ def test_ramplus_tl_rho_is_per_tensor_and_ours_is_global(local_vs_global, tmp_pa
     outputs = {}
     for method in ("ramplus_tl", "ram_plus"):
         out = str(tmp_path / method)
-        run_script(
-            "mergekit-yaml", write_recipe(str(tmp_path / f"{method}.yml"), {"merge_method": method, **recipe}), out
-        )
+        merge_in_process({"merge_method": method, **recipe}, out)
         outputs[method] = load_weights(out)
     base = load_weights(local_vs_global["base"])
     finetunes = [load_weights(path) for path in local_vs_global["agents"]]
@@ -156,7 +156,7 @@ def test_default_alpha_caps_ramplus_tl_lambda_at_1_02() -> None:
 def test_ramplus_tl_on_bfloat16_checkpoints(bf16_models: ModelSet, tmp_path) -> None:
     """Writes float32, no statistics, and computes in bfloat16: elements off the exact result."""
     out = str(tmp_path / "tl")
-    run_script("mergekit-yaml", write_recipe(str(tmp_path / "tl.yml"), bf16_models.recipe("ramplus_tl")), out)
+    merge_in_process(bf16_models.recipe("ramplus_tl"), out)
     merged = load_weights(out)
     assert {tensor.dtype for tensor in merged.values()} == {torch.float32}
     assert not os.path.exists(os.path.join(out, "ram_statistics.json"))

@@ -1,4 +1,10 @@
-"""ram / ram_plus through the real mergekit-yaml, against the independent reference."""
+"""ram / ram_plus against the independent reference.
+
+The merges run through mergekit's run_merge in this process, the plugin registered as users get
+it; ``test_mergekit_yaml_merges_equal_the_reference`` checks the shared merges of the real
+mergekit-yaml (tests/conftest.py) the same way, and the built-in ``ram`` runs in mergekit-yaml
+with the plugin switched off.
+"""
 
 from __future__ import annotations
 
@@ -17,6 +23,7 @@ from tests.conftest import (
     ModelSet,
     load_statistics,
     load_weights,
+    merge_in_process,
     run_script,
     write_recipe,
 )
@@ -67,8 +74,12 @@ def test_ram_plus_equals_reference(dtype_fixture: str, rule: str, request: pytes
     models: ModelSet = request.getfixturevalue(dtype_fixture)
     recipe = models.recipe("ram_plus", parameters={"r": 0.1, "alpha": 2.0, "epsilon": EPSILON, "rule": rule})
     out = str(tmp_path / "out")
-    run_script("mergekit-yaml", write_recipe(str(tmp_path / "r.yml"), recipe), out)
+    merge_in_process(recipe, out)
+    assert_ram_plus_equals_reference(models, out, rule)
 
+
+def assert_ram_plus_equals_reference(models: ModelSet, out: str, rule: str) -> None:
+    """The merge in ``out`` (r = 0.1, alpha = 2, epsilon 1e-5) against the reference, weights and statistics."""
     if rule == "clip":
         expected, figures = reference_merge(models, EPSILON, lambda rho: reference.lambda_clip(rho, 0.1, 2.0))
     else:
@@ -89,17 +100,27 @@ def test_ram_plus_equals_reference(dtype_fixture: str, rule: str, request: pytes
 @pytest.mark.parametrize("dtype_fixture", ["fp32_models", "bf16_models"])
 def test_ram_equals_reference(dtype_fixture: str, request: pytest.FixtureRequest, tmp_path) -> None:
     models: ModelSet = request.getfixturevalue(dtype_fixture)
-    if dtype_fixture == "bf16_models":
-        out = request.getfixturevalue("ram_merge").out  # the shared merge of this recipe (conftest.py)
-    else:
-        out = str(tmp_path / "out")
-        run_script("mergekit-yaml", write_recipe(str(tmp_path / "r.yml"), models.recipe("ram")), out)
+    out = str(tmp_path / "out")
+    merge_in_process(models.recipe("ram"), out)
+    assert_ram_equals_reference(models, out)
+
+
+def assert_ram_equals_reference(models: ModelSet, out: str) -> None:
     expected, figures = reference_merge(models, EPSILON, lambda rho: 1.0)
     assert_same_weights(load_weights(out), expected)
     statistics = load_statistics(out)
     assert statistics["source"] == "merge"  # counted during the merge: no pre-pass for RAM
     assert [m["unique"] for m in statistics["models"]] == figures["unique"]
     assert [m["lambda"] for m in statistics["models"]] == [1.0, 1.0, 1.0]
+
+
+def test_mergekit_yaml_merges_equal_the_reference(
+    bf16_models: ModelSet, ram_plus_merge: Merged, ram_merge: Merged
+) -> None:
+    """The real mergekit-yaml (the start-up hook registers the plugin): the shared bfloat16 merges of
+    ``recipe("ram_plus")`` (defaults r = 0.1, alpha = 2, epsilon 1e-5, clip) and ``recipe("ram")``."""
+    assert_ram_plus_equals_reference(bf16_models, ram_plus_merge.out, "clip")
+    assert_ram_equals_reference(bf16_models, ram_merge.out)
 
 
 def test_global_rho_differs_from_tensor_local(tmp_path) -> None:
@@ -128,7 +149,7 @@ def test_global_rho_differs_from_tensor_local(tmp_path) -> None:
         "parameters": {"r": 0.2, "alpha": 5.0},
     }
     out = str(tmp_path / "out")
-    run_script("mergekit-yaml", write_recipe(str(tmp_path / "r.yml"), recipe), out)
+    merge_in_process(recipe, out)
     statistics = load_statistics(out)
     agent0 = statistics["models"][0]
     global_lambda = reference.lambda_clip(reference.rho(agent0["shared"], agent0["unique"]), 0.2, 5.0)
@@ -152,7 +173,7 @@ def test_plugin_ram_matches_builtin_ram_in_float32(bf16_models: ModelSet, builti
     recipe32 = bf16_models.recipe("ram", dtype="float32")
     ours = str(tmp_path / "ours")
     builtin = str(tmp_path / "builtin")
-    run_script("mergekit-yaml", write_recipe(str(tmp_path / "r32.yml"), recipe32), ours)
+    merge_in_process(recipe32, ours)
     off = {"MERGEKIT_RAM_AUTOLOAD": "0"}
     run_script("mergekit-yaml", write_recipe(str(tmp_path / "r32b.yml"), recipe32), builtin, env=off)
     assert not os.path.exists(os.path.join(builtin, "ram_statistics.json"))  # really the built-in
@@ -215,7 +236,7 @@ def test_out_dtype_float32_rounds_once(method: str, tmp_path) -> None:
         str(tmp_path), torch.bfloat16, 1.0, [lambda t: torch.full_like(t, 1 + 2**-7), every_other(1 + 2**-6)]
     )
     out = str(tmp_path / "out")
-    run_script("mergekit-yaml", write_recipe(str(tmp_path / "r.yml"), models.recipe(method, out_dtype="float32")), out)
+    merge_in_process(models.recipe(method, out_dtype="float32"), out)
     merged = merged_against_reference(models, out)
     weight = merged["model.layers.0.mlp.up_proj.weight"].reshape(-1)
     assert weight.dtype == torch.float32
@@ -229,7 +250,7 @@ def test_float64_checkpoints_merge_in_float64(tmp_path) -> None:
     models = constant_models(str(tmp_path), torch.float64, 1.000000000001, [every_other(1.25), every_other(1.5)])
     recipe = models.recipe("ram_plus", dtype="float64")  # every change shared: the mean
     out = str(tmp_path / "out")
-    run_script("mergekit-yaml", write_recipe(str(tmp_path / "r.yml"), recipe), out)
+    merge_in_process(recipe, out)
     merged = merged_against_reference(models, out)
     weight = merged["model.norm.weight"]
     assert weight.dtype == torch.float64

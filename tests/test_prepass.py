@@ -14,14 +14,11 @@ from typing import Any
 
 import pytest
 import torch
-from mergekit.config import MergeConfiguration
-from mergekit.merge import run_merge
-from mergekit.options import MergeOptions
 
 from mergekit_ram import methods
 from mergekit_ram.synthetic import build_base, sparse_agents, tiny_config, write_checkpoint
 from tests import reference
-from tests.conftest import load_statistics
+from tests.conftest import load_statistics, merge_in_process
 
 
 def save_tokenizer(path: str, tokens: list[str]) -> None:
@@ -77,11 +74,6 @@ def spy_on_kernel(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
 
     monkeypatch.setattr(methods.RamMergeMethod, "_merge", spy)
     return received
-
-
-def merge_in_process(recipe: dict[str, Any], out: str, **options: Any) -> None:
-    config = MergeConfiguration.model_validate(recipe)
-    run_merge(config, out, options=MergeOptions(quiet=True, **options))
 
 
 def assert_prepass_matches(out: str, received: dict[str, Any]) -> dict[str, Any]:
