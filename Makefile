@@ -8,6 +8,8 @@ BIN := $(VENV)/bin
 # torch 2.13.0 resolves to the local CPU wheel here. Elsewhere: make demo TORCH=torch
 TORCH ?= torch==2.13.0
 DEMO_DIR ?= out/demo
+# pytest-xdist workers for `make test`; each runs whole test files, so a module fixture is built once.
+TEST_WORKERS ?= 2
 
 .PHONY: install demo test lint release-check bench quality clean
 
@@ -22,7 +24,7 @@ demo: install
 	HF_HUB_OFFLINE=1 $(BIN)/mergekit-ram demo $(DEMO_DIR)
 
 test: install
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 lint: install
 	$(BIN)/ruff check . && $(BIN)/ruff format --check . && $(BIN)/mypy

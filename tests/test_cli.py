@@ -207,7 +207,7 @@ def test_cuda_without_a_device_is_one_line(bf16_models: ModelSet, tmp_path) -> N
     # The probe checks before its cache can answer.
     cached = {"MERGEKIT_RAM_CACHE": "on", "MERGEKIT_RAM_CACHE_DIR": str(tmp_path / "cache")}
     run_script("mergekit-ram", "probe", recipe, env=cached)
-    assert os.listdir(tmp_path / "cache")
+    assert os.listdir(tmp_path / "cache") == ["prepass"] and len(os.listdir(tmp_path / "cache" / "prepass")) == 1
     completed = run_script("mergekit-ram", "probe", recipe, "--device", "cuda:0", env=cached, check=False)
     assert one_line_error(completed) == expected.replace("--cuda", "--device cuda:0")
     assert not os.path.exists(tmp_path / "o")

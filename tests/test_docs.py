@@ -14,6 +14,7 @@ import ast
 import glob
 import os
 import re
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ except ImportError:  # Python 3.10
     import tomli as tomllib
 
 from mergekit_ram import __version__
-from tests.conftest import ModelSet, run_script, write_recipe
+from tests.conftest import Merged, ModelSet
 
 ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 PACKAGE = os.path.join(ROOT, "mergekit_ram")
@@ -285,16 +286,24 @@ def test_changelog_has_an_entry_for_this_version() -> None:
     assert re.search(rf"^## {re.escape(__version__)}\b", read("changelog.md"), flags=re.MULTILINE)
 
 
-def test_check_merged_script(bf16_models: ModelSet, tmp_path) -> None:
+def test_check_merged_script(bf16_models: ModelSet, ram_plus_merge: Merged, tmp_path) -> None:
     """docs/scripts/check_merged.py passes a finished merge and refuses an unfinished one."""
-    out = str(tmp_path / "out")
-    run_script("mergekit-yaml", write_recipe(str(tmp_path / "r.yml"), bf16_models.recipe("ram_plus")), out)
+    out = shutil.copytree(ram_plus_merge.out, str(tmp_path / "out"))  # the shared merge, copied: changed below
     script = [sys.executable, os.path.join(DOCS, "scripts", "check_merged.py"), out]
+    notes = [
+        f"note: the card names local paths ({', '.join(sorted(bf16_models.agents))}): replace them with the "
+        "models' Hub ids",
+        "note: the card's front matter has no license: add the one the input models' licences allow",
+    ]
     passed = subprocess.run([*script, "--finite"], capture_output=True, text=True)
     assert passed.returncode == 0, passed.stdout
-    assert "note: the card names local paths" in passed.stdout and "ready to upload" in passed.stdout
+    assert passed.stdout.splitlines() == [*notes, "ready to upload"]
     with open(os.path.join(out, "MERGE_INCOMPLETE"), "w", encoding="utf-8") as handle:
         handle.write("interrupted\n")
     refused = subprocess.run(script, capture_output=True, text=True)
     assert refused.returncode == 1
-    assert "problem: MERGE_INCOMPLETE is present" in refused.stdout
+    assert refused.stdout.splitlines() == [
+        *notes,
+        "problem: MERGE_INCOMPLETE is present: the merge did not finish (or is still running); run it again",
+        "1 problem(s): do not upload yet",
+    ]

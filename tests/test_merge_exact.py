@@ -1,8 +1,13 @@
-"""ram / ram_plus through the real mergekit-yaml, against the independent reference."""
+"""ram / ram_plus against the independent reference.
+
+The merges run through mergekit's run_merge in this process, the plugin registered as users get
+it; ``test_mergekit_yaml_merges_equal_the_reference`` checks the shared merges of the real
+mergekit-yaml (tests/conftest.py) the same way, and the built-in ``ram`` runs in mergekit-yaml
+with the plugin switched off.
+"""
 
 from __future__ import annotations
 
-import math
 import os
 from typing import Any
 
@@ -11,7 +16,17 @@ import torch
 
 from mergekit_ram.synthetic import build_base, sparse_agents, tiny_config, write_checkpoint
 from tests import reference
-from tests.conftest import ModelSet, load_statistics, load_weights, run_script, write_recipe
+from tests.conftest import (
+    BF16_MODELS_ELEMENTS,
+    BUILTIN_RAM_BF16_WRONG_ELEMENTS,
+    Merged,
+    ModelSet,
+    load_statistics,
+    load_weights,
+    merge_in_process,
+    run_script,
+    write_recipe,
+)
 
 EPSILON = 1e-5
 
@@ -59,8 +74,12 @@ def test_ram_plus_equals_reference(dtype_fixture: str, rule: str, request: pytes
     models: ModelSet = request.getfixturevalue(dtype_fixture)
     recipe = models.recipe("ram_plus", parameters={"r": 0.1, "alpha": 2.0, "epsilon": EPSILON, "rule": rule})
     out = str(tmp_path / "out")
-    run_script("mergekit-yaml", write_recipe(str(tmp_path / "r.yml"), recipe), out)
+    merge_in_process(recipe, out)
+    assert_ram_plus_equals_reference(models, out, rule)
 
+
+def assert_ram_plus_equals_reference(models: ModelSet, out: str, rule: str) -> None:
+    """The merge in ``out`` (r = 0.1, alpha = 2, epsilon 1e-5) against the reference, weights and statistics."""
     if rule == "clip":
         expected, figures = reference_merge(models, EPSILON, lambda rho: reference.lambda_clip(rho, 0.1, 2.0))
     else:
@@ -82,13 +101,26 @@ def test_ram_plus_equals_reference(dtype_fixture: str, rule: str, request: pytes
 def test_ram_equals_reference(dtype_fixture: str, request: pytest.FixtureRequest, tmp_path) -> None:
     models: ModelSet = request.getfixturevalue(dtype_fixture)
     out = str(tmp_path / "out")
-    run_script("mergekit-yaml", write_recipe(str(tmp_path / "r.yml"), models.recipe("ram")), out)
+    merge_in_process(models.recipe("ram"), out)
+    assert_ram_equals_reference(models, out)
+
+
+def assert_ram_equals_reference(models: ModelSet, out: str) -> None:
     expected, figures = reference_merge(models, EPSILON, lambda rho: 1.0)
     assert_same_weights(load_weights(out), expected)
     statistics = load_statistics(out)
     assert statistics["source"] == "merge"  # counted during the merge: no pre-pass for RAM
     assert [m["unique"] for m in statistics["models"]] == figures["unique"]
     assert [m["lambda"] for m in statistics["models"]] == [1.0, 1.0, 1.0]
+
+
+def test_mergekit_yaml_merges_equal_the_reference(
+    bf16_models: ModelSet, ram_plus_merge: Merged, ram_merge: Merged
+) -> None:
+    """The real mergekit-yaml (the start-up hook registers the plugin): the shared bfloat16 merges of
+    ``recipe("ram_plus")`` (defaults r = 0.1, alpha = 2, epsilon 1e-5, clip) and ``recipe("ram")``."""
+    assert_ram_plus_equals_reference(bf16_models, ram_plus_merge.out, "clip")
+    assert_ram_equals_reference(bf16_models, ram_merge.out)
 
 
 def test_global_rho_differs_from_tensor_local(tmp_path) -> None:
@@ -117,18 +149,18 @@ def test_global_rho_differs_from_tensor_local(tmp_path) -> None:
         "parameters": {"r": 0.2, "alpha": 5.0},
     }
     out = str(tmp_path / "out")
-    run_script("mergekit-yaml", write_recipe(str(tmp_path / "r.yml"), recipe), out)
+    merge_in_process(recipe, out)
     statistics = load_statistics(out)
     agent0 = statistics["models"][0]
     global_lambda = reference.lambda_clip(reference.rho(agent0["shared"], agent0["unique"]), 0.2, 5.0)
-    assert 0.5 < agent0["shared"] / agent0["unique"] < 2.0
+    assert (agent0["shared"], agent0["unique"]) == (2835, 1800)  # seeded: rho about 1.6 over the whole model
     assert agent0["lambda"] == global_lambda
 
     merged = load_weights(out)
     name = "model.layers.0.self_attn.q_proj.weight"  # agent 0 is all unique here: local rho = 0
     base_t, ft0, ft1 = base[name], load_weights(paths[0])[name], load_weights(paths[1])[name]
     only0 = ((ft0 - base_t).abs() > EPSILON) & ((ft1 - base_t).abs() <= EPSILON)
-    assert only0.sum() > 50
+    assert int(only0.sum()) == 191  # seeded, measured once
     tau = ft0 - base_t
     expected = base_t + torch.tensor(global_lambda, dtype=torch.float32) * tau
     assert torch.equal(merged[name][only0], expected[only0])
@@ -136,13 +168,12 @@ def test_global_rho_differs_from_tensor_local(tmp_path) -> None:
     assert not torch.equal(merged[name][only0], tensor_local[only0])
 
 
-def test_plugin_ram_matches_builtin_ram_in_float32(bf16_models: ModelSet, tmp_path) -> None:
+def test_plugin_ram_matches_builtin_ram_in_float32(bf16_models: ModelSet, builtin_ram_merge: Merged, tmp_path) -> None:
     """Parity with mergekit's built-in ram run with dtype: float32; in bfloat16 the built-in is off."""
     recipe32 = bf16_models.recipe("ram", dtype="float32")
     ours = str(tmp_path / "ours")
     builtin = str(tmp_path / "builtin")
-    builtin_bf16 = str(tmp_path / "builtin_bf16")
-    run_script("mergekit-yaml", write_recipe(str(tmp_path / "r32.yml"), recipe32), ours)
+    merge_in_process(recipe32, ours)
     off = {"MERGEKIT_RAM_AUTOLOAD": "0"}
     run_script("mergekit-yaml", write_recipe(str(tmp_path / "r32b.yml"), recipe32), builtin, env=off)
     assert not os.path.exists(os.path.join(builtin, "ram_statistics.json"))  # really the built-in
@@ -150,13 +181,13 @@ def test_plugin_ram_matches_builtin_ram_in_float32(bf16_models: ModelSet, tmp_pa
     for name, tensor in builtin_w.items():
         torch.testing.assert_close(ours_w[name], tensor, rtol=2e-7, atol=1e-7)
 
-    recipe_bf16 = bf16_models.recipe("ram")
-    run_script("mergekit-yaml", write_recipe(str(tmp_path / "rb.yml"), recipe_bf16), builtin_bf16, env=off)
+    # The built-in on the bfloat16 models without a dtype (the shared merge of recipe("ram")).
     expected, _ = reference_merge(bf16_models, EPSILON, lambda rho: 1.0)
-    wrong = sum(int((load_weights(builtin_bf16)[n].to(torch.bfloat16) != t).sum()) for n, t in expected.items())
-    total = sum(t.numel() for t in expected.values())
+    builtin_bf16 = load_weights(builtin_ram_merge.out)
+    wrong = sum(int((builtin_bf16[n].to(torch.bfloat16) != t).sum()) for n, t in expected.items())
+    assert sum(t.numel() for t in expected.values()) == BF16_MODELS_ELEMENTS
     assert wrong > 0, "the built-in ram computes in bfloat16 and should differ from the exact result"
-    assert math.isfinite(wrong / total)
+    assert wrong == BUILTIN_RAM_BF16_WRONG_ELEMENTS
 
 
 def constant_models(root: str, dtype: torch.dtype, base_value: float, changes: list) -> ModelSet:
@@ -205,7 +236,7 @@ def test_out_dtype_float32_rounds_once(method: str, tmp_path) -> None:
         str(tmp_path), torch.bfloat16, 1.0, [lambda t: torch.full_like(t, 1 + 2**-7), every_other(1 + 2**-6)]
     )
     out = str(tmp_path / "out")
-    run_script("mergekit-yaml", write_recipe(str(tmp_path / "r.yml"), models.recipe(method, out_dtype="float32")), out)
+    merge_in_process(models.recipe(method, out_dtype="float32"), out)
     merged = merged_against_reference(models, out)
     weight = merged["model.layers.0.mlp.up_proj.weight"].reshape(-1)
     assert weight.dtype == torch.float32
@@ -219,7 +250,7 @@ def test_float64_checkpoints_merge_in_float64(tmp_path) -> None:
     models = constant_models(str(tmp_path), torch.float64, 1.000000000001, [every_other(1.25), every_other(1.5)])
     recipe = models.recipe("ram_plus", dtype="float64")  # every change shared: the mean
     out = str(tmp_path / "out")
-    run_script("mergekit-yaml", write_recipe(str(tmp_path / "r.yml"), recipe), out)
+    merge_in_process(recipe, out)
     merged = merged_against_reference(models, out)
     weight = merged["model.norm.weight"]
     assert weight.dtype == torch.float64

@@ -4,24 +4,17 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
 
 import pytest
 import torch
 from mergekit.config import MergeConfiguration
-from mergekit.merge import run_merge
 from mergekit.merge_methods.base import TensorGroup
-from mergekit.options import MergeOptions
 
 from mergekit_ram import merge_state_dicts
 from mergekit_ram.integration.recipes import check_recipe
 from mergekit_ram.parameters import ParameterError
 from tests import reference
-from tests.conftest import Merged, ModelSet, load_statistics, load_weights, run_script, write_recipe
-
-
-def merge(recipe: dict[str, Any], out: str) -> None:
-    run_merge(MergeConfiguration.model_validate(recipe), out, options=MergeOptions(quiet=True))
+from tests.conftest import Merged, ModelSet, load_statistics, load_weights, merge_in_process, run_script, write_recipe
 
 
 @pytest.mark.parametrize(
@@ -69,7 +62,7 @@ def test_invalid_parameters_are_refused_before_anything_is_read(
         recipe["models"][1]["parameters"] = model_parameters
     out = str(tmp_path / "out")
     with pytest.raises(ParameterError) as error:
-        merge(recipe, out)
+        merge_in_process(recipe, out)
     assert message in str(error.value)
     assert not os.path.exists(out)  # refused before the output folder (or any tensor) was touched
 
@@ -81,7 +74,7 @@ def test_slice_sources_are_model_blocks_too(bf16_models: ModelSet, tmp_path) -> 
     with pytest.raises(
         ParameterError, match=r"'epsilon' in slices\[0\]\.sources\[2\]\.parameters is set for one model"
     ):
-        merge(recipe, str(tmp_path / "out"))
+        merge_in_process(recipe, str(tmp_path / "out"))
     assert not os.path.exists(tmp_path / "out")
     recipe["slices"][0]["parameters"] = {"epsilon": 1e-3}  # a slice's own block is shared: accepted
     del sources[2]["parameters"]
@@ -157,7 +150,7 @@ def test_implausible_lambda_is_a_warning_naming_the_model(bf16_models: ModelSet,
         entry["parameters"] = {"lambda": value}
     out = str(tmp_path / "out")
     with caplog.at_level(logging.WARNING):
-        merge(recipe, out)
+        merge_in_process(recipe, out)
     expected = (
         f"{bf16_models.agents[0]}: lambda 4.5 is implausibly large (the paper's are about 1.2; above 4 its unique "
         "updates are applied more than 4-fold): check r and alpha, or the pinned lambda"
@@ -169,7 +162,7 @@ def test_implausible_lambda_is_a_warning_naming_the_model(bf16_models: ModelSet,
 def test_r_must_be_one_value_for_the_whole_merge(bf16_models: ModelSet, tmp_path) -> None:
     recipe = bf16_models.recipe("ram_plus", parameters={"r": [{"filter": "mlp", "value": 0.2}, {"value": 0.1}]})
     with pytest.raises(ParameterError, match="parameter 'r' must be one value for the whole merge"):
-        merge(recipe, str(tmp_path / "out"))
+        merge_in_process(recipe, str(tmp_path / "out"))
 
 
 def test_the_command_line_shows_the_message(bf16_models: ModelSet, tmp_path) -> None:
@@ -189,16 +182,17 @@ def test_the_command_line_shows_the_message(bf16_models: ModelSet, tmp_path) -> 
 
 
 @pytest.mark.parametrize("kind", ["rho", "lambda"])
-def test_pinned_statistics_skip_the_prepass_and_reproduce(bf16_models: ModelSet, tmp_path, kind: str) -> None:
-    computed = str(tmp_path / "computed")
-    merge(bf16_models.recipe("ram_plus"), computed)
+def test_pinned_statistics_skip_the_prepass_and_reproduce(
+    bf16_models: ModelSet, ram_plus_merge: Merged, tmp_path, kind: str
+) -> None:
+    computed = ram_plus_merge.out  # the same recipe, counted by the pre-pass
     figures = load_statistics(computed)["models"]
 
     pinned_recipe = bf16_models.recipe("ram_plus")
     for entry, stats in zip(pinned_recipe["models"], figures):
         entry["parameters"] = {kind: stats[kind] if stats[kind] is not None else 1e9}
     pinned = str(tmp_path / "pinned")
-    merge(pinned_recipe, pinned)
+    merge_in_process(pinned_recipe, pinned)
     statistics = load_statistics(pinned)
     assert statistics["source"] == "merge"  # no pre-pass ran
     assert [m["pinned"] for m in statistics["models"]] == [kind] * 3
@@ -223,7 +217,7 @@ def test_pinned_lambda_applies_with_r_zero_on_every_path(bf16_models: ModelSet, 
     recipe = bf16_models.recipe("ram_plus", parameters={"r": 0.0})
     recipe["models"][0]["parameters"] = {"lambda": 1.3}
     out = str(tmp_path / "out")
-    merge(recipe, out)
+    merge_in_process(recipe, out)
     assert [m["lambda"] for m in load_statistics(out)["models"]] == [1.3, 1.0, 1.0]
     base = load_weights(bf16_models.base)
     finetunes = [load_weights(path) for path in bf16_models.agents]

@@ -20,14 +20,12 @@ from typing import Any, Callable, Optional
 
 import pytest
 import torch
-from mergekit.config import MergeConfiguration
-from mergekit.merge import run_merge
-from mergekit.options import MergeOptions
+import yaml
 from safetensors.torch import load_file, save_file
 
 from mergekit_ram.staging import MARKER_FILE, STAGING_DIR
 from mergekit_ram.synthetic import build_agents, tiny_config
-from tests.conftest import ModelSet, load_statistics, run_script, script, write_recipe
+from tests.conftest import Merged, ModelSet, load_statistics, merge_in_process, run_script, script, write_recipe
 
 DOC = os.path.join(os.path.dirname(__file__), os.pardir, "docs", "reliability.md")
 
@@ -197,10 +195,6 @@ CASES = [
 ]
 
 
-def _merge(recipe: dict[str, Any], out: str) -> None:
-    run_merge(MergeConfiguration.model_validate(recipe), out, options=MergeOptions(quiet=True))
-
-
 _OUTCOMES: dict[str, tuple[str, list[str]]] = {}
 
 
@@ -237,7 +231,7 @@ def _run_case(title: str, models: ModelSet, root: str) -> tuple[str, list[str]]:
         message = _pytorch_error(recipe, scratch, out)
     else:
         try:
-            _merge(recipe, out)
+            merge_in_process(recipe, out)
         except Exception as error:  # the point: every case raises
             message = str(error).splitlines()[0]
         else:
@@ -311,7 +305,7 @@ def test_degenerate_finetunes_merge_without_nan(bf16_models: ModelSet, tmp_path,
     recipe = {"merge_method": "ram_plus", "base_model": _copy(bf16_models.base, str(tmp_path), "base")}
     recipe["models"] = [{"model": path} for path in agents]
     out = str(tmp_path / "out")
-    _merge(recipe, out)
+    merge_in_process(recipe, out)
     merged = load_file(os.path.join(out, "model.safetensors"))
     assert all(not torch.isnan(tensor).any() for tensor in merged.values())
     statistics = load_statistics(out)
@@ -322,7 +316,10 @@ def test_degenerate_finetunes_merge_without_nan(bf16_models: ModelSet, tmp_path,
         assert [m["lambda"] for m in statistics["models"]] == [1.2, 1.2]  # defined, never used
     else:
         assert statistics["models"][0]["changed"] == 0 and statistics["models"][0]["lambda"] == 1.0
-        assert any("changed no parameter" in warning for warning in statistics["warnings"])
+        assert statistics["warnings"] == [
+            f"{bf16_models.base} changed no parameter by more than epsilon: is it the base model itself, "
+            "or a wrong path?"
+        ]
 
 
 def test_interrupted_merge_leaves_nothing_that_looks_finished(tmp_path) -> None:
@@ -359,11 +356,11 @@ def test_interrupted_merge_leaves_nothing_that_looks_finished(tmp_path) -> None:
     assert MARKER_FILE not in left and STAGING_DIR not in left and "config.json" in left
 
 
-def test_same_inputs_give_byte_identical_files(bf16_models: ModelSet, tmp_path) -> None:
-    recipe = write_recipe(str(tmp_path / "r.yml"), bf16_models.recipe("ram_plus"))
-    outputs = {}
+def test_same_inputs_give_byte_identical_files(ram_plus_merge: Merged, tmp_path) -> None:
+    recipe = ram_plus_merge.recipe
+    with open(os.path.join(ram_plus_merge.out, "model.safetensors"), "rb") as handle:
+        outputs = {"first": handle.read()}  # the shared merge: an earlier run of the same recipe
     for name, extra in {
-        "first": [],
         "again": [],
         "one thread": ["--num-threads", "1"],
         "two threads": ["--num-threads", "2"],
@@ -377,31 +374,49 @@ def test_same_inputs_give_byte_identical_files(bf16_models: ModelSet, tmp_path) 
     sharded = str(tmp_path / "sharded")
     run_script("mergekit-yaml", recipe, sharded, "--out-shard-size", "8K")
     shards = sorted(glob.glob(os.path.join(sharded, "*.safetensors")))
-    assert len(shards) > 3
+    assert len(shards) == 7  # 8K shards of the tiny model
     tensors: dict[str, torch.Tensor] = {}
     for shard in shards:
         tensors.update(load_file(shard))
-    whole = load_file(os.path.join(str(tmp_path / "first"), "model.safetensors"))
+    whole = load_file(os.path.join(ram_plus_merge.out, "model.safetensors"))
     assert set(tensors) == set(whole)
     assert all(torch.equal(tensors[name], tensor) for name, tensor in whole.items())
 
 
-@pytest.mark.parametrize(
-    ("method", "parameters"),
-    [("linear", {"weight": 0.25}), ("task_arithmetic", {"weight": 0.5}), ("ties", {"weight": 1.0, "density": 0.5})],
-)
-def test_other_methods_are_unchanged_by_the_plugin(
-    bf16_models: ModelSet, tmp_path, method: str, parameters: dict[str, Any]
-) -> None:
-    recipe = bf16_models.recipe(method, dtype="bfloat16")
-    recipe["models"] = [{**entry, "parameters": parameters} for entry in recipe["models"]]
-    if method == "linear":
-        del recipe["base_model"]
-    path = write_recipe(str(tmp_path / "r.yml"), recipe)
-    files = []
+OTHER_METHODS = {
+    "linear": {"weight": 0.25},
+    "task_arithmetic": {"weight": 0.5},
+    "ties": {"weight": 1.0, "density": 0.5},
+}
+
+
+@pytest.fixture(scope="module")
+def other_methods(bf16_models: ModelSet, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """Each method of OTHER_METHODS merged by mergekit-multi as a stage of one file, with the plugin
+    and without it (MERGEKIT_RAM_AUTOLOAD=0): {"on": stages folder, "off": stages folder}."""
+    root = tmp_path_factory.mktemp("other-methods")
+    stages = []
+    for method, parameters in OTHER_METHODS.items():
+        recipe = bf16_models.recipe(method, dtype="bfloat16")
+        recipe["models"] = [{**entry, "parameters": parameters} for entry in recipe["models"]]
+        if method == "linear":
+            del recipe["base_model"]
+        stages.append({"name": f"{method}-stage", **recipe})  # a stage named like a method would be its input
+    config = str(root / "stages.yml")
+    with open(config, "w", encoding="utf-8") as handle:
+        yaml.safe_dump_all(stages, handle, sort_keys=False)
+    folders = {}
     for name, env in (("on", {}), ("off", {"MERGEKIT_RAM_AUTOLOAD": "0"})):
-        out = str(tmp_path / name)
-        run_script("mergekit-yaml", path, out, env=env)
+        folders[name] = str(root / name)
+        run_script("mergekit-multi", config, "--intermediate-dir", folders[name], env=env)
+    return folders
+
+
+@pytest.mark.parametrize("method", list(OTHER_METHODS))
+def test_other_methods_are_unchanged_by_the_plugin(other_methods: dict[str, str], method: str) -> None:
+    files = []
+    for name in ("on", "off"):
+        out = os.path.join(other_methods[name], f"{method}-stage")
         assert not os.path.exists(os.path.join(out, "ram_statistics.json"))
         with open(os.path.join(out, "model.safetensors"), "rb") as handle:
             files.append(handle.read())
