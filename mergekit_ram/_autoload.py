@@ -3,7 +3,8 @@
 Imported at interpreter start by ``mergekit_ram_autoload.pth``; standard library only,
 so it costs well under a millisecond. A ``sys.meta_path`` finder watches six mergekit
 modules; when one finishes executing, the matching functions of
-``mergekit_ram.integration`` patch it. Every other import passes straight through.
+``mergekit_ram.integration`` patch it (deferred while a module of that boundary is itself
+half-imported). Every other import passes straight through.
 Set ``MERGEKIT_RAM_AUTOLOAD=0`` to switch it off; ``mergekit_ram.register()`` then does
 the same explicitly.
 """
@@ -30,11 +31,24 @@ def enabled():
     return os.environ.get(ENVIRONMENT_VARIABLE, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
+BOUNDARY = "mergekit_ram.integration"
+
+
 class MergekitFinder:
-    """Finds nothing itself; wraps the real loader's exec_module for the hooked modules."""
+    """Finds nothing itself; wraps the real loader's exec_module of the hooked mergekit modules,
+    and of the boundary's own modules.
+
+    A hook runs once its mergekit module has executed and no boundary module is half-imported:
+    importing, say, ``mergekit_ram.integration.methods`` first imports mergekit from inside it,
+    and its hook (which needs that module's methods) then waits until the module is complete.
+    """
+
+    def __init__(self):
+        self.boundary_importing = 0  # boundary modules executing right now
+        self.pending = []  # (hook name, mergekit module), in the order mergekit imported them
 
     def find_spec(self, fullname, path=None, target=None):
-        if fullname not in HOOKS:
+        if fullname not in HOOKS and not fullname.startswith(BOUNDARY + "."):
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
@@ -46,19 +60,34 @@ class MergekitFinder:
             return None
         loader = spec.loader
         if loader is not None and hasattr(loader, "exec_module"):
-            loader.exec_module = _after(loader.exec_module, HOOKS[fullname])
+            loader.exec_module = self._wrapped(loader.exec_module, fullname)
         return spec
 
+    def _wrapped(self, exec_module, fullname):
+        def exec_and_patch(module):
+            if fullname in HOOKS:
+                exec_module(module)
+                self.pending.extend((hook_name, module) for hook_name in HOOKS[fullname])
+            else:
+                self.boundary_importing += 1
+                try:
+                    exec_module(module)
+                finally:
+                    self.boundary_importing -= 1
+            if not self.boundary_importing:
+                self.apply_pending()
 
-def _after(exec_module, hook_names):
-    def exec_and_patch(module):
-        exec_module(module)
-        for hook_name in hook_names:
+        return exec_and_patch
+
+    def apply_pending(self):
+        """Run the hooks that are due, in order; a failing hook warns and never breaks mergekit's import."""
+        while self.pending:
+            hook_name, module = self.pending.pop(0)
             try:
                 import importlib
 
                 submodule, _, function = hook_name.partition(":")
-                getattr(importlib.import_module(f"mergekit_ram.integration.{submodule}"), function)(module)
+                getattr(importlib.import_module(f"{BOUNDARY}.{submodule}"), function)(module)
             except Exception as error:  # never break mergekit's own import
                 import warnings
 
@@ -67,8 +96,6 @@ def _after(exec_module, hook_names):
                     f"Call mergekit_ram.register() explicitly, or set {ENVIRONMENT_VARIABLE}=0.",
                     stacklevel=2,
                 )
-
-    return exec_and_patch
 
 
 def install():

@@ -88,3 +88,50 @@ def test_plain_layers_are_tested_without_mergekit() -> None:
     )
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
     assert " passed" in completed.stdout.splitlines()[-1]
+
+
+#: Importing a boundary module before mergekit makes mergekit's import happen half-way through
+#: it; the start-up hook must still register the methods and apply every patch (it waits).
+IMPORT_FIRST = (
+    "mergekit_ram.integration.methods",
+    "mergekit_ram.integration.registry",
+    "mergekit_ram.integration.scripts",
+)
+
+CHECK_PATCHES = """
+import mergekit.merge, mergekit.plan, mergekit.scripts.run_yaml, mergekit.scripts.multimerge
+import mergekit.scripts.merge_raw_pytorch
+from mergekit.merge_methods import registry
+from mergekit_ram.integration.methods import METHODS
+patched = [
+    mergekit.merge.run_merge, mergekit.plan.MergePlanner.plan_to_disk, mergekit.plan.MergePlanner.plan_in_memory,
+    mergekit.scripts.multimerge.load_config, mergekit.scripts.merge_raw_pytorch.plan_flat_merge,
+]
+scripts = (mergekit.scripts.run_yaml, mergekit.scripts.multimerge, mergekit.scripts.merge_raw_pytorch)
+print(
+    all(registry._METHODS[name] is method for name, method in METHODS.items()),
+    all(getattr(function, "__mergekit_ram_wrapped__", False) for function in patched),
+    all(getattr(script.main.callback, "__mergekit_ram_cli__", False) for script in scripts),
+    mergekit.scripts.run_yaml.run_merge is mergekit.merge.run_merge,
+)
+"""
+
+
+def test_any_import_order_registers_and_patches() -> None:
+    environment = {**os.environ, "PYTHONPATH": str(ROOT)}
+    environment.pop("MERGEKIT_RAM_AUTOLOAD", None)
+    runs = {
+        first: subprocess.Popen(
+            [sys.executable, "-W", "error::UserWarning", "-c", f"import {first}\n" + CHECK_PATCHES],
+            cwd=ROOT,
+            env=environment,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for first in IMPORT_FIRST
+    }
+    results = {first: run.communicate() for first, run in runs.items()}
+    assert {first: out.strip() for first, (out, _) in results.items()} == {
+        first: "True True True True" for first in IMPORT_FIRST
+    }, {first: err[-2000:] for first, (_, err) in results.items()}
