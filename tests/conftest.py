@@ -13,9 +13,6 @@ from typing import Any, Optional
 import pytest
 import torch
 import yaml
-from mergekit.config import MergeConfiguration
-from mergekit.merge import run_merge
-from mergekit.options import MergeOptions
 from safetensors.torch import load_file
 
 from mergekit_ram.synthetic import PAPER_AGENTS, PAPER_OVERLAP, Agents, build_agents, tiny_config
@@ -41,7 +38,14 @@ def run_script(
 
 
 def merge_in_process(recipe: dict[str, Any], out: str, **options: Any) -> None:
-    """``recipe`` merged by mergekit's run_merge in this process (the plugin registered as users get it)."""
+    """``recipe`` merged by mergekit's run_merge in this process (the plugin registered as users get it).
+
+    mergekit is imported here, not at the top: tests of modules that do not use mergekit run without it.
+    """
+    from mergekit.config import MergeConfiguration
+    from mergekit.merge import run_merge
+    from mergekit.options import MergeOptions
+
     run_merge(MergeConfiguration.model_validate(recipe), out, options=MergeOptions(quiet=True, **options))
 
 
