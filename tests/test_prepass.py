@@ -12,6 +12,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
+# mergekit before mergekit_ram.methods: the other order makes the start-up hook's registration
+# hit a circular import (a warning, and no ram / ram_plus in the registry).
+import mergekit.merge_methods  # noqa: F401
 import pytest
 import torch
 

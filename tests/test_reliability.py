@@ -18,6 +18,9 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+# mergekit before mergekit_ram.staging: the other order makes the start-up hook's registration
+# hit a circular import (a warning, and no ram / ram_plus in the registry).
+import mergekit.merge_methods  # noqa: F401
 import pytest
 import torch
 import yaml
