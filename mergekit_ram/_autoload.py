@@ -46,6 +46,7 @@ class MergekitFinder:
     def __init__(self):
         self.boundary_importing = 0  # boundary modules executing right now
         self.pending = []  # (hook name, mergekit module), in the order mergekit imported them
+        self.applying = False  # apply_pending is running: hooks keep their order
 
     def find_spec(self, fullname, path=None, target=None):
         if fullname not in HOOKS and not fullname.startswith(BOUNDARY + "."):
@@ -80,7 +81,21 @@ class MergekitFinder:
         return exec_and_patch
 
     def apply_pending(self):
-        """Run the hooks that are due, in order; a failing hook warns and never breaks mergekit's import."""
+        """Run the hooks that are due, in order; a failing hook warns and never breaks mergekit's import.
+
+        Importing a hook's boundary module can finish importing other modules: the loop that is
+        already running takes their hooks after the current one, so patches keep their order
+        (``mergekit-pytorch``'s transaction inside its one-line errors).
+        """
+        if self.applying:
+            return
+        self.applying = True
+        try:
+            self._apply_in_order()
+        finally:
+            self.applying = False
+
+    def _apply_in_order(self):
         while self.pending:
             hook_name, module = self.pending.pop(0)
             try:

@@ -113,6 +113,8 @@ print(
     all(getattr(function, "__mergekit_ram_wrapped__", False) for function in patched),
     all(getattr(script.main.callback, "__mergekit_ram_cli__", False) for script in scripts),
     mergekit.scripts.run_yaml.run_merge is mergekit.merge.run_merge,
+    # mergekit-pytorch: one-line errors outside, its output transaction inside
+    getattr(mergekit.scripts.merge_raw_pytorch.main.callback.__wrapped__, "__mergekit_ram_wrapped__", False),
 )
 """
 
@@ -133,5 +135,5 @@ def test_any_import_order_registers_and_patches() -> None:
     }
     results = {first: run.communicate() for first, run in runs.items()}
     assert {first: out.strip() for first, (out, _) in results.items()} == {
-        first: "True True True True" for first in IMPORT_FIRST
+        first: "True True True True True" for first in IMPORT_FIRST
     }, {first: err[-2000:] for first, (_, err) in results.items()}
