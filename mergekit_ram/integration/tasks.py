@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping, Optional
+from typing import Any, Iterator, Mapping, Optional, TypeVar
 
 import torch
 from mergekit.common import ImmutableMap, ModelReference, dtype_from_name
@@ -29,6 +29,7 @@ from mergekit_ram.staging import write_atomically
 from mergekit_ram.stats import STATISTICS_FILE, RamStatistics, TensorCounts, log_statistics, statistics_to_json
 
 _SHARED = ("epsilon", "r", "alpha", "rule")
+ValueT = TypeVar("ValueT")
 
 
 def planned_tensor(task: ExecuteMergeMethodTask) -> PlannedTensor:
@@ -141,8 +142,8 @@ def _method_call(task: ExecuteMergeMethodTask, tensors: Mapping[ModelReference, 
     return _MethodCall(group, parameters, dtype, dtype_from_name(task.out_dtype))
 
 
-class CountTensor(Task[Optional[TensorCounts]]):
-    """The pre-pass for one merge task: its inputs through the kernel in counting mode."""
+class _OnMergeTaskInputs(Task[ValueT]):
+    """A task on a merge task's own inputs: same arguments, group and device as that task."""
 
     merge_task: ExecuteMergeMethodTask
 
@@ -154,6 +155,10 @@ class CountTensor(Task[Optional[TensorCounts]]):
 
     def uses_accelerator(self) -> bool:
         return self.merge_task.uses_accelerator()
+
+
+class CountTensor(_OnMergeTaskInputs[Optional[TensorCounts]]):
+    """The pre-pass for one merge task: its inputs through the kernel in counting mode."""
 
     def execute(self, tensors: Mapping[ModelReference, torch.Tensor], **_kwargs: Any) -> Optional[TensorCounts]:
         call = _method_call(self.merge_task, tensors)
@@ -162,19 +167,8 @@ class CountTensor(Task[Optional[TensorCounts]]):
         return METHODS[self.merge_task.method_name].count(call.group, call.parameters, call.dtype)
 
 
-class MergeAndCount(Task[tuple]):
+class MergeAndCount(_OnMergeTaskInputs[tuple]):
     """A merge task that also returns the counts its kernel took (no counts where mergekit copies)."""
-
-    merge_task: ExecuteMergeMethodTask
-
-    def arguments(self) -> dict[str, Task]:
-        return self.merge_task.arguments()
-
-    def group_label(self) -> Optional[str]:
-        return self.merge_task.group_label()
-
-    def uses_accelerator(self) -> bool:
-        return self.merge_task.uses_accelerator()
 
     def execute(
         self, tensors: Mapping[ModelReference, torch.Tensor], **kwargs: Any
