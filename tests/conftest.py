@@ -37,16 +37,24 @@ def run_script(
     return completed
 
 
-def merge_in_process(recipe: dict[str, Any], out: str, **options: Any) -> None:
+def merge_in_process(recipe: dict[str, Any] | str, out: str, **options: Any) -> None:
     """``recipe`` merged by mergekit's run_merge in this process (the plugin registered as users get it).
 
+    A recipe file's path is merged as mergekit-yaml merges it: its text is the config source
+    mergekit copies into the output, so the folder equals mergekit-yaml's byte for byte.
     mergekit is imported here, not at the top: tests/test_layers.py runs the plain layers' tests
     with mergekit unimportable, and they share this conftest."""
     from mergekit.config import MergeConfiguration
     from mergekit.merge import run_merge
     from mergekit.options import MergeOptions
 
-    run_merge(MergeConfiguration.model_validate(recipe), out, options=MergeOptions(quiet=True, **options))
+    source = None
+    if isinstance(recipe, str):
+        with open(recipe, encoding="utf-8") as handle:
+            source = handle.read()
+        recipe = yaml.safe_load(source)
+    config = MergeConfiguration.model_validate(recipe)
+    run_merge(config, out, options=MergeOptions(quiet=True, **options), config_source=source)
 
 
 def write_recipe(path: str, recipe: dict[str, Any]) -> str:

@@ -42,6 +42,8 @@ from collections.abc import Sequence
 ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 CONTENTS = os.path.join(ROOT, "tests", "release_contents.txt")
 KINDS = ("sdist", "wheel")
+#: What ``mergekit-ram demo`` printed in the fresh environment, kept in the work folder.
+DEMO_OUTPUT = "demo-output.txt"
 
 
 class CheckFailed(Exception):
@@ -201,6 +203,8 @@ def try_the_wheel(venv: str, work: str) -> list[str]:
     if not os.path.realpath(where).startswith(os.path.realpath(venv) + os.sep):
         problems.append(f"the fresh environment imports mergekit_ram from {where}, not from the wheel")
     output = run([os.path.join(venv, "bin", "mergekit-ram"), "demo", "demo"], cwd=home, env=environment)
+    with open(os.path.join(work, DEMO_OUTPUT), "w", encoding="utf-8") as handle:
+        handle.write(output)
     statistics = os.path.join(home, "demo", "merged", "ram_statistics.json")
     if not os.path.exists(statistics):
         problems.append(f"the demo wrote no {statistics}:\n{output[-2000:]}")

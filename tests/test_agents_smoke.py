@@ -42,7 +42,7 @@ def test_teacher_forced_check_is_greedy_decoding():
 
 def test_smoke_pipeline(tmp_path):
     out, cache, doc = tmp_path / "results", tmp_path / "cache", tmp_path / "quality.md"
-    assert main(["--smoke", "--out", str(out), "--cache", str(cache), "--doc", str(doc)]) == 0
+    assert main(["--smoke", "--workers", "1", "--out", str(out), "--cache", str(cache), "--doc", str(doc)]) == 0
     results = json.loads((out / "results.json").read_text())
     ram_plus = [m for m in results["merges"] if m["setting"]["method"] == "ram_plus"]
     assert ram_plus and set(ram_plus[0]["ram_statistics"]["models"]) == set(TASKS)
@@ -53,5 +53,5 @@ def test_smoke_pipeline(tmp_path):
     text = doc.read_text()
     assert "ram_plus" in text and "python -m benchmarks.agents.run" in text
     before = (out / "results.json").read_text()
-    assert main(["--smoke", "--out", str(out), "--cache", str(cache)]) == 0  # served from the cache
+    assert main(["--smoke", "--workers", "1", "--out", str(out), "--cache", str(cache)]) == 0  # served from the cache
     assert json.loads((out / "results.json").read_text())["merges"] == json.loads(before)["merges"]

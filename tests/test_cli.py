@@ -1,6 +1,7 @@
 """What a command-line user sees: one-line errors (the traceback under -v), mergekit's own
 output for other methods, the probe on multi-document recipes, --plot and --cuda checked
-first, --version. Every check runs the real console scripts in subprocesses."""
+first, --version. Every check of what a user sees runs the real console scripts in subprocesses;
+what only sets a scene (a filled cache) or reads a recipe file runs in this process."""
 
 from __future__ import annotations
 
@@ -14,9 +15,13 @@ import typing
 import pytest
 import torch
 import yaml
+from mergekit.config import MergeConfiguration
+from mergekit.options import MergeOptions
 from safetensors.torch import load_file, save_file
 
 from mergekit_ram import errors
+from mergekit_ram.errors import RecipeError
+from mergekit_ram.probe import probe_config, select_stages
 from tests.conftest import ModelSet, run_script, write_recipe
 from tests.test_docs import package_modules
 from tests.test_statistics import independent_figures
@@ -197,19 +202,21 @@ def test_other_methods_keep_mergekit_output(bf16_models: ModelSet, tmp_path, cas
 
 
 @NO_CUDA
-def test_cuda_without_a_device_is_one_line(bf16_models: ModelSet, tmp_path) -> None:
+def test_cuda_without_a_device_is_one_line(bf16_models: ModelSet, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     expected = f"--cuda was given but no CUDA device is available (torch {torch.__version__}, CPU build)"
     recipe = write_recipe(str(tmp_path / "r.yml"), bf16_models.recipe("ram_plus"))
     assert one_line_error(run_script("mergekit-yaml", recipe, str(tmp_path / "o"), "--cuda", check=False)) == expected
     stages = write_recipe(str(tmp_path / "m.yml"), {"name": "agents", **bf16_models.recipe("ram")})
     completed = run_script("mergekit-multi", stages, "-I", str(tmp_path / "stages"), "--gpu-rich", check=False)
     assert one_line_error(completed) == expected.replace("--cuda", "--gpu-rich")
-    # The probe checks before its cache can answer.
+    # The probe checks before its cache can answer: counts cached by a probe in this process first.
     cached = {"MERGEKIT_RAM_CACHE": "on", "MERGEKIT_RAM_CACHE_DIR": str(tmp_path / "cache")}
-    run_script("mergekit-ram", "probe", recipe, env=cached)
+    for variable, value in cached.items():
+        monkeypatch.setenv(variable, value)
+    probe_config(MergeConfiguration.model_validate(bf16_models.recipe("ram_plus")), MergeOptions(quiet=True))
     assert os.listdir(tmp_path / "cache") == ["prepass"] and len(os.listdir(tmp_path / "cache" / "prepass")) == 1
-    completed = run_script("mergekit-ram", "probe", recipe, "--device", "cuda:0", env=cached, check=False)
-    assert one_line_error(completed) == expected.replace("--cuda", "--device cuda:0")
+    completed = run_script("mergekit-ram", "probe", recipe, "--device", "cuda:0", "-v", check=False)
+    assert with_traceback(completed) == expected.replace("--cuda", "--device cuda:0")
     assert not os.path.exists(tmp_path / "o")
 
 
@@ -272,9 +279,9 @@ def test_probe_reads_a_multi_document_recipe(bf16_models: ModelSet, tmp_path) ->
     pair = probe["stages"]["pair"]
     assert pair["method"] == "ram" and [m["model"] for m in pair["models"]] == bf16_models.agents[:2]
 
-    refused = run_script("mergekit-ram", "probe", str(config), "--stage", "after", "-v", check=False)
-    assert with_traceback(refused) == note
-    assert "RecipeError" in refused.stderr
+    with pytest.raises(RecipeError) as refused:
+        select_stages(str(config), "after")
+    assert str(refused.value) == note
 
 
 @pytest.mark.parametrize("recipe", ["r-sweep.multi.yaml", "ram-plus-then-linear.multi.yaml"])
@@ -283,5 +290,6 @@ def test_probe_parses_the_repository_multi_recipes(recipe: str) -> None:
     path = os.path.join(ROOT, "recipes", "qwen2.5-7b", recipe)
     with open(path, encoding="utf-8") as handle:
         names = [doc.get("name", "(unnamed final stage)") for doc in yaml.safe_load_all(handle) if doc]
-    completed = run_script("mergekit-ram", "probe", path, "--name", "no-such-stage", check=False)
-    assert one_line_error(completed) == f"{path} has no stage named 'no-such-stage'; its stages: {', '.join(names)}"
+    with pytest.raises(RecipeError) as refused:
+        select_stages(path, "no-such-stage")
+    assert str(refused.value) == f"{path} has no stage named 'no-such-stage'; its stages: {', '.join(names)}"

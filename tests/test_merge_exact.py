@@ -11,8 +11,10 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import click
 import pytest
 import torch
+from mergekit.scripts.run_yaml import main as mergekit_yaml
 
 from mergekit_ram.synthetic import build_base, sparse_agents, tiny_config, write_checkpoint
 from tests import reference
@@ -262,8 +264,8 @@ def test_float16_cast_overflow_names_the_recipe_dtype(tmp_path) -> None:
     models = constant_models(str(tmp_path), torch.bfloat16, 70000.0, [every_other(1.0)])
     out = str(tmp_path / "out")
     recipe = write_recipe(str(tmp_path / "r.yml"), models.recipe("ram", dtype="float16"))
-    completed = run_script("mergekit-yaml", recipe, out, check=False)
-    assert completed.returncode != 0
-    assert "is Inf as float16 (after the recipe's `dtype: float16` cast" in completed.stderr
-    assert "values above 65504 do not fit float16: merge with `dtype: bfloat16` or `float32`" in completed.stderr
+    with pytest.raises(click.ClickException) as refused:  # mergekit-yaml's command, in-process
+        mergekit_yaml.main(args=[recipe, out], standalone_mode=False)
+    assert "is Inf as float16 (after the recipe's `dtype: float16` cast" in refused.value.format_message()
+    assert "values above 65504 do not fit float16: merge with `dtype: bfloat16` or `float32`" in str(refused.value)
     assert not os.path.exists(os.path.join(out, "model.safetensors"))

@@ -1,6 +1,7 @@
 """A RAM merge never destroys data: the output transaction, the lock, protected inputs.
 
-Every run is the real console script in a subprocess, on real files. Faults are injected by
+Every faulted run is the real console script in a subprocess, on real files (the two set-up
+merges it is compared with run in this process, as mergekit-yaml runs them). Faults are injected by
 ``tests/faults/sitecustomize.py`` (put on the subprocess's PYTHONPATH; the library has no test
 hooks): a signal or a full disk at a named moment, and each outcome is compared byte for byte
 with the folder before the merge ("old") and with the same merge run without a fault ("new").
@@ -8,13 +9,16 @@ with the folder before the merge ("old") and with the same merge run without a f
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import logging
 import os
 import shutil
 import signal
 import subprocess
 import time
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import pytest
 import yaml
@@ -25,7 +29,7 @@ from mergekit.options import MergeOptions
 from mergekit_ram import staging
 from mergekit_ram.errors import InputError
 from mergekit_ram.staging import LOCK_FILE, MANIFEST_FILE, MARKER_FILE, MARKER_TEXT, STAGING_DIR
-from tests.conftest import ModelSet, run_script, script, write_recipe
+from tests.conftest import ModelSet, merge_in_process, run_script, script, write_recipe
 from tests.test_prepass import save_tokenizer
 
 FAULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "faults")
@@ -68,6 +72,20 @@ def fault_env(fault: Optional[str] = None, **extra: str) -> dict[str, str]:
     return env
 
 
+@contextlib.contextmanager
+def plugin_log() -> Iterator[io.StringIO]:
+    """What mergekit-ram logs at INFO meanwhile (what -v shows)."""
+    logger, text = logging.getLogger("mergekit_ram"), io.StringIO()
+    handler, level = logging.StreamHandler(text), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield text
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
 class World:
     """Models with a tokenizer, an earlier sharded `ram` merge beside user files, the new merge."""
 
@@ -79,13 +97,17 @@ class World:
         self.old_recipe = write_recipe(os.path.join(root, "old.yml"), self.models.recipe("ram"))
         self.new_recipe = write_recipe(os.path.join(root, "new.yml"), self.models.recipe("ram_plus"))
         self.template = os.path.join(root, "template", "out")
-        run_script("mergekit-yaml", self.old_recipe, self.template, "--out-shard-size", "8K", env=fault_env())
+        # Both set-up merges run in this process, as mergekit-yaml would run them (the fault cases
+        # below compare the console script's folders with them byte for byte).
+        merge_in_process(self.old_recipe, self.template, out_shard_size=8000)
         for name, data in USER_FILES.items():
             with open(os.path.join(self.template, name), "wb") as handle:
                 handle.write(data)
         self.old = snapshot(self.template)
         reference = self.copy_old("reference")
-        self.log = run_script("mergekit-yaml", self.new_recipe, reference, "-v", env=fault_env()).stderr
+        with plugin_log() as log:
+            merge_in_process(self.new_recipe, reference)
+        self.log = log.getvalue()
         self.new = snapshot(reference)
 
     def copy_old(self, name: str) -> str:

@@ -19,7 +19,7 @@ from email.message import Message
 
 import pytest
 
-from tests.release_check import compare, read_expected, sdist_files, wheel_files
+from tests.release_check import DEMO_OUTPUT, compare, read_expected, sdist_files, wheel_files
 from tests.test_docs import LINKED_PAGES, REPOSITORY, link_problems, sdist_leaves_out
 
 ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
@@ -89,6 +89,25 @@ def test_release_check_passes(release: Release) -> None:
     with open(os.path.join(release.work, "user", "demo", "merged", "ram_statistics.json"), encoding="utf-8") as f:
         statistics = json.load(f)
     assert statistics["method"] == "ram_plus" and len(statistics["models"]) == 3
+
+
+def test_demo_reports_the_seeded_agents(release: Release) -> None:
+    """What ``mergekit-ram demo`` printed and wrote, run from the wheel in the fresh environment."""
+    with open(os.path.join(release.work, DEMO_OUTPUT), encoding="utf-8") as handle:
+        lines = handle.read().splitlines()
+    rows = {line.split()[0]: line.split()[1:] for line in lines if line.split() and line.split()[0].endswith("-agent")}
+    # density, changed, shared, unique, rho, lambda of the seeded demo (seed 0). The paper's agents:
+    # density 3.2% / 46.2% / 54.3%, rho about 14.9 / 1.45 / 1.11. The coding agent's rho is above
+    # alpha = 2: its lambda is clipped to 1 + 0.1 * 2.
+    assert rows == {
+        "coding-agent": ["3.20%", "27,312", "25,599", "1,713", "14.9440", "1.2000"],
+        "tool-agent": ["46.18%", "394,482", "232,963", "161,519", "1.4423", "1.1442"],
+        "memory-agent": ["54.05%", "461,651", "241,449", "220,202", "1.0965", "1.1096"],
+    }
+    with open(os.path.join(release.work, "user", "demo", "merged", "ram_statistics.json"), encoding="utf-8") as f:
+        statistics = json.load(f)
+    order = ("coding-agent", "tool-agent", "memory-agent")
+    assert [round(m["lambda"], 4) for m in statistics["models"]] == [float(rows[name][-1]) for name in order]
 
 
 def test_both_distributions_hold_the_licence_texts(release: Release) -> None:

@@ -17,6 +17,7 @@ from mergekit.config import MergeConfiguration
 from mergekit.merge import run_merge
 from mergekit.options import MergeOptions
 from mergekit.scripts.multimerge import load_config
+from mergekit.scripts.run_yaml import main as mergekit_yaml
 
 from mergekit_ram.errors import InputError
 from mergekit_ram.integration.registry import BUILTIN_RAM_VARIABLE, register_methods
@@ -100,17 +101,13 @@ def test_mergekit_multi_stages_are_checked(bf16_models: ModelSet) -> None:
 
 
 def test_mergekit_yaml_refuses_a_misspelled_key(bf16_models: ModelSet, tmp_path) -> None:
+    """Through mergekit-yaml's real command, in-process (its one-line output: tests/test_cli.py)."""
     recipe = write_recipe(str(tmp_path / "r.yml"), bf16_models.recipe("ram_plus", paramaters={"r": 0.2}))
-    completed = run_script("mergekit-yaml", recipe, str(tmp_path / "out"), check=False)
-    assert completed.returncode == 1
-    assert "Traceback" not in completed.stderr
-    assert (
-        completed.stderr.strip()
-        .splitlines()[-1]
-        .startswith(
-            "Error: ram_plus recipe: unknown key 'paramaters' at the top level of "
-            "the recipe, which mergekit would ignore (did you mean 'parameters'?)"
-        )
+    with pytest.raises(click.ClickException) as refused:
+        mergekit_yaml.main(args=[recipe, str(tmp_path / "out")], standalone_mode=False)
+    assert refused.value.format_message().startswith(
+        "ram_plus recipe: unknown key 'paramaters' at the top level of "
+        "the recipe, which mergekit would ignore (did you mean 'parameters'?)"
     )
     assert not os.path.exists(str(tmp_path / "out"))
 
@@ -187,13 +184,12 @@ def test_mergekit_yaml_refuses_a_symlinked_duplicate(bf16_models: ModelSet, tmp_
     os.symlink(bf16_models.agents[1], link)
     recipe = bf16_models.recipe("ram_plus")
     recipe["models"].append({"model": link})
-    completed = run_script(
-        "mergekit-yaml", write_recipe(str(tmp_path / "r.yml"), recipe), str(tmp_path / "out"), check=False
-    )
-    assert completed.returncode == 1
-    assert "Traceback" not in completed.stderr
-    assert completed.stderr.strip().splitlines()[-1] == (
-        f"Error: {link} and {bf16_models.agents[1]} in `models` are the same model "
+    with pytest.raises(click.ClickException) as refused:
+        mergekit_yaml.main(
+            args=[write_recipe(str(tmp_path / "r.yml"), recipe), str(tmp_path / "out")], standalone_mode=False
+        )
+    assert refused.value.format_message() == (
+        f"{link} and {bf16_models.agents[1]} in `models` are the same model "
         f"({os.path.realpath(bf16_models.agents[1])}): list each fine-tuned model once (RAM would count its "
         "changes twice, all as shared)"
     )

@@ -18,9 +18,11 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+import click
 import pytest
 import torch
 import yaml
+from mergekit.scripts.merge_raw_pytorch import main as mergekit_pytorch
 from safetensors.torch import load_file, save_file
 
 from mergekit_ram.staging import MARKER_FILE, STAGING_DIR
@@ -242,15 +244,20 @@ def _run_case(title: str, models: ModelSet, root: str) -> tuple[str, list[str]]:
 
 
 def _pytorch_error(recipe: dict[str, Any], scratch: str, out: str) -> str:
-    """mergekit-pytorch reads files: point the recipe at them; return the error line it prints."""
+    """mergekit-pytorch reads files: point the recipe at them; the error line its command prints
+    (run in-process; the one-line output itself: tests/test_cli.py)."""
     recipe = {
         **recipe,
         "base_model": os.path.join(recipe["base_model"], "model.safetensors"),
         "models": [{"model": os.path.join(entry["model"], "model.safetensors")} for entry in recipe["models"]],
     }
-    completed = run_script("mergekit-pytorch", write_recipe(os.path.join(scratch, "r.yml"), recipe), out, check=False)
-    assert completed.returncode != 0, "the merge succeeded"
-    return completed.stderr.strip().splitlines()[-1].split(": ", 1)[1]
+    try:
+        mergekit_pytorch.main(args=[write_recipe(os.path.join(scratch, "r.yml"), recipe), out], standalone_mode=False)
+    except click.ClickException as error:  # what the command prints after "Error: "
+        return error.format_message()
+    except ValueError as error:  # mergekit's own refusal: the last line of the traceback it prints
+        return str(error).splitlines()[0]
+    raise AssertionError("the merge succeeded")
 
 
 @pytest.fixture(scope="module")
@@ -292,7 +299,7 @@ def test_identical_integer_buffers_are_copied(bf16_models: ModelSet, tmp_path) -
     recipe["base_model"] = os.path.join(recipe["base_model"], "model.safetensors")
     recipe["models"] = [{"model": os.path.join(entry["model"], "model.safetensors")} for entry in recipe["models"]]
     out = str(tmp_path / "out")
-    run_script("mergekit-pytorch", write_recipe(str(tmp_path / "r.yml"), recipe), out)
+    mergekit_pytorch.main(args=[write_recipe(str(tmp_path / "r.yml"), recipe), out], standalone_mode=False)
     merged = load_file(os.path.join(out, "model.safetensors"))
     assert torch.equal(merged["model.step_counter"], torch.tensor([7, 1, 2]))
 
@@ -357,22 +364,25 @@ def test_interrupted_merge_leaves_nothing_that_looks_finished(tmp_path) -> None:
 
 
 def test_same_inputs_give_byte_identical_files(ram_plus_merge: Merged, tmp_path) -> None:
+    """The shared merge (a mergekit-yaml process) against merges of the same recipe in this
+    process with one and two kernel workers (torch's thread count), and in 8K shards."""
     recipe = ram_plus_merge.recipe
     with open(os.path.join(ram_plus_merge.out, "model.safetensors"), "rb") as handle:
-        outputs = {"first": handle.read()}  # the shared merge: an earlier run of the same recipe
-    for name, extra in {
-        "again": [],
-        "one thread": ["--num-threads", "1"],
-        "two threads": ["--num-threads", "2"],
-    }.items():
-        out = str(tmp_path / name.replace(" ", "-"))
-        run_script("mergekit-yaml", recipe, out, *extra)
-        with open(os.path.join(out, "model.safetensors"), "rb") as handle:
-            outputs[name] = handle.read()
+        outputs = {"mergekit-yaml": handle.read()}
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            out = str(tmp_path / f"threads-{count}")
+            merge_in_process(recipe, out)
+            with open(os.path.join(out, "model.safetensors"), "rb") as handle:
+                outputs[f"{count} threads"] = handle.read()
+    finally:
+        torch.set_num_threads(threads)
     assert len(set(outputs.values())) == 1
 
     sharded = str(tmp_path / "sharded")
-    run_script("mergekit-yaml", recipe, sharded, "--out-shard-size", "8K")
+    merge_in_process(recipe, sharded, out_shard_size=8000)
     shards = sorted(glob.glob(os.path.join(sharded, "*.safetensors")))
     assert len(shards) == 7  # 8K shards of the tiny model
     tensors: dict[str, torch.Tensor] = {}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import math
 import os
 import shutil
@@ -18,6 +19,8 @@ from safetensors.torch import load_file, save_file
 
 from mergekit_ram import cache
 from mergekit_ram.integration.planner import plan_merge
+from mergekit_ram.parameters import ParameterError
+from mergekit_ram.probe import probe_config, select_stages
 from mergekit_ram.rescaling import Rescaling
 from mergekit_ram.stats import (
     SCHEMA_VERSION,
@@ -32,7 +35,7 @@ from mergekit_ram.stats import (
 )
 from mergekit_ram.synthetic import build_agents, independent_overlap, tiny_config
 from tests import reference
-from tests.conftest import ModelSet, load_statistics, load_weights, run_script, write_recipe
+from tests.conftest import Merged, ModelSet, load_statistics, load_weights, merge_in_process, run_script, write_recipe
 
 
 def independent_figures(models: ModelSet, epsilon: float = 1e-5) -> dict[str, Any]:
@@ -51,7 +54,9 @@ def independent_figures(models: ModelSet, epsilon: float = 1e-5) -> dict[str, An
     return totals
 
 
-def test_probe_figures_equal_an_independent_computation(bf16_models: ModelSet, tmp_path) -> None:
+def test_probe_figures_equal_an_independent_computation(
+    bf16_models: ModelSet, ram_plus_merge: Merged, tmp_path
+) -> None:
     recipe = write_recipe(str(tmp_path / "r.yml"), bf16_models.recipe("ram_plus", parameters={"r": 0.15, "alpha": 1.5}))
     png = str(tmp_path / "figure2.png")
     completed = run_script("mergekit-ram", "probe", recipe, "--json", "--by-module", "--plot", png)
@@ -75,10 +80,8 @@ def test_probe_figures_equal_an_independent_computation(bf16_models: ModelSet, t
         assert handle.read(8) == b"\x89PNG\r\n\x1a\n"
     assert os.path.getsize(png) > 20_000
 
-    # The probe and the merge agree: same tensors, same counts.
-    out = str(tmp_path / "out")
-    run_script("mergekit-yaml", recipe, out)
-    assert load_statistics(out)["tensors"] == probe["tensors"]
+    # The probe and the merge agree: same tensors, same counts (r and alpha change lambda only).
+    assert load_statistics(ram_plus_merge.out)["tensors"] == probe["tensors"]
 
 
 def test_probe_text_output(bf16_models: ModelSet, tmp_path) -> None:
@@ -87,15 +90,15 @@ def test_probe_text_output(bf16_models: ModelSet, tmp_path) -> None:
     assert "ram probe of" in completed.stdout
     assert "k=1" in completed.stdout and "k=3" in completed.stdout
     assert "attention" in completed.stdout and "output head" in completed.stdout
-    refused = run_script(
-        "mergekit-ram", "probe", write_recipe(str(tmp_path / "t.yml"), bf16_models.recipe("ties")), check=False
-    )
-    assert refused.returncode != 0 and "probe reads ram and ram_plus recipes" in refused.stderr
+    ties = write_recipe(str(tmp_path / "t.yml"), bf16_models.recipe("ties"))
+    with pytest.raises(
+        ParameterError, match="^probe reads ram and ram_plus recipes; this one says merge_method: ties "
+    ):
+        select_stages(ties)  # the command's one-line errors: tests/test_cli.py
 
 
-def test_every_merge_leaves_its_statistics(bf16_models: ModelSet, tmp_path) -> None:
-    out = str(tmp_path / "out")
-    run_script("mergekit-yaml", write_recipe(str(tmp_path / "r.yml"), bf16_models.recipe("ram_plus")), out)
+def test_every_merge_leaves_its_statistics(bf16_models: ModelSet, ram_plus_merge: Merged) -> None:
+    out = ram_plus_merge.out
     statistics = load_statistics(out)
     assert statistics["method"] == "ram_plus"
     assert statistics["parameters"] == {"epsilon": 1e-05, "r": 0.1, "alpha": 2.0, "rule": "clip"}
@@ -165,16 +168,21 @@ def test_cache_key_changes_when_it_must_and_only_then(bf16_models: ModelSet, tmp
     assert _planned_key(recipe) != key
 
 
-def test_cache_is_used_for_sweeps_and_never_stale(bf16_models: ModelSet, tmp_path, monkeypatch) -> None:
+def test_cache_is_used_for_sweeps_and_never_stale(
+    bf16_models: ModelSet, tmp_path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Merges by mergekit's run_merge in this process, the cache set up as a user's shell would."""
     agent = shutil.copytree(bf16_models.agents[0], str(tmp_path / "agent"))
     models = ModelSet(bf16_models.base, [agent, *bf16_models.agents[1:]], bf16_models.design)
-    env = {"MERGEKIT_RAM_CACHE": "on", "MERGEKIT_RAM_CACHE_DIR": str(tmp_path / "cache")}
+    monkeypatch.setenv("MERGEKIT_RAM_CACHE_DIR", str(tmp_path / "cache"))
+    caplog.set_level(logging.INFO, logger="mergekit_ram")
 
-    def merge(name: str, parameters: dict[str, Any], **extra: str) -> tuple[str, dict[str, Any]]:
-        recipe = write_recipe(str(tmp_path / f"{name}.yml"), models.recipe("ram_plus", parameters=parameters))
+    def merge(name: str, parameters: dict[str, Any], cache_mode: str = "on") -> tuple[str, dict[str, Any]]:
+        monkeypatch.setenv("MERGEKIT_RAM_CACHE", cache_mode)
+        caplog.clear()
         out = str(tmp_path / name)
-        completed = run_script("mergekit-yaml", recipe, out, "-v", env={**env, **extra})
-        return completed.stderr, load_statistics(out)
+        merge_in_process(models.recipe("ram_plus", parameters=parameters), out)
+        return caplog.text, load_statistics(out)
 
     log, first = merge("first", {"r": 0.1})
     assert "pre-pass done" in log and "counts cached in" in log
@@ -184,7 +192,7 @@ def test_cache_is_used_for_sweeps_and_never_stale(bf16_models: ModelSet, tmp_pat
     assert [m["lambda"] for m in second["models"]] == [
         reference.lambda_soft(reference.rho(m["shared"], m["unique"]), 0.2) for m in first["models"]
     ]
-    log, _ = merge("refreshed", {"r": 0.2}, MERGEKIT_RAM_CACHE="refresh")
+    log, _ = merge("refreshed", {"r": 0.2}, cache_mode="refresh")
     assert "pre-pass done" in log and "using cached counts" not in log
     log, _ = merge("epsilon", {"epsilon": 1e-3})
     assert "pre-pass done" in log
@@ -193,9 +201,13 @@ def test_cache_is_used_for_sweeps_and_never_stale(bf16_models: ModelSet, tmp_pat
     state = load_file(file)
     state["model.layers.0.mlp.up_proj.weight"] = state["model.layers.0.mlp.up_proj.weight"] * 2
     save_file(state, file, metadata={"format": "pt"})
-    log, modified = merge("modified", {"r": 0.1})
+    # The same path, new contents, read by a new mergekit-yaml process (mergekit keeps the files
+    # it has opened for the life of a process).
+    recipe = write_recipe(str(tmp_path / "modified.yml"), models.recipe("ram_plus", parameters={"r": 0.1}))
+    out = str(tmp_path / "modified")
+    log = run_script("mergekit-yaml", recipe, out, "-v", env={"MERGEKIT_RAM_CACHE": "on"}).stderr
     assert "pre-pass done" in log and "using cached counts" not in log
-    assert modified["tensors"] != first["tensors"]
+    assert load_statistics(out)["tensors"] != first["tensors"]
 
 
 @pytest.mark.parametrize(
@@ -207,7 +219,9 @@ def test_cache_is_used_for_sweeps_and_never_stale(bf16_models: ModelSet, tmp_pat
         ("mixed dtypes", "stored in different dtypes"),
     ],
 )
-def test_warnings_that_save_a_wasted_merge(tmp_path, case: str, expected: str) -> None:
+def test_warnings_that_save_a_wasted_merge(
+    tmp_path, caplog: pytest.LogCaptureFixture, case: str, expected: str
+) -> None:
     config = tiny_config("llama", hidden_size=32, intermediate_size=48, num_layers=1, vocab_size=64)
     overlap = independent_overlap([0.95, 0.97]) if case == "dense" else {(0,): 0.1, (1,): 0.1}
     dtype = torch.float16 if case == "float16" else torch.bfloat16
@@ -219,11 +233,17 @@ def test_warnings_that_save_a_wasted_merge(tmp_path, case: str, expected: str) -
         save_file({k: v.float() for k, v in state.items()}, os.path.join(agents[1], "model.safetensors"))
     recipe = {"merge_method": "ram_plus", "base_model": base, "models": [{"model": p} for p in agents]}
     out = str(tmp_path / "out")
-    completed = run_script("mergekit-yaml", write_recipe(str(tmp_path / "r.yml"), recipe), out)
-    assert expected in completed.stderr  # logged as a warning even without -v
-    assert any(expected in warning for warning in load_statistics(out)["warnings"])
-    quiet = run_script("mergekit-ram", "probe", str(tmp_path / "r.yml"))
-    assert expected in quiet.stderr
+    if case == "float16":  # once through the console scripts: shown without -v
+        path = write_recipe(str(tmp_path / "r.yml"), recipe)
+        assert expected in run_script("mergekit-yaml", path, out).stderr
+        assert expected in run_script("mergekit-ram", "probe", path).stderr
+    else:
+        caplog.set_level(logging.WARNING)
+        merge_in_process(recipe, out)
+        assert [r.levelno for r in caplog.records if expected in r.getMessage()] == [logging.WARNING]
+        probed = probe_config(MergeConfiguration.model_validate(recipe), MergeOptions(quiet=True))
+        assert [warning for warning in probed.warnings if expected in warning]
+    assert [warning for warning in load_statistics(out)["warnings"] if expected in warning]
 
 
 # The arithmetic and the schema on counts built by hand (no merge) ----------------------
