@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import fcntl
 import glob
 import json
 import os
 import subprocess
 import sys
 from dataclasses import dataclass
-from typing import Any, Optional
+from pathlib import Path
+from typing import Any, Callable, Optional, TypeVar
 
 import pytest
 import torch
@@ -20,6 +22,8 @@ from mergekit_ram.synthetic import PAPER_AGENTS, PAPER_OVERLAP, Agents, build_ag
 os.environ["HF_HUB_OFFLINE"] = "1"
 # The pre-pass cache is tested on its own (test_statistics.py); elsewhere every pre-pass really runs.
 os.environ["MERGEKIT_RAM_CACHE"] = "off"
+
+T = TypeVar("T")
 
 
 def script(name: str) -> str:
@@ -109,13 +113,33 @@ def _build(directory: str, dtype: torch.dtype, architecture: str = "llama") -> M
 
 
 @pytest.fixture(scope="session")
-def bf16_models(tmp_path_factory: pytest.TempPathFactory) -> ModelSet:
-    return _build(str(tmp_path_factory.mktemp("bf16")), torch.bfloat16)
+def run_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder of this test run that every xdist worker shares (the session's own without xdist)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+def built_once(root: Path, name: str, build: Callable[[str], T]) -> T:
+    """``build(root / name)``, run by the first worker of the test run that asks; the others wait
+    for it and read its result (saved beside the folder with torch.save: it may hold tensors)."""
+    folder, result = root / name, root / f"{name}.result"
+    with open(root / f"{name}.lock", "w", encoding="utf-8") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not result.exists():
+            built = build(str(folder))
+            torch.save(built, result)
+            return built
+    return torch.load(result, weights_only=False)
 
 
 @pytest.fixture(scope="session")
-def fp32_models(tmp_path_factory: pytest.TempPathFactory) -> ModelSet:
-    return _build(str(tmp_path_factory.mktemp("fp32")), torch.float32)
+def bf16_models(run_root: Path) -> ModelSet:
+    return built_once(run_root, "bf16", lambda folder: _build(folder, torch.bfloat16))
+
+
+@pytest.fixture(scope="session")
+def fp32_models(run_root: Path) -> ModelSet:
+    return built_once(run_root, "fp32", lambda folder: _build(folder, torch.float32))
 
 
 @dataclass(frozen=True)
@@ -136,40 +160,43 @@ def upstream_ram_recipe(models: ModelSet) -> dict[str, Any]:
     return recipe
 
 
-def merge_once(
-    tmp_path_factory: pytest.TempPathFactory, name: str, recipe: dict[str, Any], env: Optional[dict[str, str]] = None
-) -> Merged:
-    """``recipe`` merged by the real mergekit-yaml into a fresh folder: what the shared merges below hold."""
-    root = tmp_path_factory.mktemp(name)
-    path = write_recipe(str(root / "recipe.yml"), recipe)
-    completed = run_script("mergekit-yaml", path, str(root / "out"), env=env)
-    return Merged(out=str(root / "out"), recipe=path, stderr=completed.stderr)
+def merge_once(root: Path, name: str, recipe: dict[str, Any], env: Optional[dict[str, str]] = None) -> Merged:
+    """``recipe`` merged by the real mergekit-yaml into ``root/name``, once per test run: what the
+    shared merges below hold."""
+
+    def merge(folder: str) -> Merged:
+        os.makedirs(folder)
+        path = write_recipe(os.path.join(folder, "recipe.yml"), recipe)
+        completed = run_script("mergekit-yaml", path, os.path.join(folder, "out"), env=env)
+        return Merged(out=os.path.join(folder, "out"), recipe=path, stderr=completed.stderr)
+
+    return built_once(root, name, merge)
 
 
-# Shared merges: each runs once per session, the first time a test asks for it. A test that reads
-# one must not change its folder (copy it first); a test that needs a fresh run, another recipe or
-# other options runs its own.
+# Shared merges: each runs once per test run (for all xdist workers), the first time a test asks
+# for it. A test that reads one must not change its folder (copy it first); a test that needs a
+# fresh run, another recipe or other options runs its own.
 
 
 @pytest.fixture(scope="session")
-def upstream_ram_merge(bf16_models: ModelSet, tmp_path_factory: pytest.TempPathFactory) -> Merged:
+def upstream_ram_merge(bf16_models: ModelSet, run_root: Path) -> Merged:
     """One plugin ``ram`` merge of that shape through the real mergekit-yaml, shared by several tests."""
-    return merge_once(tmp_path_factory, "upstream-ram", upstream_ram_recipe(bf16_models))
+    return merge_once(run_root, "upstream-ram", upstream_ram_recipe(bf16_models))
 
 
 @pytest.fixture(scope="session")
-def ram_plus_merge(bf16_models: ModelSet, tmp_path_factory: pytest.TempPathFactory) -> Merged:
+def ram_plus_merge(bf16_models: ModelSet, run_root: Path) -> Merged:
     """The plugin's ``ram_plus`` with its default parameters on the bfloat16 models (``recipe("ram_plus")``)."""
-    return merge_once(tmp_path_factory, "ram-plus", bf16_models.recipe("ram_plus"))
+    return merge_once(run_root, "ram-plus", bf16_models.recipe("ram_plus"))
 
 
 @pytest.fixture(scope="session")
-def ram_merge(bf16_models: ModelSet, tmp_path_factory: pytest.TempPathFactory) -> Merged:
+def ram_merge(bf16_models: ModelSet, run_root: Path) -> Merged:
     """The plugin's ``ram`` on the bfloat16 models (``recipe("ram")``)."""
-    return merge_once(tmp_path_factory, "ram", bf16_models.recipe("ram"))
+    return merge_once(run_root, "ram", bf16_models.recipe("ram"))
 
 
 @pytest.fixture(scope="session")
-def builtin_ram_merge(bf16_models: ModelSet, tmp_path_factory: pytest.TempPathFactory) -> Merged:
+def builtin_ram_merge(bf16_models: ModelSet, run_root: Path) -> Merged:
     """mergekit 0.1.5's built-in ``ram`` (MERGEKIT_RAM_AUTOLOAD=0) on the bfloat16 models (``recipe("ram")``)."""
-    return merge_once(tmp_path_factory, "builtin-ram", bf16_models.recipe("ram"), env={"MERGEKIT_RAM_AUTOLOAD": "0"})
+    return merge_once(run_root, "builtin-ram", bf16_models.recipe("ram"), env={"MERGEKIT_RAM_AUTOLOAD": "0"})

@@ -1,7 +1,8 @@
 """A RAM merge never destroys data: the output transaction, the lock, protected inputs.
 
-Every faulted run is the real console script in a subprocess, on real files (the two set-up
-merges it is compared with run in this process, as mergekit-yaml runs them). Faults are injected by
+Every faulted run is the real console script in a subprocess, on real files (the set-up merges
+it is compared with, and runs that only check a refusal, run in this process through the same
+mergekit entry points). Faults are injected by
 ``tests/faults/sitecustomize.py`` (put on the subprocess's PYTHONPATH; the library has no test
 hooks): a signal or a full disk at a named moment, and each outcome is compared byte for byte
 with the folder before the merge ("old") and with the same merge run without a fault ("new").
@@ -20,11 +21,13 @@ import subprocess
 import time
 from typing import Any, Iterator, Optional
 
+import click
 import pytest
 import yaml
 from mergekit.config import MergeConfiguration
 from mergekit.merge import run_merge
 from mergekit.options import MergeOptions
+from mergekit.scripts.merge_raw_pytorch import main as mergekit_pytorch
 
 from mergekit_ram import staging
 from mergekit_ram.errors import InputError
@@ -250,15 +253,15 @@ def test_mergekit_pytorch_refuses_an_input_folder_and_publishes_all_or_nothing(w
     agent = world.models.agents[0]
     before = snapshot(agent)
     link = _spellings(agent, str(tmp_path))[3] + "/"
-    refused = run_script("mergekit-pytorch", recipe, link, check=False)
-    assert refused.returncode != 0
-    assert f"is the folder of the input {os.path.join(agent, 'model.safetensors')}" in refused.stderr
+    with pytest.raises(click.ClickException) as refused:  # the real command, in-process
+        mergekit_pytorch.main(args=[recipe, link], standalone_mode=False)
+    assert f"is the folder of the input {os.path.join(agent, 'model.safetensors')}" in refused.value.format_message()
     assert snapshot(agent) == before
 
     out = world.copy_old("pytorch")
     failed = run_script("mergekit-pytorch", recipe, out, env=fault_env(f"replace:{NEW_PUBLISH}:2:ENOSPC"), check=False)
     assert failed.returncode != 0 and snapshot(out) == world.old
-    run_script("mergekit-pytorch", recipe, out)
+    mergekit_pytorch.main(args=[recipe, out], standalone_mode=False)
     merged = snapshot(out)
     assert {name: merged[name] for name in USER_FILES} == USER_FILES
     assert merged["config.json"] == world.old["config.json"]  # mergekit-pytorch writes no config
