@@ -226,6 +226,8 @@ def test_large_finite_values_are_not_mistaken_for_inf() -> None:
     finetune[:500] = -3e35  # |tau| = 6e35; the sum of magnitudes overflows float32
     result = merge_tensors(base, [finetune], EPSILON, workers=1)
     assert torch.isfinite(result.merged).all()
+    assert torch.equal(result.merged, reference.merge(base, [finetune], EPSILON, [1.0]))
+    assert torch.equal(result.merged, finetune)  # one model changed each element: its change at full strength
 
 
 def peak_scratch_bytes(function) -> int:

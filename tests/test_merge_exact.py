@@ -95,8 +95,11 @@ def assert_ram_plus_equals_reference(models: ModelSet, out: str, rule: str) -> N
     assert [m["lambda"] for m in statistics["models"]] == figures["lambdas"]
     if rule == "clip":
         # The coding agent's rho is far above alpha (about 15): lambda is clipped to 1 + r * alpha.
+        # The other two stay under it: lambda = 1 + r * rho, from the counts the models were built with.
         assert figures["lambdas"][0] == 1.2
-        assert all(1.1 < lam < 1.2 for lam in figures["lambdas"][1:])
+        rhos = [shared / unique for shared, unique in zip(*designed_counts(models))]
+        assert rhos[0] > 2.0 and all(rho < 2.0 for rho in rhos[1:])
+        assert figures["lambdas"][1:] == [1 + 0.1 * rho for rho in rhos[1:]]
 
 
 @pytest.mark.parametrize("dtype_fixture", ["fp32_models", "bf16_models"])
