@@ -31,11 +31,12 @@ With float64 arithmetic each float buffer is twice as wide.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import ctypes
 import math
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, Optional, Sequence, TypeVar
+from typing import Any, Callable, Iterator, Literal, Optional, Sequence, TypeVar
 
 import torch
 
@@ -315,20 +316,36 @@ def _for_each_chunk(
     return _map_chunks(run, lambda: make_scratch(size), range(0, numel, chunk_elements), workers)
 
 
-def _one_intra_op_thread() -> None:
-    """Pool threads run their ops on one thread each; no other thread's setting changes.
+def _omp_set_num_threads() -> Optional[Callable[[int], None]]:
+    """OpenMP's setter for the calling thread's team size, or None where torch does not use OpenMP."""
+    try:
+        setter = ctypes.CDLL(None).omp_set_num_threads
+    except (OSError, AttributeError, TypeError):
+        return None
+    setter.argtypes = [ctypes.c_int]
+    return setter
+
+
+@contextlib.contextmanager
+def _one_intra_op_thread() -> Iterator[None]:
+    """This thread runs its ops on one thread meanwhile; no other thread's setting changes.
 
     torch.set_num_threads also stores the default for threads that start later (one value
     for the process), so where torch uses OpenMP only this thread's OpenMP count is set.
     """
-    torch.get_num_threads()  # torch initialises this thread's count first
-    try:
-        set_threads = ctypes.CDLL(None).omp_set_num_threads
-    except (OSError, AttributeError, TypeError):
+    saved = torch.get_num_threads()  # torch initialises this thread's count first
+    set_threads = _omp_set_num_threads()
+    if set_threads is None:
         torch.set_num_threads(1)
-        return
-    set_threads.argtypes = [ctypes.c_int]
-    set_threads(1)
+    else:
+        set_threads(1)
+    try:
+        yield
+    finally:
+        if set_threads is None:
+            torch.set_num_threads(saved)
+        else:
+            set_threads(saved)
 
 
 def _map_chunks(
@@ -338,34 +355,51 @@ def _map_chunks(
 
     Each chunk is a few dozen small elementwise ops. Under torch's intra-op parallelism every
     op is a fork and a join; on a busy machine a descheduled thread stalls each of them
-    (measured 3-6x slower than one thread). So whole chunks go to ``workers`` threads of a
-    pool owned by this call, each running torch on one thread; the caller waits. A caller
-    that is itself single-threaded runs the chunks itself when ``workers`` is 1; ``workers``
-    0 runs them in the calling thread as it is (accelerators: every op is a launch there).
+    (measured 3-6x slower than one thread). So whole chunks go to ``workers`` threads, each
+    running torch on one thread: the calling thread and ``workers - 1`` threads started for
+    this call (a thread's start and first ops cost about a millisecond, paid per call: the
+    caller takes part so that half as many start). ``workers`` 1 runs the chunks in the
+    calling thread on one intra-op thread; 0 runs them there as it is (accelerators: every
+    op is a launch there).
     """
-    workers = min(workers, len(starts))
-    if workers <= 1:
+    if workers == 0:
         state = make_state()
         for start in starts:
             run(start, state)
         return [state]
-    local = threading.local()
-    states = []
+    workers = min(workers, len(starts))
+    pending = iter(starts)
+    taking = threading.Lock()
+    failed = threading.Event()
+    states: list[Scratch] = []
 
-    def task(start: int) -> None:
-        if not hasattr(local, "state"):
-            local.state = make_state()
-            states.append(local.state)
-        run(start, local.state)
+    def drain() -> None:
+        """Take chunks until none are left (or another worker failed), on one intra-op thread."""
+        with _one_intra_op_thread():
+            state = make_state()
+            states.append(state)
+            while not failed.is_set():
+                with taking:
+                    start = next(pending, None)
+                if start is None:
+                    return
+                try:
+                    run(start, state)
+                except BaseException:
+                    failed.set()
+                    raise
 
-    pool = concurrent.futures.ThreadPoolExecutor(
-        workers, thread_name_prefix="mergekit-ram", initializer=_one_intra_op_thread
-    )
+    if workers <= 1:
+        drain()
+        return states
+    pool = concurrent.futures.ThreadPoolExecutor(workers - 1, thread_name_prefix="mergekit-ram")
     try:
-        futures = [pool.submit(task, start) for start in starts]
+        futures = [pool.submit(drain) for _ in range(workers - 1)]
+        drain()
         for future in futures:
             future.result()
     finally:
+        failed.set()
         pool.shutdown(wait=True, cancel_futures=True)  # no chunk may still write once this returns or raises
     return states
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import math
 import threading
+import time
 from typing import Callable
 
 import pytest
@@ -19,6 +20,7 @@ from mergekit_ram.kernel import (
     CHUNK_ELEMENTS,
     MergeOverflowError,
     NonFiniteInputError,
+    _map_chunks,
     count_overlaps,
     merge_tensors,
 )
@@ -412,6 +414,41 @@ def test_concurrent_callers_keep_their_thread_counts() -> None:
         torch.set_num_threads(saved)
     assert not errors, errors
     assert seen == {3: {3}, 5: {5}}
+
+
+def test_the_caller_takes_chunks_and_every_worker_runs_on_one_intra_op_thread() -> None:
+    """Half the threads start per call: the caller is one of the workers, on one thread meanwhile."""
+    caller = threading.current_thread()
+    saved = torch.get_num_threads()
+    ran: list[tuple[bool, int]] = []
+
+    def run(start: int, state: object) -> None:
+        ran.append((threading.current_thread() is caller, torch.get_num_threads()))
+        time.sleep(0.002)  # long enough for both workers to take chunks
+
+    try:
+        torch.set_num_threads(3)
+        states = _map_chunks(run, object, range(40), workers=2)
+        assert torch.get_num_threads() == 3  # the caller's own count is back
+    finally:
+        torch.set_num_threads(saved)
+    assert len(ran) == 40 and len(states) == 2
+    assert {threads for _, threads in ran} == {1}
+    assert {on_caller for on_caller, _ in ran} == {True, False}
+
+
+def test_a_failing_chunk_stops_every_worker() -> None:
+    ran: list[int] = []
+
+    def run(start: int, state: object) -> None:
+        if start == 3:
+            raise RuntimeError("chunk 3")
+        ran.append(start)
+        time.sleep(0.002)
+
+    with pytest.raises(RuntimeError, match="chunk 3"):
+        _map_chunks(run, object, range(1000), workers=2)
+    assert len(ran) < 10  # the other worker took at most the chunk it held
 
 
 def test_pool_threads_leave_the_process_default_alone() -> None:
