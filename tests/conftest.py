@@ -61,6 +61,17 @@ def merge_in_process(recipe: dict[str, Any] | str, out: str, **options: Any) -> 
     run_merge(config, out, options=MergeOptions(quiet=True, **options), config_source=source)
 
 
+def command_refusal(command: Any, *args: str) -> str:
+    """The message a console script's click command (``mergekit.scripts.run_yaml.main``, ...)
+    refuses ``args`` with, run in this process: what the script prints after "Error: " (the
+    printing itself, one line, is tested through subprocesses in tests/test_cli.py)."""
+    import click
+
+    with pytest.raises(click.ClickException) as refused:
+        command.main(args=list(args), standalone_mode=False)
+    return refused.value.format_message()
+
+
 def write_recipe(path: str, recipe: dict[str, Any]) -> str:
     with open(path, "w", encoding="utf-8") as handle:
         yaml.safe_dump(recipe, handle, sort_keys=False)

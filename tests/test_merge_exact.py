@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import click
 import pytest
 import torch
 from mergekit.scripts.run_yaml import main as mergekit_yaml
@@ -23,6 +22,7 @@ from tests.conftest import (
     BUILTIN_RAM_BF16_WRONG_ELEMENTS,
     Merged,
     ModelSet,
+    command_refusal,
     load_statistics,
     load_weights,
     merge_in_process,
@@ -267,8 +267,7 @@ def test_float16_cast_overflow_names_the_recipe_dtype(tmp_path) -> None:
     models = constant_models(str(tmp_path), torch.bfloat16, 70000.0, [every_other(1.0)])
     out = str(tmp_path / "out")
     recipe = write_recipe(str(tmp_path / "r.yml"), models.recipe("ram", dtype="float16"))
-    with pytest.raises(click.ClickException) as refused:  # mergekit-yaml's command, in-process
-        mergekit_yaml.main(args=[recipe, out], standalone_mode=False)
-    assert "is Inf as float16 (after the recipe's `dtype: float16` cast" in refused.value.format_message()
-    assert "values above 65504 do not fit float16: merge with `dtype: bfloat16` or `float32`" in str(refused.value)
+    message = command_refusal(mergekit_yaml, recipe, out)
+    assert "is Inf as float16 (after the recipe's `dtype: float16` cast" in message
+    assert "values above 65504 do not fit float16: merge with `dtype: bfloat16` or `float32`" in message
     assert not os.path.exists(os.path.join(out, "model.safetensors"))

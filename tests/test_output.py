@@ -21,7 +21,6 @@ import subprocess
 import time
 from typing import Any, Iterator, Optional
 
-import click
 import pytest
 import yaml
 from mergekit.config import MergeConfiguration
@@ -32,7 +31,7 @@ from mergekit.scripts.merge_raw_pytorch import main as mergekit_pytorch
 from mergekit_ram import staging
 from mergekit_ram.errors import InputError
 from mergekit_ram.staging import LOCK_FILE, MANIFEST_FILE, MARKER_FILE, MARKER_TEXT, STAGING_DIR
-from tests.conftest import ModelSet, merge_in_process, run_script, script, write_recipe
+from tests.conftest import ModelSet, command_refusal, merge_in_process, run_script, script, write_recipe
 from tests.test_prepass import save_tokenizer
 
 FAULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "faults")
@@ -253,9 +252,8 @@ def test_mergekit_pytorch_refuses_an_input_folder_and_publishes_all_or_nothing(w
     agent = world.models.agents[0]
     before = snapshot(agent)
     link = _spellings(agent, str(tmp_path))[3] + "/"
-    with pytest.raises(click.ClickException) as refused:  # the real command, in-process
-        mergekit_pytorch.main(args=[recipe, link], standalone_mode=False)
-    assert f"is the folder of the input {os.path.join(agent, 'model.safetensors')}" in refused.value.format_message()
+    refusal = command_refusal(mergekit_pytorch, recipe, link)  # the real command, in-process
+    assert f"is the folder of the input {os.path.join(agent, 'model.safetensors')}" in refusal
     assert snapshot(agent) == before
 
     out = world.copy_old("pytorch")
