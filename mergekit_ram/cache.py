@@ -34,8 +34,8 @@ from typing import Any, Optional, Sequence
 from mergekit_ram._version import __version__
 from mergekit_ram.checks import HeaderCache, planned_numel
 from mergekit_ram.errors import SettingError
+from mergekit_ram.files import write_atomically
 from mergekit_ram.planned import PlannedTensor
-from mergekit_ram.staging import write_atomically
 from mergekit_ram.stats import TensorCounts, counts_from_dict, counts_to_dict, package_versions
 
 LOG = logging.getLogger(__name__)

@@ -44,6 +44,7 @@ except ImportError:  # pragma: no cover
     fcntl = None  # type: ignore[assignment]
 
 from mergekit_ram.errors import InputError, RamError
+from mergekit_ram.files import write_atomically
 
 LOG = logging.getLogger(__name__)
 
@@ -448,20 +449,6 @@ def _sigterm_raises() -> Iterator[None]:
 
 
 # Files --------------------------------------------------------------------------------
-
-
-def write_atomically(path: str, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file and one rename: readers see all or nothing."""
-    partial = f"{path}.{os.getpid()}.partial"
-    try:
-        with open(partial, "w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(partial, path)
-    except BaseException:
-        _remove(partial)
-        raise
 
 
 def _read_json(path: str) -> Any:

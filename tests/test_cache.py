@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import resource
 import shutil
 import subprocess
 import time
@@ -108,14 +109,19 @@ def test_an_unwritable_cache_is_a_warning_and_the_merge_goes_on(
     messages = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any(_entry(key) in m and "MERGEKIT_RAM_CACHE=off" in m and "the merge goes on" in m for m in messages)
 
-    # A full disk (the temporary file is /dev/full): a warning, and no .partial file is left.
+    # A write that fails half-way (a file size limit: EFBIG, as a full disk gives ENOSPC): a warning,
+    # and no .partial file is left.
     os.remove(cache_dir)
     os.makedirs(os.path.dirname(_entry(key)))
-    os.symlink("/dev/full", f"{_entry(key)}.{os.getpid()}.partial")
     caplog.clear()
-    with caplog.at_level(logging.WARNING):
-        assert counted_prepass(plan, OPTIONS) == fresh
-    assert any("No space left on device" in r.getMessage() and _entry(key) in r.getMessage() for r in caplog.records)
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64, limits[1]))
+    try:
+        with caplog.at_level(logging.WARNING):
+            assert counted_prepass(plan, OPTIONS) == fresh
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+    assert any("File too large" in r.getMessage() and _entry(key) in r.getMessage() for r in caplog.records)
     assert os.listdir(os.path.dirname(_entry(key))) == []
 
 

@@ -22,10 +22,10 @@ from mergekit.merge_methods.dtype import promoted_dtype
 from mergekit.merge_methods.task_adapter import ExecuteMergeMethodTask, TensorDictWrapper
 from pydantic import BaseModel, ConfigDict
 
+from mergekit_ram.files import write_atomically
 from mergekit_ram.integration.methods import METHODS
 from mergekit_ram.planned import ModelPin, PlannedTensor, TensorInput, TensorParameters
 from mergekit_ram.settings import Applied, MergeSettings
-from mergekit_ram.staging import write_atomically
 from mergekit_ram.stats import STATISTICS_FILE, RamStatistics, TensorCounts, log_statistics, statistics_to_json
 
 _SHARED = ("epsilon", "r", "alpha", "rule")

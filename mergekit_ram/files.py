@@ -1,0 +1,97 @@
+"""Reading and writing files whose names and contents come from a stranger's folder.
+
+Every name the plugin reads from a folder (an output folder's manifest or index, a journal, an
+input model's index, a cache entry) is untrusted: ``plain_name`` tells whether it names a file
+directly in that folder. Every file it reads is opened without blocking (a FIFO does not hang
+the merge), must be a regular file (not a device, FIFO or folder) and is read up to a size
+limit (a crafted file cannot exhaust memory). Standard library only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import stat
+from typing import Any, Optional
+
+#: The largest JSON file (manifest, index, journal, cache entry, config) read: well above any real one.
+JSON_LIMIT = 64 << 20
+
+
+class UnreadableFile(ValueError):
+    """A file that is not a regular file within the size limit, or not the JSON expected; says why."""
+
+
+def plain_name(name: object) -> bool:
+    """Whether ``name`` names an entry directly inside a folder: a non-empty string without a
+    path separator or NUL, and not ``.`` or ``..``."""
+    return (
+        isinstance(name, str)
+        and name not in ("", ".", "..")
+        and "/" not in name
+        and "\0" not in name
+        and (os.altsep is None or os.altsep not in name)
+    )
+
+
+def read_regular(path: str, limit: int, *, dir_fd: Optional[int] = None, follow_symlinks: bool = True) -> bytes:
+    """The bytes of the regular file at ``path`` (relative to ``dir_fd`` if given), at most ``limit``.
+
+    Opened non-blocking, so a FIFO is refused instead of waited on; with ``follow_symlinks``
+    False a symbolic link is refused too. Raises ``UnreadableFile`` (or ``FileNotFoundError``).
+    """
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    if not follow_symlinks:
+        flags |= os.O_NOFOLLOW
+    try:
+        handle = os.open(path, flags, dir_fd=dir_fd)
+    except FileNotFoundError:
+        raise
+    except OSError as error:
+        raise UnreadableFile(f"cannot open it ({error.strerror or error})") from None
+    try:
+        status = os.fstat(handle)
+        if not stat.S_ISREG(status.st_mode):
+            raise UnreadableFile("it is not a regular file")
+        if status.st_size > limit:
+            raise UnreadableFile(f"it is {status.st_size:,} bytes, more than the {limit:,} expected at most")
+        chunks, left = [], status.st_size
+        while left > 0:
+            chunk = os.read(handle, min(left, 1 << 24))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(handle)
+
+
+def read_json(path: str, *, dir_fd: Optional[int] = None, follow_symlinks: bool = True, limit: int = JSON_LIMIT) -> Any:
+    """The JSON value in the file at ``path`` (see ``read_regular``); ``UnreadableFile`` says what is wrong."""
+    data = read_regular(path, limit, dir_fd=dir_fd, follow_symlinks=follow_symlinks)
+    try:
+        return json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as error:
+        raise UnreadableFile(f"it is not valid JSON ({error})") from None
+
+
+def write_atomically(path: str, text: str, *, dir_fd: Optional[int] = None) -> None:
+    """Write ``text`` to ``path`` through a new temporary file and one rename: readers see all or
+    nothing, and a symbolic link at ``path`` is replaced, never written through."""
+    partial = f"{path}.{os.getpid()}.partial"
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(partial, dir_fd=dir_fd)  # left by a killed process that had this pid
+    handle = os.open(partial, flags, 0o644, dir_fd=dir_fd)
+    try:
+        with os.fdopen(handle, "w", encoding="utf-8") as stream:
+            stream.write(text)
+            stream.flush()
+            os.fsync(stream.fileno())
+        os.replace(partial, path, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(partial, dir_fd=dir_fd)
+        raise
