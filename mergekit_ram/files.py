@@ -10,6 +10,7 @@ limit (a crafted file cannot exhaust memory). Standard library only.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import stat
@@ -39,17 +40,18 @@ def read_regular(path: str, limit: int, *, dir_fd: Optional[int] = None, follow_
     """The bytes of the regular file at ``path`` (relative to ``dir_fd`` if given), at most ``limit``.
 
     Opened non-blocking, so a FIFO is refused instead of waited on; with ``follow_symlinks``
-    False a symbolic link is refused too. Raises ``UnreadableFile`` (or ``FileNotFoundError``).
+    False a symbolic link is refused too. Raises ``UnreadableFile`` for a file that is not what
+    it should be, and ``OSError`` (``FileNotFoundError``, an I/O error) where it cannot be read.
     """
     flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
     if not follow_symlinks:
         flags |= os.O_NOFOLLOW
     try:
         handle = os.open(path, flags, dir_fd=dir_fd)
-    except FileNotFoundError:
-        raise
     except OSError as error:
-        raise UnreadableFile(f"cannot open it ({error.strerror or error})") from None
+        if error.errno == errno.ELOOP:
+            raise UnreadableFile("it is a symbolic link") from None
+        raise
     try:
         status = os.fstat(handle)
         if not stat.S_ISREG(status.st_mode):

@@ -1,63 +1,64 @@
-"""The output transaction: a RAM merge's output folder holds the old state or the complete new merge.
+"""The output transaction: a RAM merge's output folder holds its old content or the complete new merge.
 
-A ``ram`` / ``ram_plus`` merge into ``OUT`` (``run_merge``, so ``mergekit-yaml`` and every
-stage of ``mergekit-multi``; and ``mergekit-pytorch``) runs inside ``output_transaction``:
+A ``ram`` / ``ram_plus`` merge into ``OUT`` (``run_merge``, so ``mergekit-yaml`` and every stage of
+``mergekit-multi``; and ``mergekit-pytorch``) runs inside ``output_transaction(OUT)``: mergekit
+writes into a staging folder, published into ``OUT`` once the merge is complete. The threat model
+is in docs/reliability.md. Besides the user's files, ``OUT`` holds:
 
-1. Refused before anything is read when ``OUT`` is an input's folder (``refuse_input_folder``).
-2. An OS lock (``fcntl.flock`` on ``OUT/.mergekit-ram.lock``): a second merge into ``OUT`` is
-   refused at once; the kernel drops the lock when a process dies, so it is never stale.
-3. A journal a killed run left is rolled back (or forward when it had finished), then
-   ``OUT/MERGE_INCOMPLETE`` is written and mergekit is given ``OUT/.mergekit-ram-partial/new/NAME``
-   as its output folder (``NAME`` = the basename of ``OUT``, so the card is titled as before):
-   weights, index, ``config.json``, tokenizer, card, ``mergekit_config.yml`` and
-   ``ram_statistics.json`` are all written there.
-4. Publish: a journal first, then one rename per file (the file it replaces moves to a backup
-   folder first); ``config.json`` leaves first and comes back last, so a half-published folder
-   never looks like a model to ``transformers`` or ``mergekit-multi --lazy``. Removed are only
-   weight files an earlier merge recorded (its ``*.index.json`` written by mergekit, or
-   ``.mergekit-ram-manifest.json``) that the new merge does not write.
-5. SIGINT and SIGTERM are held while the journal, the renames and the clean-up run, and
-   delivered right after; outside those, SIGTERM raises like Ctrl-C, so any failure or signal
-   rolls back to the old state. Only SIGKILL or a power cut can leave ``MERGE_INCOMPLETE``;
-   the next RAM merge into the folder clears it.
+    .mergekit-ram-partial/<name>/       mergekit's output folder (<name>: OUT's, the card's title)
+    .mergekit-ram-partial/publish.json  the journal, written once <name>/ is complete
+    MERGE_INCOMPLETE                    only while files move into OUT
+    .mergekit-ram-manifest.json         published with the merge: the files it wrote
+
+Invariants, each held by tests/test_transaction.py (T) or tests/test_output.py (O):
+
+1. Untrusted state. A name read from OUT (journal, manifest, mergekit's ``*.index.json``) is used
+   only if it is a plain file name (``files.plain_name``) of the kind expected; files are read
+   bounded, without blocking or following a link; anything else is ignored with a warning, and
+   a link, file or folder in place of one of the names above is refused in one line. [T: crafted]
+2. Nothing outside OUT. Every operation is relative to a descriptor of OUT or of the staging
+   folder, with a plain name; a link is moved or removed as a link, never followed. [T: crafted]
+3. Only ours is removed: what this merge wrote, a file of the same name it replaces, or a weight
+   file an earlier merge wrote and recorded (manifest, mergekit's index). A folder is removed only
+   when empty: OUT and its parents only if this merge created them. [T, O: user files]
+4. One writer: an ``flock`` on OUT itself, which nothing inside OUT can remove; a merge whose OUT
+   was removed or replaced meanwhile publishes and removes nothing there. [O: one writer]
+5. Old or new. Until publishing, OUT holds its old files. Every catchable signal whose default
+   action ends the process, and SIGINT, is held while this module changes files and acted on
+   after; elsewhere it unwinds the merge and is re-sent, so the process ends as the signal says.
+   [T: every signal at every operation]
+6. Roll forward. Only SIGKILL, a crash, a power cut or a failed call can stop publishing half-way:
+   MERGE_INCOMPLETE and the journal stay, and the next RAM merge into OUT completes that publish
+   (its files were complete) before it starts, with the routine that publishes. [T: recovery]
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import fnmatch
 import json
 import logging
 import os
-import shutil
 import signal
+import stat
 import threading
-from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Optional
 
 from mergekit_ram._version import __version__
-
-try:  # POSIX; elsewhere merges run unlocked
-    import fcntl
-except ImportError:  # pragma: no cover
-    fcntl = None  # type: ignore[assignment]
-
 from mergekit_ram.errors import InputError, RamError
-from mergekit_ram.files import write_atomically
+from mergekit_ram.files import UnreadableFile, plain_name, read_json, write_atomically
 
 LOG = logging.getLogger(__name__)
 
 STAGING_DIR = ".mergekit-ram-partial"
+JOURNAL_FILE = "publish.json"
 MARKER_FILE = "MERGE_INCOMPLETE"
-LOCK_FILE = ".mergekit-ram.lock"
 MANIFEST_FILE = ".mergekit-ram-manifest.json"
-_NEW = "new"
-_OLD = "old"
-_JOURNAL = "journal.json"
-#: Leaves first and returns last: without it no loader takes the folder for a model.
-_COMMIT_LAST = "config.json"
-_WEIGHT_PATTERNS = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json")
+#: Leaves OUT first and comes back last: without it no loader takes a half-published folder for a model.
+_CONFIG = "config.json"
+_WEIGHTS = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json")
 #: The names transformers (and ``mergekit-multi --lazy``) look for first.
 _LOADER_NAMES = (
     "model.safetensors",
@@ -65,24 +66,36 @@ _LOADER_NAMES = (
     "pytorch_model.bin",
     "pytorch_model.bin.index.json",
 )
+_FOLDER = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 MARKER_TEXT = (
-    "A mergekit-ram merge (merge_method ram or ram_plus) into this folder started and did not finish:\n"
-    "the process was killed (SIGKILL, out of memory, power loss) before it could clean up.\n"
-    "Until it is cleared, treat this folder's model files as unreliable: they are the folder's\n"
-    "earlier content or, if the kill came while the merge was being published, a mix.\n"
-    "Run the same merge again into this folder: it restores or completes the interrupted publish,\n"
-    "merges, and removes this file. A later merge with another method (linear, ties, ...) does\n"
-    "not remove this file. Deleting it (and .mergekit-ram-partial/) yourself is safe once you\n"
-    "know what the folder holds, e.g. after another merge into it finished.\n"
+    "A mergekit-ram merge (merge_method ram or ram_plus) was publishing into this folder and did not finish:\n"
+    "the process was killed (SIGKILL, out of memory, power loss), or a file operation failed, while it\n"
+    "moved its files in. Until it is cleared, this folder holds a mix of its earlier files and the new\n"
+    "merge's, without config.json, so no loader takes it for a model. The new merge's files were complete:\n"
+    "run any ram / ram_plus merge into this folder and it first completes the interrupted publish (from\n"
+    ".mergekit-ram-partial/), then removes this file. A merge with another method (linear, ties, ...)\n"
+    "does not. Deleting this file and .mergekit-ram-partial/ yourself leaves the mix as it is.\n"
 )
+#: Signals that end a process by default and can be caught. SIGSEGV, SIGBUS, SIGFPE and SIGILL mean
+#: the process itself crashed: like SIGKILL, they leave the marker for the next merge.
+_NOT_ENDING = "SIGKILL SIGSTOP SIGSEGV SIGBUS SIGFPE SIGILL SIGCHLD SIGCONT SIGTSTP SIGTTIN SIGTTOU SIGURG SIGWINCH"
+ENDING_SIGNALS = tuple(sorted(set(signal.valid_signals()) - {getattr(signal, n, 0) for n in _NOT_ENDING.split()}))
 
 
 class OutputBusyError(RamError, RuntimeError):
-    """Another merge holds the output folder's lock."""
+    """Another merge holds the output folder, or took it over while this one ran."""
 
 
-class Terminated(BaseException):
-    """SIGTERM during a RAM merge: unwinds like Ctrl-C, so the output folder is rolled back."""
+class OutputFolderError(RamError, RuntimeError):
+    """The output folder cannot be prepared or published into; the message says why and what to do."""
+
+
+class Interrupted(BaseException):
+    """A signal whose default action ends the process: unwinds the merge like Ctrl-C, then is re-sent."""
+
+    def __init__(self, number: int) -> None:
+        super().__init__(f"signal {number}")
+        self.number = number
 
 
 def refuse_input_folder(out_path: str, inputs: Iterable[tuple[str, str]]) -> None:
@@ -101,244 +114,222 @@ def refuse_input_folder(out_path: str, inputs: Iterable[tuple[str, str]]) -> Non
             )
 
 
-@dataclass
-class Transaction:
-    """One RAM merge's hold on its output folder (see the module docstring)."""
-
-    out_path: str
-    staged: str
-    created: bool
-    lock: Optional[int]
-    done: bool = False
-
-    @property
-    def root(self) -> str:
-        return staging_path(self.out_path)
-
-    def commit(self) -> None:
-        """Publish the staged merge, then drop the marker, the staging folder and the lock file."""
-        with signals_held():
-            publish(self.out_path, self.staged)
-            self.done = True
-            _remove(os.path.join(self.out_path, MARKER_FILE))
-            shutil.rmtree(self.root, ignore_errors=True)
-
-    def abandon(self) -> None:
-        """After a failure or a signal: the folder as it was before (or gone, if the merge made it)."""
-        with signals_held():
-            if self.done:
-                return
-            roll_back(self.out_path)
-            shutil.rmtree(self.root, ignore_errors=True)
-            _remove(os.path.join(self.out_path, MARKER_FILE))
-            if self.created:
-                shutil.rmtree(self.out_path, ignore_errors=True)
-                LOG.error("the merge failed or was interrupted; removed %s, which it had created", self.out_path)
-            else:
-                LOG.error("the merge failed or was interrupted; %s holds what it held before", self.out_path)
-
-    def release(self) -> None:
-        """Remove the lock file while still holding the lock, then let go (see ``_lock``)."""
-        if self.lock is None:
-            return
-        with signals_held():
-            _remove(os.path.join(self.out_path, LOCK_FILE))
-            os.close(self.lock)
-            self.lock = None
-
-
-def staging_path(out_path: str) -> str:
-    return os.path.join(out_path, STAGING_DIR)
-
-
 @contextlib.contextmanager
 def output_transaction(out_path: str) -> Iterator[str]:
-    """Yield the folder mergekit is to write into; publish it into ``out_path`` on success.
+    """Yield the folder mergekit is to write into; publish it into ``out_path`` once the body returns.
 
-    On any exception, KeyboardInterrupt or SIGTERM the folder is rolled back and the
-    exception re-raised (SIGTERM: re-sent once the folder is clean, so the exit status says so).
+    An exception or a signal before that leaves ``out_path`` as it was (invariant 5).
     """
-    transaction: Optional[Transaction] = None
-    try:
-        with _sigterm_raises():
-            with signals_held():  # a signal held here arrives once ``transaction`` is set
-                transaction = begin(out_path)
-            yield transaction.staged
-            transaction.commit()
-    except Terminated:
-        if transaction is not None:
-            transaction.abandon()
-            transaction.release()
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGTERM)
-        raise SystemExit(128 + signal.SIGTERM) from None
-    except BaseException:
-        if transaction is not None:
-            transaction.abandon()
-        raise
-    finally:
-        if transaction is not None:
-            transaction.release()
-
-
-def begin(out_path: str) -> Transaction:
-    """Lock ``out_path`` (created if missing), recover a killed run's journal, mark it incomplete."""
-    created = _make_folder(out_path)
-    lock = _lock(out_path)
-    name = os.path.basename(out_path)
-    staged = os.path.join(staging_path(out_path), _NEW, "" if name in (".", "..") else name)
-    transaction = Transaction(out_path=out_path, staged=staged, created=created, lock=lock)
-    try:
-        recover(out_path)
-        shutil.rmtree(transaction.root, ignore_errors=True)
-        write_atomically(os.path.join(out_path, MARKER_FILE), MARKER_TEXT)
-        os.makedirs(staged)
-    except BaseException:
-        transaction.abandon()
-        transaction.release()
-        raise
-    return transaction
-
-
-def _make_folder(out_path: str) -> bool:
-    """Create ``out_path``; True if this call made it (``os.mkdir`` decides races)."""
-    parent = os.path.dirname(os.path.abspath(out_path))
-    os.makedirs(parent, exist_ok=True)
-    try:
-        os.mkdir(out_path)
-    except FileExistsError:
-        if not os.path.isdir(out_path):
+    with _Signals() as signals:
+        folder = _Folder(out_path)
+        try:
+            with signals.held():
+                folder.begin()
+            yield os.path.join(out_path, STAGING_DIR, folder.name)
+            with signals.held():
+                folder.publish()
+        except BaseException:
+            signals.unwinding = True
             raise
-        return False
-    return True
+        finally:
+            with signals.held():
+                folder.end()
 
 
-def _lock(out_path: str) -> Optional[int]:
-    """An exclusive ``flock`` on ``OUT/.mergekit-ram.lock``, refused at once if held.
+class _Folder:
+    """One merge's hold on OUT: a locked descriptor of it and of its staging folder."""
 
-    The holder removes the file before letting go, so a waiter that locked the removed
-    file sees that the path now names another file (or none) and tries again.
-    """
-    if fcntl is None:  # pragma: no cover
-        return None
-    path = os.path.join(out_path, LOCK_FILE)
-    for _attempt in range(100):
-        handle = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.name = os.path.basename(os.path.abspath(path)) or "merged"
+        self.created: list[str] = []  # OUT and the parents this merge made, innermost first
+        self.out = self.staging = -1
+        self.locked = False
+        self.journal = False  # a journal (this merge's, or a killed one's being completed) must stay
+
+    def begin(self) -> None:
+        """Create (if missing), open and lock OUT; complete an interrupted publish; make the staging folder."""
+        path = os.path.abspath(self.path)
+        while not os.path.isdir(path):
+            self.created.append(path)
+            path = os.path.dirname(path)
         try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if self.created:
+                os.makedirs(self.path, exist_ok=True)
+            self.out = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            _lock(self.out, self.path)
+            self.locked = True
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(STAGING_DIR, dir_fd=self.out)
+            self.staging = _open_own(STAGING_DIR, self.out, self.path)
+            self.journal = True
+            _complete_interrupted(self.out, self.staging, self.path)
+            self.journal = False
+            os.mkdir(self.name, dir_fd=self.staging)
         except OSError as error:
-            os.close(handle)
-            if error.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
-                raise
+            raise OutputFolderError(f"cannot prepare {self.path} for the merge ({_reason(error)})") from None
+
+    def holds(self) -> bool:
+        """Whether this merge locked OUT and the path still names that folder (invariant 4)."""
+        with contextlib.suppress(OSError):
+            return self.locked and _same(os.fstat(self.out), os.stat(self.path))
+        return False
+
+    def publish(self) -> None:
+        """Journal the staged files, then move them into OUT (invariant 6)."""
+        if not self.holds():
             raise OutputBusyError(
-                f"another merge is writing to {out_path} (it holds {path}); wait for it to finish or choose "
-                "another output folder"
-            ) from None
-        opened = os.fstat(handle)
+                f"{self.path} was removed or replaced while this merge ran, so another merge may be writing "
+                "there: nothing was published; rerun the merge"
+            )
         try:
-            current = os.stat(path)
-        except FileNotFoundError:
-            current = None
-        if current is not None and (current.st_dev, current.st_ino) == (opened.st_dev, opened.st_ino):
-            return handle
-        os.close(handle)
-    raise OutputBusyError(f"could not lock {path}: other merges keep replacing it; try again")
+            staged = _open_own(self.name, self.staging, self.path)
+            try:
+                names = _publish_order({*os.listdir(staged), MANIFEST_FILE})
+            finally:
+                os.close(staged)
+            weights = [name for name in names if _is_weight(name)]
+            manifest = {"written_by": f"mergekit-ram {__version__}", "files": names, "weights": weights}
+            write_atomically(f"{self.name}/{MANIFEST_FILE}", json.dumps(manifest, indent=1) + "\n", dir_fd=self.staging)
+            stale = sorted(set(recorded_weights(self.out, self.path)) - set(names))
+            write_atomically(JOURNAL_FILE, json.dumps({"folder": self.name, "stale": stale}), dir_fd=self.staging)
+            self.journal = True
+            _sync(self.staging)
+            _write_marker(self.out)
+            _move_in(self.out, self.staging, self.name, stale)
+            os.unlink(MARKER_FILE, dir_fd=self.out)
+            os.unlink(JOURNAL_FILE, dir_fd=self.staging)
+            self.journal = False
+        except OSError as error:
+            marked = _kind(MARKER_FILE, self.out) == "file"
+            state = f"it is marked {MARKER_FILE}: fix that and rerun the merge, which completes it first"
+            raise OutputFolderError(
+                f"could not publish into {self.path} ({_reason(error)}); "
+                + (state if marked else "it holds what it held before")
+            ) from None
+        _log_published(self.out, self.path, names, stale)
+
+    def end(self) -> None:
+        """Remove this merge's staging folder, and the folders it created while they are empty; let go of OUT."""
+        holds, opened = self.holds(), self.out >= 0
+        if holds and self.staging >= 0 and not self.journal:
+            _clear(self.staging)
+        if holds:
+            with contextlib.suppress(OSError):  # only when empty: a journal stays for the next merge
+                os.rmdir(STAGING_DIR, dir_fd=self.out)
+        elif opened:
+            LOG.warning("left %s in place: %s was replaced while this merge ran", STAGING_DIR, self.path)
+        for handle in (self.staging, self.out):
+            if handle >= 0:
+                os.close(handle)
+        self.staging = self.out = -1
+        for path in self.created if holds or not opened else ():
+            with contextlib.suppress(OSError):
+                os.rmdir(path)
+                LOG.info("removed %s, which the merge had created", path)
 
 
-# Publishing ---------------------------------------------------------------------------
-
-
-def publish(out_path: str, staged: str) -> None:
-    """Move every staged file into ``out_path``, journalled so that it can be undone.
-
-    Files the new merge writes replace those of the same name (moved to a backup first);
-    weight files an earlier merge recorded and the new one does not write are removed;
-    everything else stays.
-    """
-    root = staging_path(out_path)
-    backup = os.path.join(root, _OLD)
-    names = _publish_order({*os.listdir(staged), MANIFEST_FILE})
-    manifest = {"written_by": f"mergekit-ram {__version__}", "files": names, "weights": _weights(names)}
-    write_atomically(os.path.join(staged, MANIFEST_FILE), json.dumps(manifest, indent=1) + "\n")
-    stale = sorted(set(recorded_weights(out_path)) - set(names))
-    replaced = [name for name in names if os.path.lexists(os.path.join(out_path, name))]
-    journal = {"staged": os.path.relpath(staged, root), "names": names, "replaced": replaced, "stale": stale}
-    os.makedirs(backup, exist_ok=True)
-    write_atomically(os.path.join(root, _JOURNAL), json.dumps(journal))
+def _lock(out: int, out_path: str) -> None:
+    """An exclusive ``flock`` on OUT, refused at once if another merge holds it (invariant 4)."""
     try:
-        first = [_COMMIT_LAST] if _COMMIT_LAST in replaced else []
-        for name in first + stale + [n for n in replaced if n != _COMMIT_LAST]:
-            os.replace(os.path.join(out_path, name), os.path.join(backup, name))
-        for name in names:
-            os.replace(os.path.join(staged, name), os.path.join(out_path, name))
-        _sync_folder(out_path)
-    except BaseException:
-        roll_back(out_path)
-        raise
-    _remove(os.path.join(root, _JOURNAL))
-    _log_published(out_path, replaced, stale)
+        fcntl.flock(out, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise OutputBusyError(
+            f"another merge is writing to {out_path}; wait for it to finish or choose another output folder"
+        ) from None
+    except OSError as error:  # a file system without locks
+        LOG.warning("could not lock %s (%s): nothing keeps a second merge out of it", out_path, error.strerror)
 
 
-def _publish_order(names: Iterable[str]) -> list[str]:
-    """Sorted, ``config.json`` last."""
-    return sorted(names, key=lambda name: (name == _COMMIT_LAST, name))
+def _open_own(name: str, parent: int, out_path: str) -> int:
+    """A descriptor of this module's folder ``name`` in ``parent``; refused if a link or a file has its name."""
+    try:
+        return os.open(name, _FOLDER, dir_fd=parent)
+    except OSError as error:
+        if error.errno not in (errno.ELOOP, errno.ENOTDIR):
+            raise
+        raise OutputFolderError(
+            f"{os.path.join(out_path, name)} is not a folder mergekit-ram made ({error.strerror}): it is "
+            "mergekit-ram's own name; remove it or choose another output folder"
+        ) from None
 
 
-def _is_weight(name: str) -> bool:
-    return any(fnmatch.fnmatch(name, pattern) for pattern in _WEIGHT_PATTERNS)
+def _complete_interrupted(out: int, staging: int, out_path: str) -> None:
+    """Complete the publish a killed merge left (its journal), then drop whatever else earlier merges staged."""
+    journal = _read_state(JOURNAL_FILE, staging, os.path.join(out_path, STAGING_DIR))
+    if isinstance(journal, dict) and plain_name(journal.get("folder")) and isinstance(journal.get("stale"), list):
+        stale = [name for name in journal["stale"] if plain_name(name) and _is_weight(name)]
+        _move_in(out, staging, journal["folder"], stale)
+        LOG.warning("completed the publish of an interrupted merge into %s", out_path)
+    _clear(staging)
+    for name in (MARKER_FILE, MANIFEST_FILE):
+        if _kind(name, out) == "folder":
+            raise OutputFolderError(
+                f"{os.path.join(out_path, name)} is a folder: it is mergekit-ram's own name; remove it or choose "
+                "another output folder"
+            )
+    if _kind(MARKER_FILE, out) == "file":
+        os.unlink(MARKER_FILE, dir_fd=out)
 
 
-def _weights(names: Iterable[str]) -> list[str]:
-    return [name for name in names if _is_weight(name)]
+def _move_in(out: int, staging: int, folder: str, stale: list[str]) -> None:
+    """Publish what a journal names, or finish publishing it: config.json (if replaced) and the stale
+    weights leave OUT first, then every staged file still waiting moves in, config.json last."""
+    if _kind(folder, staging) != "folder":
+        return
+    staged = os.open(folder, _FOLDER, dir_fd=staging)
+    try:
+        waiting = _publish_order(os.listdir(staged))
+        for name in ([_CONFIG] if _CONFIG in waiting else []) + stale:
+            if _kind(name, out) == "file":
+                os.unlink(name, dir_fd=out)
+        for name in waiting:
+            os.replace(name, name, src_dir_fd=staged, dst_dir_fd=out)
+        _sync(out)
+    finally:
+        os.close(staged)
 
 
-def recorded_weights(out_path: str) -> list[str]:
-    """Weight files in ``out_path`` that an earlier merge wrote and recorded.
+def _clear(folder: int) -> None:
+    """Remove everything in this module's ``folder``, without following any link."""
+    for entry in os.listdir(folder):
+        if _kind(entry, folder) == "folder":
+            inner = os.open(entry, _FOLDER, dir_fd=folder)
+            try:
+                _clear(inner)
+            finally:
+                os.close(inner)
+            os.rmdir(entry, dir_fd=folder)
+        else:
+            os.unlink(entry, dir_fd=folder)
 
-    Recorded are: the weights listed in the plugin's manifest, and each ``*.index.json``
-    that mergekit wrote (its metadata names ``mergekit_version``) with the shards in its
-    ``weight_map``. Only plain names of files directly in ``out_path`` count.
-    """
-    found: set[str] = set()
-    manifest = _read_json(os.path.join(out_path, MANIFEST_FILE))
+
+def recorded_weights(out: int, out_path: str) -> list[str]:
+    """Weight files of OUT that an earlier merge wrote and recorded (invariant 3): the weights its
+    manifest lists, and each ``*.index.json`` mergekit wrote (its metadata names ``mergekit_version``)
+    with the shards of its ``weight_map``. Names that are not plain weight file names are ignored."""
+    found: dict[str, str] = {}
+    manifest = _read_state(MANIFEST_FILE, out, out_path)
     if isinstance(manifest, dict) and isinstance(manifest.get("weights"), list):
-        found.update(name for name in manifest["weights"] if isinstance(name, str))
-    for name in os.listdir(out_path):
-        if not name.endswith(".index.json"):
-            continue
-        index = _read_json(os.path.join(out_path, name))
-        if not (isinstance(index, dict) and isinstance(index.get("metadata"), dict)):
-            continue
-        if "mergekit_version" not in index["metadata"] or not isinstance(index.get("weight_map"), dict):
-            continue
-        found.add(name)
-        found.update(shard for shard in index["weight_map"].values() if isinstance(shard, str))
-    return sorted(
-        name
-        for name in found
-        if name == os.path.basename(name)
-        and not name.startswith(".")
-        and _is_weight(name)
-        and os.path.isfile(os.path.join(out_path, name))
-    )
+        found.update((name, MANIFEST_FILE) for name in manifest["weights"] if isinstance(name, str))
+    for name in sorted(os.listdir(out)):
+        index = _read_state(name, out, out_path) if name.endswith(".index.json") else None
+        index = _as_dict(index)
+        shards = index.get("weight_map")
+        if isinstance(shards, dict) and "mergekit_version" in _as_dict(index.get("metadata")):
+            found[name] = name
+            found.update((shard, name) for shard in shards.values() if isinstance(shard, str))
+    for source in sorted({source for name, source in found.items() if not (plain_name(name) and _is_weight(name))}):
+        LOG.warning("ignored names in %s that are not weight files of that folder", os.path.join(out_path, source))
+    return sorted(name for name in found if plain_name(name) and _is_weight(name) and _kind(name, out) == "file")
 
 
-def _log_published(out_path: str, replaced: list[str], stale: list[str]) -> None:
-    """Say what was replaced and removed; warn about old loader entry points left in place."""
-    if replaced:
-        LOG.info("published the merge into %s; replaced its earlier %s", out_path, ", ".join(replaced))
-    if stale:
-        LOG.info(
-            "removed %s from %s: weight files an earlier merge recorded (index or manifest) that this merge "
-            "does not write",
-            ", ".join(stale),
-            out_path,
-        )
-    kept = [name for name in _LOADER_NAMES if os.path.exists(os.path.join(out_path, name))]
-    manifest = _read_json(os.path.join(out_path, MANIFEST_FILE)) or {}
-    ours = set(manifest.get("files", [])) if isinstance(manifest, dict) else set()
-    for name in kept:
-        if name not in ours:
+def _log_published(out: int, out_path: str, names: list[str], stale: list[str]) -> None:
+    """Say what was published and removed; warn about loader entry points left in place."""
+    removed = f"; removed {', '.join(stale)}, which an earlier merge recorded" if stale else ""
+    LOG.info("published %s into %s%s", ", ".join(names), out_path, removed)
+    for name in _LOADER_NAMES:
+        if name not in names and _kind(name, out) is not None:
             LOG.warning(
                 "kept %s in %s: this merge did not write it and no earlier merge recorded it, but a loader may "
                 "read it instead of the new weights; remove it if it belongs to an old model",
@@ -347,128 +338,112 @@ def _log_published(out_path: str, replaced: list[str], stale: list[str]) -> None
             )
 
 
-def recover(out_path: str) -> None:
-    """Finish what a killed publish left: forward if every file had moved, else back."""
-    root = staging_path(out_path)
-    journal = _read_journal(root)
-    if journal is None:
-        return
-    staged = os.path.join(root, journal["staged"])
-    moved = all(
-        not os.path.lexists(os.path.join(staged, name)) and os.path.lexists(os.path.join(out_path, name))
-        for name in journal["names"]
-    )
-    if moved:
-        LOG.warning("completed the publish of an interrupted merge into %s (it had moved every file)", out_path)
-        _remove(os.path.join(root, _JOURNAL))
-    else:
-        roll_back(out_path)
-        LOG.warning("rolled %s back to its content before an interrupted merge", out_path)
-
-
-def roll_back(out_path: str) -> None:
-    """Undo a journalled publish: new files back to staging, old files back from the backup."""
-    root = staging_path(out_path)
-    journal = _read_journal(root)
-    if journal is None:
-        return
-    staged = os.path.join(root, journal["staged"])
-    backup = os.path.join(root, _OLD)
-    os.makedirs(staged, exist_ok=True)
-    for name in reversed(journal["names"]):
-        target = os.path.join(out_path, name)
-        if not os.path.lexists(os.path.join(staged, name)) and os.path.lexists(target):
-            if name in journal["replaced"] and not os.path.lexists(os.path.join(backup, name)):
-                continue  # the old file was never moved away: it is still the one in place
-            os.replace(target, os.path.join(staged, name))
-    for name in journal["replaced"] + journal["stale"]:
-        if os.path.lexists(os.path.join(backup, name)):
-            os.replace(os.path.join(backup, name), os.path.join(out_path, name))
-    _sync_folder(out_path)
-    _remove(os.path.join(root, _JOURNAL))
-
-
-def _read_journal(root: str) -> Optional[dict[str, Any]]:
-    journal = _read_json(os.path.join(root, _JOURNAL))
-    if not isinstance(journal, dict):
+def _read_state(name: str, folder: int, where: str) -> Any:
+    """The JSON in this module's (or mergekit's) file ``name`` of ``folder``; None, warned, if unusable."""
+    try:
+        return read_json(name, dir_fd=folder, follow_symlinks=False)
+    except FileNotFoundError:
         return None
-    return journal
-
-
-# Signals ------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def signals_held() -> Iterator[None]:
-    """Hold SIGINT and SIGTERM (main thread only) and deliver the first one afterwards.
-
-    Other threads cannot receive Python signal handlers, so nothing is needed there.
-    """
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    pending: list[int] = []
-    previous = {
-        number: handler
-        for number in (signal.SIGINT, signal.SIGTERM)
-        if (handler := signal.getsignal(number)) is not None
-    }
-
-    def hold(number: int, _frame: Any) -> None:
-        pending.append(number)
-
-    for number in previous:
-        signal.signal(number, hold)
-    try:
-        yield
-    finally:
-        for number, handler in previous.items():
-            signal.signal(number, handler)
-        if pending:
-            os.kill(os.getpid(), pending[0])
-
-
-@contextlib.contextmanager
-def _sigterm_raises() -> Iterator[None]:
-    """SIGTERM raises ``Terminated`` (when it would otherwise kill the process on the spot)."""
-    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) not in (
-        signal.SIG_DFL,
-        None,
-    ):
-        yield
-        return
-
-    def terminate(_number: int, _frame: Any) -> None:
-        raise Terminated()
-
-    signal.signal(signal.SIGTERM, terminate)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-
-
-# Files --------------------------------------------------------------------------------
-
-
-def _read_json(path: str) -> Any:
-    try:
-        with open(path, encoding="utf-8") as handle:
-            return json.load(handle)
-    except (OSError, ValueError):
+    except UnreadableFile as reason:
+        LOG.warning("ignored %s: %s", os.path.join(where, name), reason)
         return None
 
 
-def _remove(path: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.remove(path)
+def _write_marker(out: int) -> None:
+    """MERGE_INCOMPLETE, created new (never through a link); a kill mid-write still leaves a marker."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    handle = os.open(MARKER_FILE, flags, 0o644, dir_fd=out)
+    try:
+        os.write(handle, MARKER_TEXT.encode())
+        os.fsync(handle)
+    finally:
+        os.close(handle)
 
 
-def _sync_folder(path: str) -> None:
-    """Make the renames in ``path`` durable (a no-op where folders cannot be opened)."""
+def _as_dict(value: Any) -> dict[Any, Any]:
+    return value if isinstance(value, dict) else {}
+
+
+def _sync(folder: int) -> None:
+    """Make the renames in ``folder`` durable (a no-op where a file system cannot sync a folder)."""
     with contextlib.suppress(OSError):
-        handle = os.open(path, os.O_RDONLY)
+        os.fsync(folder)
+
+
+def _kind(name: str, folder: int) -> Optional[str]:
+    """``folder`` or ``file`` (a link counts as a file: it is moved or removed, never followed); None if absent."""
+    try:
+        return "folder" if stat.S_ISDIR(os.stat(name, dir_fd=folder, follow_symlinks=False).st_mode) else "file"
+    except FileNotFoundError:
+        return None
+
+
+def _same(a: os.stat_result, b: os.stat_result) -> bool:
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def _is_weight(name: str) -> bool:
+    return any(fnmatch.fnmatch(name, pattern) for pattern in _WEIGHTS)
+
+
+def _publish_order(names: Iterable[str]) -> list[str]:
+    """Sorted, config.json last."""
+    return sorted(names, key=lambda name: (name == _CONFIG, name))
+
+
+def _reason(error: OSError) -> str:
+    return f"{error.strerror or error}: {error.filename}" if error.filename else str(error.strerror or error)
+
+
+class _Signals:
+    """Every catchable signal that ends a process by default, and SIGINT, for one transaction's life.
+
+    Outside ``held()`` the first one unwinds the merge: SIGINT raises KeyboardInterrupt (as Python's
+    own handler does), any other ``Interrupted``, re-sent at the end with its default action, so the
+    process ends as it would have. Inside ``held()``, and once the merge is unwinding, signals wait
+    and are delivered afterwards. Signals with another handler (ignored, or a program's own) are
+    left alone; Python runs handlers in the main thread only, so elsewhere nothing changes.
+    """
+
+    def __init__(self) -> None:
+        self.previous: dict[int, Any] = {}
+        self.pending: list[int] = []
+        self.depth = 0
+        self.unwinding = False
+
+    def __enter__(self) -> _Signals:
+        if threading.current_thread() is threading.main_thread():
+            for number in ENDING_SIGNALS:
+                if signal.getsignal(number) in (signal.SIG_DFL, signal.default_int_handler):
+                    self.previous[number] = signal.signal(number, self._arrived)
+        return self
+
+    def _arrived(self, number: int, _frame: Any) -> None:
+        if self.depth or self.unwinding:
+            self.pending.append(number)
+        else:
+            self._act(number)
+
+    def _act(self, number: int) -> None:
+        self.unwinding = True
+        if self.previous[number] is signal.default_int_handler:
+            raise KeyboardInterrupt
+        raise Interrupted(number)
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        self.depth += 1
         try:
-            os.fsync(handle)
+            yield
         finally:
-            os.close(handle)
+            self.depth -= 1
+        if self.pending and not self.depth and not self.unwinding:
+            self._act(self.pending.pop(0))
+
+    def __exit__(self, kind: Any, error: Any, traceback: Any) -> None:
+        for number, handler in self.previous.items():
+            signal.signal(number, handler)
+        for number in ([error.number] if isinstance(error, Interrupted) else []) + self.pending:
+            os.kill(os.getpid(), number)
+        if isinstance(error, Interrupted):
+            raise SystemExit(128 + error.number) from None

@@ -40,8 +40,12 @@ INTERNAL_RAISES = {
     "MergekitMovedError": "a RamError (checked below through its class)",
     "MergeOverflowError": "kernel.py; integration/methods.py re-raises it as a ParameterError naming the tensor "
     "and the setting",
-    "Terminated": "staging.py: SIGTERM as an exception inside the output transaction, re-sent once the folder is clean",
-    "SystemExit": "staging.py: the exit status after a SIGTERM, as Python's default handler would give",
+    "Interrupted": "staging.py: a signal as an exception inside the output transaction, re-sent once the folder "
+    "is clean",
+    "KeyboardInterrupt": "staging.py: SIGINT inside the output transaction, as Python's own handler raises it",
+    "SystemExit": "staging.py: the exit status after a signal, as its default action would give",
+    "UnreadableFile": "files.py: why a file cannot be used; each caller turns it into a warning or a RamError "
+    "naming the file",
     "TypeError": "integration/inmemory.py: a wrong Python call shape (unexpected keyword arguments); "
     "integration/methods.py: mergekit's own check of in-memory groups",
 }
@@ -97,12 +101,13 @@ def test_every_error_a_user_can_meet_is_a_ram_error() -> None:
     from mergekit_ram.integration.methods import MissingStatisticsError
     from mergekit_ram.integration.versions import MergekitMovedError
     from mergekit_ram.parameters import ParameterError
-    from mergekit_ram.staging import OutputBusyError
+    from mergekit_ram.staging import OutputBusyError, OutputFolderError
 
     classes = {
         cls.__name__: cls
         for cls in (InputError, ParameterError, MergekitMovedError, MissingStatisticsError, OutputBusyError)
     }
+    classes["OutputFolderError"] = OutputFolderError
     classes |= {name: getattr(errors, name) for name in dir(errors) if name.endswith("Error")}
     # ``raise make_error(...)``: functions that build an error; their return annotation must be a RamError
     factories = {

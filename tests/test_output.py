@@ -1,4 +1,5 @@
-"""A RAM merge never destroys data: the output transaction, the lock, protected inputs.
+"""A RAM merge never destroys data: the output transaction, the lock, protected inputs, through the
+real console scripts (tests/test_transaction.py enumerates every operation of the transaction itself).
 
 Every faulted run is the real console script in a subprocess, on real files (the set-up merges
 it is compared with, and runs that only check a refusal, run in this process through the same
@@ -28,9 +29,8 @@ from mergekit.merge import run_merge
 from mergekit.options import MergeOptions
 from mergekit.scripts.merge_raw_pytorch import main as mergekit_pytorch
 
-from mergekit_ram import staging
 from mergekit_ram.errors import InputError
-from mergekit_ram.staging import LOCK_FILE, MANIFEST_FILE, MARKER_FILE, MARKER_TEXT, STAGING_DIR
+from mergekit_ram.staging import MANIFEST_FILE, MARKER_FILE, MARKER_TEXT, STAGING_DIR
 from tests.conftest import ModelSet, command_refusal, merge_in_process, run_script, script, write_recipe
 from tests.test_prepass import save_tokenizer
 
@@ -42,7 +42,9 @@ USER_FILES = {
     "pytorch_model_backup.bin": b"a backup",
     "adapter_config.json": b"{}\n",
 }
-NEW_PUBLISH = ".mergekit-ram-partial/new"  # the source path of every publish rename
+#: Operations of the transaction (``fsop:any:N``, tests/faults/sitecustomize.py) re-merging the world's folder:
+#: 1-5 lock and prepare, 18 the marker, 21 config.json leaves, 22-29 the old shards and index, 30-37 the new files.
+LAST_OF_BEGIN, CONFIG_LEAVES, OLD_SHARDS, NEW_FILES = 5, 21, 25, 33
 
 
 def snapshot(folder: str) -> dict[str, bytes]:
@@ -132,12 +134,11 @@ def test_a_merge_replaces_only_what_merges_wrote(world: World) -> None:
     assert not [name for name in world.new if name.startswith("model-0")]
     assert "model.safetensors.index.json" not in world.new
     assert {"model.safetensors", "config.json", "tokenizer.json", "README.md", "ram_statistics.json"} <= set(world.new)
-    assert not {MARKER_FILE, LOCK_FILE} & set(world.new)
+    assert MARKER_FILE not in world.new
     assert not [name for name in world.new if name.startswith(STAGING_DIR)]
     manifest = json.loads(world.new[MANIFEST_FILE])
     assert manifest["weights"] == ["model.safetensors"] and "tokenizer.json" in manifest["files"]
     assert "removed model-00001-of-" in world.log and "model.safetensors.index.json" in world.log
-    assert "replaced its earlier" in world.log and "config.json" in world.log
     with open(os.path.join(world.root, "reference", "out", "README.md"), encoding="utf-8") as handle:
         card = handle.read()
     assert card.startswith("---") and "\n# out\n" in card and "## RAM statistics" in card
@@ -147,12 +148,15 @@ FAULT_CASES = [
     # (fault, outcome): "old" = byte for byte the folder before, "new" = the complete new merge
     ("kernel:prepass:3:SIGINT", "old"),
     ("kernel:merge:5:SIGTERM", "old"),
+    ("kernel:merge:2:SIGHUP", "old"),  # an ssh disconnect
     ("open:config.json:1:SIGINT", "old"),  # mergekit wrote the new config (case 5)
-    ("open:tokenizer.json:1:SIGTERM", "old"),
+    ("open:tokenizer.json:1:SIGUSR1", "old"),
     ("open:README.md:1:ENOSPC", "old"),  # disk full while the card is written (case 5)
-    ("replace:" + NEW_PUBLISH + ":1:SIGINT", "new"),  # signals are held while publishing (case 6)
-    ("replace:" + NEW_PUBLISH + ":5:SIGTERM", "new"),
-    ("replace:" + NEW_PUBLISH + ":3:ENOSPC", "old"),  # a failed rename: the journal rolls back
+    (f"fsop:any:{LAST_OF_BEGIN}:SIGTERM", "old"),  # held while the folder is prepared, then acted on
+    (f"fsop:any:{CONFIG_LEAVES}:SIGINT", "new"),  # signals are held while publishing (case 6)
+    (f"fsop:any:{OLD_SHARDS}:SIGQUIT", "new"),
+    (f"fsop:any:{NEW_FILES}:SIGHUP", "new"),
+    (f"fsop:any:{NEW_FILES}:SIGUSR1", "new"),
 ]
 
 
@@ -162,34 +166,65 @@ def test_a_fault_leaves_the_old_folder_or_the_complete_new_merge(world: World, f
     completed = run_script("mergekit-yaml", world.new_recipe, out, env=fault_env(fault), check=False)
     assert completed.returncode != 0, "the fault did not fire"
     action = fault.rsplit(":", 1)[1]
-    if action == "SIGTERM":
-        assert completed.returncode == -signal.SIGTERM
+    if action == "SIGINT":
+        assert "Aborted!" in completed.stderr and "Traceback" not in completed.stderr, completed.stderr[-3000:]
+    elif action == "ENOSPC":
+        assert "No space left on device" in completed.stderr
     else:
-        assert {"SIGINT": "Aborted!", "ENOSPC": "No space left on device"}[action] in completed.stderr
-        assert "Traceback" not in completed.stderr or action == "ENOSPC", completed.stderr[-3000:]
+        assert completed.returncode == -getattr(signal, action), completed.stderr[-3000:]
     expected = world.old if outcome == "old" else world.new
     assert snapshot(out) == expected, completed.stderr[-3000:]
 
 
-def test_a_killed_publish_is_marked_and_the_rerun_clears_it(world: World) -> None:
-    """SIGKILL in the middle of publishing: marked, not loadable; recovery gives old; a rerun gives new."""
-    out = world.copy_old("killed")
-    fault = f"replace:{NEW_PUBLISH}:3:SIGKILL"
-    completed = run_script("mergekit-yaml", world.new_recipe, out, env=fault_env(fault), check=False)
-    assert completed.returncode == -signal.SIGKILL
-    left = os.listdir(out)
-    assert MARKER_FILE in left and "config.json" not in left  # neither transformers nor --lazy takes it
-    with open(os.path.join(out, MARKER_FILE), encoding="utf-8") as handle:
-        assert handle.read() == MARKER_TEXT  # case 8: it says what it means and when deleting it is safe
-    assert "does\nnot remove this file" in MARKER_TEXT and "Deleting it" in MARKER_TEXT
-
-    recovered = shutil.copytree(out, os.path.join(world.root, "recovered", "out"), symlinks=True)
-    staging.recover(recovered)
-    after = {k: v for k, v in snapshot(recovered).items() if not k.startswith((STAGING_DIR, MARKER_FILE, LOCK_FILE))}
-    assert after == world.old
-
-    run_script("mergekit-yaml", world.new_recipe, out, env=fault_env())  # the lock the killed run held is gone with it
+def test_a_killed_publish_is_marked_and_the_next_merge_completes_it(world: World) -> None:
+    """SIGKILL (or a failed rename) in the middle of publishing: marked, not loadable; the next RAM
+    merge into the folder completes that publish before it starts, even if it then fails itself."""
+    for ending in ("SIGKILL", "ENOSPC"):
+        out = world.copy_old(f"killed-{ending}")
+        fault = f"fsop:any:{OLD_SHARDS}:{ending}"
+        completed = run_script("mergekit-yaml", world.new_recipe, out, env=fault_env(fault), check=False)
+        assert completed.returncode == (-signal.SIGKILL if ending == "SIGKILL" else 1)
+        left = os.listdir(out)
+        assert MARKER_FILE in left and "config.json" not in left  # neither transformers nor --lazy takes it
+        with open(os.path.join(out, MARKER_FILE), encoding="utf-8") as handle:
+            assert handle.read() == MARKER_TEXT  # case 8: it says what it means and what to do
+        if ending == "ENOSPC":
+            assert f"it is marked {MARKER_FILE}: fix that and rerun the merge" in completed.stderr
+            continue
+        failing = fault_env("kernel:merge:1:ENOSPC")  # the next merge recovers, then fails in its own merge
+        assert run_script("mergekit-yaml", world.new_recipe, out, env=failing, check=False).returncode != 0
+        assert snapshot(out) == world.new
+    merge_in_process(world.new_recipe, out)  # and a clean rerun gives the same folder
     assert snapshot(out) == world.new
+
+
+def test_a_user_file_in_a_folder_the_merge_created_survives_ctrl_c(world: World, tmp_path) -> None:
+    """Case 2 of the safety issue: the merge made the folder, the user saved notes into it meanwhile, then
+    Ctrl-C: the notes stay (the folder is removed only when empty), and nothing else of the merge does."""
+    out = str(tmp_path / "made-by-the-merge" / "out")
+    release = str(tmp_path / "release")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", **fault_env("kernel:merge:2:wait", MERGEKIT_RAM_TEST_RELEASE=release)}
+    merge = subprocess.Popen([script("mergekit-yaml"), world.new_recipe, out], env=env, stderr=subprocess.PIPE)
+    try:
+        _wait_for(release + ".waiting", merge)
+        with open(os.path.join(out, "notes.txt"), "w", encoding="utf-8") as handle:
+            handle.write("my notes\n")
+        merge.send_signal(signal.SIGINT)
+    finally:
+        open(release, "w").close()
+        merge.wait(120)
+    assert merge.returncode != 0
+    assert snapshot(out) == {"notes.txt": b"my notes\n"}
+    empty = str(tmp_path / "empty" / "a" / "out")  # without the notes, every folder the merge made goes
+    failed = run_script("mergekit-yaml", world.new_recipe, empty, env=fault_env("kernel:merge:2:SIGTERM"), check=False)
+    assert failed.returncode == -signal.SIGTERM and not os.path.exists(str(tmp_path / "empty"))
+
+
+def _wait_for(path: str, process: subprocess.Popen) -> None:
+    deadline = time.monotonic() + 120
+    while not os.path.exists(path) and time.monotonic() < deadline and process.poll() is None:
+        time.sleep(0.05)
+    assert os.path.exists(path), "the merge never reached the fault"
 
 
 def test_a_second_merge_into_a_busy_folder_is_refused_at_once(world: World) -> None:
@@ -201,10 +236,7 @@ def test_a_second_merge_into_a_busy_folder_is_refused_at_once(world: World) -> N
         [script("mergekit-yaml"), world.new_recipe, out], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
     )
     try:
-        deadline = time.monotonic() + 120
-        while not os.path.exists(release + ".waiting") and time.monotonic() < deadline and first.poll() is None:
-            time.sleep(0.05)
-        assert os.path.exists(release + ".waiting"), "the first merge never reached the merge"
+        _wait_for(release + ".waiting", first)
         during = snapshot(out)
         second = run_script("mergekit-yaml", world.old_recipe, out, env=fault_env(), check=False)
         assert second.returncode != 0
@@ -215,6 +247,29 @@ def test_a_second_merge_into_a_busy_folder_is_refused_at_once(world: World) -> N
         first.wait(120)
     assert first.returncode == 0, first.stderr.read().decode()[-3000:] if first.stderr else ""
     assert snapshot(out) == world.new
+
+
+def test_one_writer_whatever_removes_the_lock(world: World, tmp_path) -> None:
+    """Case 3: the lock is OUT itself, so ``rm -rf OUT/.*`` (or ``git clean -fdx``) lets no second merge in;
+    after ``rm -rf OUT`` a second merge may make a new OUT, and the first merge's failure leaves it alone."""
+    out = str(tmp_path / "made-by-the-first" / "out")
+    release = str(tmp_path / "release")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", **fault_env("kernel:merge:2:wait", MERGEKIT_RAM_TEST_RELEASE=release)}
+    first = subprocess.Popen([script("mergekit-yaml"), world.new_recipe, out], env=env, stderr=subprocess.PIPE)
+    try:
+        _wait_for(release + ".waiting", first)
+        for name in os.listdir(out):  # rm -rf out/.*
+            shutil.rmtree(os.path.join(out, name))
+        refused = run_script("mergekit-yaml", world.old_recipe, out, env=fault_env(), check=False)
+        assert f"another merge is writing to {out}" in refused.stderr and os.listdir(out) == []
+        shutil.rmtree(out)  # rm -rf out
+        merge_in_process(world.old_recipe, out)
+        second = snapshot(out)
+    finally:
+        open(release, "w").close()
+        first.wait(120)
+    assert first.returncode != 0
+    assert snapshot(out) == second and "config.json" in second
 
 
 def _spellings(folder: str, root: str) -> list[str]:
@@ -257,7 +312,9 @@ def test_mergekit_pytorch_refuses_an_input_folder_and_publishes_all_or_nothing(w
     assert snapshot(agent) == before
 
     out = world.copy_old("pytorch")
-    failed = run_script("mergekit-pytorch", recipe, out, env=fault_env(f"replace:{NEW_PUBLISH}:2:ENOSPC"), check=False)
+    journal = "fsop:any:14:ENOSPC"  # the disk is full when the journal is written: nothing moved yet
+    failed = run_script("mergekit-pytorch", recipe, out, env=fault_env(journal), check=False)
+    assert "could not publish into" in failed.stderr and "it holds what it held before" in failed.stderr
     assert failed.returncode != 0 and snapshot(out) == world.old
     mergekit_pytorch.main(args=[recipe, out], standalone_mode=False)
     merged = snapshot(out)
@@ -273,9 +330,7 @@ def test_mergekit_multi_lazy_reruns_a_stage_killed_while_publishing(world: World
     config = str(tmp_path / "multi.yml")
     with open(config, "w", encoding="utf-8") as handle:
         yaml.safe_dump(recipe, handle, sort_keys=False)
-    killed = run_script(
-        "mergekit-multi", config, "-I", str(stages), env=fault_env(f"replace:{NEW_PUBLISH}:2:SIGKILL"), check=False
-    )
+    killed = run_script("mergekit-multi", config, "-I", str(stages), env=fault_env("fsop:any:23:SIGKILL"), check=False)
     assert killed.returncode == -signal.SIGKILL
     assert MARKER_FILE in os.listdir(stages / "stage") and "config.json" not in os.listdir(stages / "stage")
     rerun = run_script("mergekit-multi", config, "-I", str(stages), "--lazy", "-v")

@@ -3,8 +3,8 @@
     python docs/scripts/check_merged.py OUT [--finite]
 
 Problems (exit status 1):
-- ``MERGE_INCOMPLETE``, ``.mergekit-ram-partial/`` or ``.mergekit-ram.lock`` is present: the merge
-  did not finish (or is still writing);
+- ``MERGE_INCOMPLETE`` or ``.mergekit-ram-partial/`` is present: the merge did not finish (or is
+  still writing);
 - no weights, a weight file the index names is missing, or a safetensors header is unreadable;
 - no ``config.json`` (``mergekit-pytorch`` writes weights and statistics only);
 - ``ram_statistics.json`` is missing or unreadable, or lists warnings (``--accept-warnings``
@@ -26,7 +26,6 @@ import sys
 STATISTICS_FILE = "ram_statistics.json"
 MARKER_FILE = "MERGE_INCOMPLETE"
 STAGING_DIR = ".mergekit-ram-partial"
-LOCK_FILE = ".mergekit-ram.lock"
 
 
 def check(out: str, finite: bool = False, accept_warnings: bool = False) -> tuple[list[str], list[str]]:
@@ -35,7 +34,7 @@ def check(out: str, finite: bool = False, accept_warnings: bool = False) -> tupl
 
     problems: list[str] = []
     notes: list[str] = []
-    for name in (MARKER_FILE, STAGING_DIR, LOCK_FILE):
+    for name in (MARKER_FILE, STAGING_DIR):
         if os.path.exists(os.path.join(out, name)):
             problems.append(f"{name} is present: the merge did not finish (or is still running); run it again")
 

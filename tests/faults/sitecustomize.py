@@ -4,20 +4,25 @@
 
 - ``open:NAME``: a file named NAME opened for writing; ACTION runs after it is closed
   (the file is complete), so a signal lands between two of mergekit's writes;
-- ``replace:TEXT``: ``os.replace`` with TEXT in its source path (not a ``*.partial`` temporary
-  file); ACTION runs after the rename;
+- ``fsop:any``: the output transaction's N-th file-system operation (``os.open``, ``mkdir``,
+  ``replace``, ``unlink``, ``rmdir``, ``fsync`` called from ``mergekit_ram/staging.py``, directly or
+  through ``mergekit_ram/files.py``); ACTION runs after it (``OSError`` instead of it). With
+  ``MERGEKIT_RAM_TEST_COUNT=FILE`` and no fault, the number of such operations is written to FILE
+  at exit (tests/test_transaction.py enumerates them);
 - ``kernel:prepass`` / ``kernel:merge``: the RAM kernel counting (``count_overlaps``, the pre-pass)
   or merging (``merge_tensors``) a tensor.
 
-ACTION: ``SIGINT``, ``SIGTERM``, ``SIGKILL`` (sent to this process), ``ENOSPC`` (raise
-``OSError(ENOSPC)`` instead, as a full disk does), or ``wait`` (block until the file named by
+ACTION: a signal's name (``SIGINT``, ``SIGHUP``, ``SIGKILL``, ...: sent to this process), ``ENOSPC``
+(raise ``OSError(ENOSPC)`` instead, as a full disk does), or ``wait`` (block until the file named by
 ``MERGEKIT_RAM_TEST_RELEASE`` exists, touching ``MERGEKIT_RAM_TEST_RELEASE.waiting`` first).
 """
 
+import atexit
 import builtins
 import errno
 import os
 import signal
+import sys
 import time
 
 _SPEC = os.environ.get("MERGEKIT_RAM_TEST_FAULT")
@@ -32,8 +37,9 @@ def _act(action):
         while not os.path.exists(release):
             time.sleep(0.02)
         return
-    os.kill(os.getpid(), getattr(signal, action))
-    time.sleep(0.5)  # SIGKILL lands here; handlers of the others run at the next bytecode
+    os.kill(os.getpid(), int(action) if action.isdigit() else getattr(signal, action))  # handled at the next bytecode
+    if action == "SIGKILL":
+        time.sleep(5)
 
 
 def _install(where, what, target, action):
@@ -69,15 +75,8 @@ def _install(where, what, target, action):
             return handle
 
         builtins.open = fault_open
-    elif where == "replace":
-        original_replace = os.replace
-
-        def fault_replace(src, dst, *args, **kwargs):
-            original_replace(src, dst, *args, **kwargs)
-            if what in os.fspath(src) and not os.fspath(src).endswith(".partial") and hit():
-                _act(action)
-
-        os.replace = fault_replace
+    elif where == "fsop":
+        _install_fsop(hit, action)
     elif where == "kernel":
         import mergekit.merge_methods  # noqa: F401 - first, as in a real run, so the plugin registers
 
@@ -94,6 +93,43 @@ def _install(where, what, target, action):
         setattr(methods, name, fault_kernel)
 
 
+def _in_transaction():
+    """Whether the caller (past os.py and files.py) is the output transaction, mergekit_ram/staging.py."""
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename.endswith(
+        ("<frozen os>", os.sep + "os.py", os.sep + "files.py")
+    ):
+        frame = frame.f_back
+    return frame is not None and frame.f_code.co_filename.endswith(os.path.join("mergekit_ram", "staging.py"))
+
+
+def _install_fsop(hit, action):
+    """Wrap the file-system calls of the transaction: act after the N-th (``ENOSPC``: instead of it)."""
+    for name in ("open", "mkdir", "replace", "unlink", "rmdir", "fsync"):
+        original = getattr(os, name)
+
+        def counted(*args, _original=original, **kwargs):
+            if not _in_transaction() or not hit():
+                return _original(*args, **kwargs)
+            if action == "ENOSPC":
+                _act(action)
+            try:
+                return _original(*args, **kwargs)
+            finally:  # after the call, whether it succeeded or raised (a probe for a missing file)
+                _act(action)
+
+        setattr(os, name, counted)
+
+
 if _SPEC:
     _where, _what, _target, _action = _SPEC.split(":")
     _install(_where, _what, int(_target), _action)
+elif os.environ.get("MERGEKIT_RAM_TEST_COUNT"):
+    _counted = [0]
+
+    def _count():
+        _counted[0] += 1
+        return False
+
+    _install_fsop(_count, "none")
+    atexit.register(lambda: open(os.environ["MERGEKIT_RAM_TEST_COUNT"], "w").write(str(_counted[0])))

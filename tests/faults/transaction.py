@@ -1,0 +1,44 @@
+"""A stand-in for mergekit inside the real output transaction, for tests/test_transaction.py.
+
+    python tests/faults/transaction.py OUT GENERATION [fail] [user-file]
+
+runs ``mergekit_ram.staging.output_transaction(OUT)`` and writes what mergekit writes into its
+staging folder (shards with mergekit's index, config, tokenizer, card), each file's bytes naming
+GENERATION; ``fail`` raises before publishing (the run then shows what recovery left);
+``user-file`` adds a user's file to OUT while the "merge" runs. Faults come from
+tests/faults/sitecustomize.py on PYTHONPATH. Standard library and mergekit_ram.staging only, so
+a run takes a few tens of milliseconds.
+"""
+
+import json
+import os
+import sys
+
+from mergekit_ram.staging import output_transaction
+
+
+def write_merge(folder: str, generation: str, shards: int) -> None:
+    names = [f"model-{index:05d}-of-{shards:05d}.safetensors" for index in range(1, shards + 1)]
+    for name in names:
+        with open(os.path.join(folder, name), "w", encoding="utf-8") as handle:
+            handle.write(f"{generation} {name}\n")
+    index = {"metadata": {"mergekit_version": "0.1.5"}, "weight_map": {f"t{i}": name for i, name in enumerate(names)}}
+    files = {"model.safetensors.index.json": json.dumps(index), "config.json": f'{{"gen": "{generation}"}}'}
+    files.update({"tokenizer.json": f"{generation} tokenizer", "README.md": f"# {generation}\n"})
+    for name, text in files.items():
+        with open(os.path.join(folder, name), "w", encoding="utf-8") as handle:
+            handle.write(text)
+
+
+def main(out: str, generation: str, *flags: str) -> None:
+    with output_transaction(out) as staged:
+        write_merge(staged, generation, shards=2 if generation == "new" else 3)
+        if "user-file" in flags:
+            with open(os.path.join(out, "notes-written-during-the-merge.txt"), "w", encoding="utf-8") as handle:
+                handle.write("the user's notes\n")
+        if "fail" in flags:
+            raise SystemExit("failed before publishing, as asked")
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
