@@ -44,6 +44,8 @@ INTERNAL_RAISES = {
     "SystemExit": "staging.py: the exit status after a SIGTERM, as Python's default handler would give",
     "TypeError": "integration/inmemory.py: a wrong Python call shape (unexpected keyword arguments); "
     "integration/methods.py: mergekit's own check of in-memory groups",
+    "UnreadableFile": "files.py: caught by its callers, which name the file (checks.py in an InputError, cache.py "
+    "in a warning)",
 }
 
 
