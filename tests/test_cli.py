@@ -46,6 +46,7 @@ INTERNAL_RAISES = {
     "integration/methods.py: mergekit's own check of in-memory groups",
     "UnreadableFile": "files.py: caught by its callers, which name the file (checks.py in an InputError, cache.py "
     "in a warning)",
+    "CorruptHeader": "checks.py: re-raised as InputError naming the model and the file",
 }
 
 
