@@ -20,10 +20,13 @@ from mergekit.scripts.merge_raw_pytorch import main as mergekit_pytorch
 from mergekit.scripts.run_yaml import main as mergekit_yaml
 from safetensors.torch import load_file, save_file
 
+from mergekit_ram.stats import statistics_from_dict
+from mergekit_ram.stats.render import compact_table
 from tests.conftest import (
     Merged,
     ModelSet,
     command_refusal,
+    load_statistics,
     load_weights,
     merge_in_process,
     script,
@@ -86,8 +89,10 @@ def _with_agent(models: ModelSet, agent: str) -> dict:
 
 def test_stray_files_are_never_opened(bf16_models: ModelSet, snapshot: str, ram_plus_merge: Merged, tmp_path) -> None:
     """Every stray kind beside the shards (and a FIFO as model.safetensors and pytorch_model.bin,
-    which mergekit passes over for the index): the merge is the clean merge, byte for byte."""
-    agent = str(tmp_path / "coding-agent-snapshot")
+    which mergekit passes over for the index): the merge is the clean merge, byte for byte. The
+    folder's name holds a `|` and a line break, which the card's and the terminal's tables keep
+    on one row."""
+    agent = str(tmp_path / "coding | agent\nsnapshot")
     shutil.copytree(snapshot, agent, symlinks=True)
     for number, kind in enumerate(STRAYS):
         _stray(kind, os.path.join(agent, f"stray-{number}.safetensors"))
@@ -103,6 +108,17 @@ def test_stray_files_are_never_opened(bf16_models: ModelSet, snapshot: str, ram_
         with open(os.path.join(out, name), "rb") as merged, open(os.path.join(ram_plus_merge.out, name), "rb") as clean:
             expected = clean.read().replace(bf16_models.agents[0].encode(), json.dumps(agent)[1:-1].encode())
             assert merged.read() == expected, name
+
+    statistics = statistics_from_dict(load_statistics(out))
+    with open(os.path.join(out, "README.md"), encoding="utf-8") as handle:
+        card = handle.read()
+    table = card[card.index("| model | density |") :].split("\n\n")[0].splitlines()
+    assert len(table) == 2 + len(statistics.models)
+    assert table[2].startswith("| /") and "/coding \\| agent<br>snapshot | " in table[2]
+    assert all(row.replace("\\|", "").count("|") == 8 for row in table)
+    shown = compact_table(statistics)  # as the terminal showed it after the merge
+    assert shown in completed.stderr and len(shown.splitlines()) == 2 + len(statistics.models)
+    assert "coding | agent\\nsnapshot" in shown
 
 
 def _named(snapshot: str, root: str, kind: str) -> str:
