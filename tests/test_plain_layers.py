@@ -226,6 +226,24 @@ def test_cache_key_follows_what_the_counts_depend_on(tmp_path, monkeypatch: pyte
     headers = HeaderCache()
     assert cache.load(key, [tensor], headers) == [counts]
     path = os.path.join(str(tmp_path / "cache"), "prepass", f"{key}.json")
+    tensors = [{**counts_to_dict(counts), "numel": 7}]
     with open(path, "w", encoding="utf-8") as handle:
-        json.dump({"tensors": [{**counts_to_dict(counts), "numel": 7}]}, handle)
+        json.dump({"tensors": tensors, "sha256": cache.checksum(tensors)}, handle)
     assert cache.load(key, [tensor], headers) is None  # 7 elements where the header says 6
+
+
+def test_cache_key_follows_the_file_each_input_is_read_from(tmp_path) -> None:
+    """Two shards that both hold ``w``: which one a model's index names decides the counts."""
+    base = write(str(tmp_path / "base.safetensors"), w=torch.zeros(2, 3))
+    first = write(str(tmp_path / "a-1.safetensors"), w=torch.ones(2, 3))
+    second = write(str(tmp_path / "a-2.safetensors"), w=torch.full((2, 3), 2.0))
+    one = planned("w", TensorInput("base", base, "w"), TensorInput("a", first, "w"), TensorInput("b", second, "w"))
+    swapped = PlannedTensor(
+        **{**one.__dict__, "inputs": (one.inputs[0], TensorInput("a", second, "w"), TensorInput("b", first, "w"))}
+    )
+    keys = {cache.cache_key([swapped]), cache.cache_key([one])}  # the same files, read for other models
+    index = tmp_path / "model.safetensors.index.json"  # the index the folder is read through
+    for weight_map in ({"w": "a-1.safetensors"}, {"w": "a-2.safetensors"}):
+        index.write_text(json.dumps({"weight_map": weight_map}), encoding="utf-8")
+        keys.add(cache.cache_key([one]))
+    assert len(keys) == 4
