@@ -2,8 +2,9 @@
 
 The key covers everything the counts depend on and nothing else: every merge task's
 input sub-graph as planned (models, tensor names after slices and layer remapping,
-dtype casts, tokenizer alignment settings, LoRA references), its resolved epsilon, a
-fingerprint of every file read, and the versions of mergekit-ram and mergekit. r, alpha,
+dtype casts, tokenizer alignment settings, LoRA references), the file and name each model's
+input is read from, its resolved epsilon, a fingerprint of every file read and of every
+index the models are read through, and the versions of mergekit-ram and mergekit. r, alpha,
 the rule and pinned values are not in it.
 
 A file's fingerprint is its resolved path, its identity (device and inode), size,
@@ -13,10 +14,12 @@ rewriting it in place (``cp -p``: the same inode, but a new change time, which n
 call can set back) changes it even when size and modification time are kept, without
 hashing whole checkpoints.
 
-The cache only ever helps: an entry that cannot be read, has the wrong shape, or does not
-match the planned merge (tensors in order, models, element counts) is ignored, and a cache
-that cannot be written is skipped, each with a warning naming the path and
-``MERGEKIT_RAM_CACHE=off``; the pre-pass then runs as if there were no cache.
+The cache only ever helps: an entry that cannot be read (a symbolic link is not followed),
+has the wrong shape, does not match its own checksum, or does not match the planned merge
+(tensors in order, models, element counts) is ignored, and a cache that cannot be written is
+skipped, each with a warning naming the path and ``MERGEKIT_RAM_CACHE=off``; the pre-pass then
+runs as if there were no cache. The checksum catches damage and careless edits, not a forger:
+whoever can write the cache folder can change the counts, and so the merge.
 
 Environment: ``MERGEKIT_RAM_CACHE`` = ``on`` (default), ``off``, or ``refresh`` (recompute
 and overwrite); ``MERGEKIT_RAM_CACHE_DIR`` (default ``$XDG_CACHE_HOME/mergekit-ram`` or
@@ -32,9 +35,9 @@ import os
 from typing import Any, Optional, Sequence
 
 from mergekit_ram._version import __version__
-from mergekit_ram.checks import HeaderCache, planned_numel
+from mergekit_ram.checks import INDEX_SUFFIX, HeaderCache, mergekit_weights, planned_numel
 from mergekit_ram.errors import SettingError
-from mergekit_ram.files import write_atomically
+from mergekit_ram.files import UnreadableFile, read_json, write_atomically
 from mergekit_ram.planned import PlannedTensor
 from mergekit_ram.stats import TensorCounts, counts_from_dict, counts_to_dict, package_versions
 
@@ -46,7 +49,7 @@ _HEAD_BYTES = 1 << 20
 _SAMPLES = 16
 _SAMPLE_BYTES = 1 << 16
 #: Entries hold one item per planned merge task, null where the task has no counts.
-_FORMAT = "entries aligned with merge tasks (2)"
+_FORMAT = "entries aligned with merge tasks, with a checksum (3)"
 _ADVICE = f"{MODE_VARIABLE}=off skips the cache"
 
 
@@ -81,19 +84,27 @@ def fingerprint(path: str) -> str:
 
 
 def cache_key(planned: Sequence[PlannedTensor]) -> str:
-    """What the counts depend on: each tensor's name, epsilon, models and input sub-graph, and the files."""
+    """What the counts depend on: each tensor's name, epsilon, models, inputs (model, file, name)
+    and input sub-graph; the files and the indexes that map tensors to them."""
     digest = hashlib.sha256()
     versions = package_versions()
     digest.update(f"mergekit-ram {__version__}; mergekit {versions['mergekit']}; {_FORMAT}\n".encode())
     files: set[str] = set()
     for tensor in planned:
         digest.update(tensor.name.encode())
-        digest.update(repr((tensor.epsilon, tensor.base, tensor.finetunes)).encode())
+        digest.update(repr((tensor.epsilon, tensor.base, tensor.finetunes, tensor.inputs)).encode())
         digest.update(tensor.graph.encode())
         files.update(source.file for source in tensor.inputs if source.file is not None)
+    indexes = {mergekit_weights(folder) for folder in {os.path.dirname(file) for file in files}}
+    files.update(index for index in indexes if index is not None and index.endswith(INDEX_SUFFIX))
     for file in sorted(files):
         digest.update(fingerprint(file).encode())
     return digest.hexdigest()
+
+
+def checksum(tensors: Any) -> str:
+    """The sha256 of an entry's counts as canonical JSON."""
+    return hashlib.sha256(json.dumps(tensors, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def _entry_path(key: str) -> str:
@@ -106,11 +117,10 @@ def load(key: str, planned: Sequence[PlannedTensor], headers: HeaderCache) -> Op
         return None
     path = _entry_path(key)
     try:
-        with open(path, encoding="utf-8") as handle:
-            data = json.load(handle)
+        data = read_json(path, follow_symlinks=False)
     except FileNotFoundError:
         return None
-    except (OSError, ValueError) as error:
+    except (OSError, UnreadableFile) as error:
         LOG.warning("ignoring unreadable pre-pass cache entry %s (%s); %s", path, error, _ADVICE)
         return None
     try:
@@ -127,6 +137,8 @@ def _matching_counts(data: Any, planned: Sequence[PlannedTensor], headers: Heade
     if not isinstance(data, dict) or not isinstance(data.get("tensors"), list):
         raise ValueError("it is not an object with a list of tensors")
     entries = data["tensors"]
+    if data.get("sha256") != checksum(entries):
+        raise ValueError("its counts do not match its checksum (the entry was edited or damaged)")
     if len(entries) != len(planned):
         raise ValueError(f"it lists {len(entries)} tensors, the merge has {len(planned)}")
     counts: list[Optional[TensorCounts]] = []
@@ -158,7 +170,8 @@ def store(key: str, counts: Sequence[Optional[TensorCounts]]) -> None:
     if mode() == "off":
         return
     path = _entry_path(key)
-    text = json.dumps({"tensors": [None if c is None else counts_to_dict(c) for c in counts]})
+    tensors = [None if c is None else counts_to_dict(c) for c in counts]
+    text = json.dumps({"tensors": tensors, "sha256": checksum(tensors)})
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         write_atomically(path, text)

@@ -4,20 +4,38 @@ Everything here runs before any tensor data is read or any file written. Safeten
 headers give names, shapes and dtypes for free, so a missing tensor, a shape mismatch or a
 truncated file is refused with the model and tensor named, instead of failing halfway.
 Each header is read once per merge: one ``HeaderCache`` serves the model and tensor checks.
+A model folder is read as mergekit 0.1.5 reads it: only the files its index names, or the
+one file mergekit chooses; every name and file there is a stranger's (``mergekit_ram.files``).
 Plain data in (``mergekit_ram.planned``), no mergekit.
 """
 
 from __future__ import annotations
 
-import glob
+import json
+import math
 import os
 from dataclasses import dataclass, field
-from typing import Iterable, Optional, Sequence
-
-from safetensors import SafetensorError, safe_open
+from typing import Any, Iterable, Optional, Sequence
 
 from mergekit_ram.errors import InputError
+from mergekit_ram.files import UnreadableFile, open_regular, plain_name, read_at, read_json
 from mergekit_ram.planned import ModelIdentity, PlannedTensor
+
+#: mergekit 0.1.5's weights in a model folder, in the order it looks for them (``ShardedTensorIndex.from_disk``).
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+INDEX_SUFFIX = ".index.json"
+#: safetensors' own bound on a header (``MAX_HEADER_SIZE``): a longer one is refused unread.
+HEADER_LIMIT = 100_000_000
+#: Bits per element of each dtype safetensors 0.8 reads.
+DTYPE_BITS = {
+    **dict.fromkeys(("BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0", "F8_E4M3FNUZ", "F8_E5M2FNUZ"), 8),
+    **dict.fromkeys(("F4",), 4),
+    **dict.fromkeys(("F6_E2M3", "F6_E3M2"), 6),
+    **dict.fromkeys(("I16", "U16", "F16", "BF16"), 16),
+    **dict.fromkeys(("I32", "U32", "F32"), 32),
+    **dict.fromkeys(("I64", "U64", "F64", "C64"), 64),
+}
+_LFS_POINTER = b"version https://git-lfs.github.com/spec/"
 
 
 @dataclass(frozen=True)
@@ -27,34 +45,172 @@ class TensorHeader:
     dtype: str
 
 
+class CorruptHeader(ValueError):
+    """A safetensors header that safetensors itself would refuse; says why."""
+
+
+def is_safetensors(file: str) -> bool:
+    """Whether mergekit reads ``file`` as safetensors (``TensorLoader.get``: by its suffix, any case)."""
+    return file.lower().endswith(".safetensors")
+
+
+def read_header(model: str, file: str) -> Optional[dict[str, TensorHeader]]:
+    """The tensors of a safetensors file, from its header, checked as safetensors checks it; None
+    for another file (``.bin``), which is only checked to be a regular file.
+
+    Bounded and non-blocking: a FIFO, device or folder is refused without being read or waited
+    on, a header longer than safetensors allows is refused unread, and only the header is read.
+    ``.bin`` files are left to mergekit's own loading, its safe path: ``torch.load`` with
+    ``weights_only`` (torch's default since 2.6, passed explicitly by ``DumbPytorchLoader``), or
+    with ``--lazy-unpickle`` mergekit's ``LazyTorchUnpickler``, which admits tensor types only.
+    """
+    try:
+        with open_regular(file) as (handle, size):
+            if not is_safetensors(file):
+                return None
+            if read_at(handle, len(_LFS_POINTER), 0) == _LFS_POINTER:
+                raise InputError(
+                    f"{model}: {file} is a git-LFS pointer, not the weights: run `git lfs pull` in the model's "
+                    "folder, or download the model again"
+                )
+            if size < 8:
+                raise CorruptHeader(f"{size} bytes, too few for a safetensors file")
+            length = int.from_bytes(read_at(handle, 8, 0), "little")
+            if length > HEADER_LIMIT:
+                raise CorruptHeader(f"a header of {length:,} bytes, more than the {HEADER_LIMIT:,} safetensors allows")
+            if 8 + length > size:
+                raise CorruptHeader(f"a header of {length:,} bytes in a file of {size:,} bytes")
+            text = read_at(handle, length, 8)
+        return _tensors(file, text, size - 8 - length)
+    except (UnreadableFile, OSError) as error:
+        reason = error.strerror if isinstance(error, OSError) and error.strerror else error
+        raise InputError(
+            f"{model}: cannot read {file} ({reason}); put the model's weights file there (download or copy the "
+            "model again)"
+        ) from None
+    except CorruptHeader as error:
+        raise InputError(
+            f"{model}: cannot read {file} ({error}); the file is truncated or corrupt: download or copy it again"
+        ) from None
+
+
+def _sizes(value: Any, count: Optional[int] = None) -> bool:
+    """A list of unsigned 64-bit integers (of ``count`` items if given), as safetensors reads shapes and offsets."""
+    return (
+        isinstance(value, list)
+        and (count is None or len(value) == count)
+        and all(type(item) is int and 0 <= item < 1 << 64 for item in value)
+    )
+
+
+def _tensors(file: str, text: bytes, data_size: int) -> dict[str, TensorHeader]:
+    """The header's tensors; each dtype, shape and byte range valid, the ranges covering the data exactly."""
+    try:
+        header = json.loads(text.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as error:
+        raise CorruptHeader(f"its header is not JSON: {error}") from None
+    if not isinstance(header, dict):
+        raise CorruptHeader("its header is not a JSON object")
+    metadata = header.pop("__metadata__", None)
+    if metadata is not None and not (isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())):
+        raise CorruptHeader("its __metadata__ is not a map of strings")
+    tensors, spans = {}, []
+    for name, info in header.items():
+        if not (
+            isinstance(info, dict)
+            and info.get("dtype") in DTYPE_BITS
+            and _sizes(info.get("shape"))
+            and _sizes(info.get("data_offsets"), 2)
+        ):
+            raise CorruptHeader(f"tensor {name!r} has no valid dtype, shape and data_offsets")
+        dtype, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
+        bits = math.prod(shape) * DTYPE_BITS[dtype]
+        if bits % 8 or end - begin != bits // 8:
+            raise CorruptHeader(f"tensor {name!r}: {dtype} {shape} does not fill bytes {begin} to {end}")
+        tensors[name] = TensorHeader(file, tuple(shape), dtype)
+        spans.append((begin, end, name))
+    covered = 0
+    for begin, end, name in sorted(spans):
+        if begin != covered:
+            raise CorruptHeader(f"tensor {name!r} starts at byte {begin}, not at {covered} where the one before ends")
+        covered = end
+    if covered != data_size:
+        raise CorruptHeader(f"its tensors take {covered:,} bytes, the file holds {data_size:,} after the header")
+    return tensors
+
+
 class HeaderCache:
-    """Reads each safetensors header once; a file that cannot be read is an InputError."""
+    """Each safetensors header read once per merge (``read_header``)."""
 
     def __init__(self) -> None:
-        self._files: dict[str, dict[str, TensorHeader]] = {}
+        self._files: dict[str, Optional[dict[str, TensorHeader]]] = {}
 
     def get(self, model: str, file: str, name: str) -> Optional[TensorHeader]:
-        if not file.endswith(".safetensors"):
-            return None
-        return self.read(model, file).get(name)
+        tensors = self.read(model, file)
+        return None if tensors is None else tensors.get(name)
 
-    def read(self, model: str, file: str) -> dict[str, TensorHeader]:
-        if file not in self._files:
-            try:
-                with safe_open(file, framework="pt") as handle:
-                    self._files[file] = {
-                        key: TensorHeader(
-                            file, tuple(handle.get_slice(key).get_shape()), handle.get_slice(key).get_dtype()
-                        )
-                        for key in handle.keys()
-                    }
-            except (SafetensorError, OSError) as error:
-                raise InputError(f"{model}: cannot read {file} ({error}); the file is truncated or corrupt") from None
-        return self._files[file]
+    def read(self, model: str, file: str) -> Optional[dict[str, TensorHeader]]:
+        """The file's tensors, or None for a file mergekit reads itself (not safetensors). Files are
+        told apart by real path: the checks and mergekit's index may spell a model's folder differently."""
+        key = os.path.realpath(file)
+        if key not in self._files:
+            self._files[key] = read_header(model, file)
+        return self._files[key]
 
     @property
     def files_read(self) -> int:
         return len(self._files)
+
+
+def mergekit_weights(folder: str) -> Optional[str]:
+    """The file mergekit 0.1.5 reads a model folder through (``ShardedTensorIndex.from_disk``): the
+    first of WEIGHT_FILES whose index or file exists, the index if both do; None if neither."""
+    for name in WEIGHT_FILES:
+        path = os.path.join(folder, name)
+        for candidate in (path + INDEX_SUFFIX, path):
+            if os.path.exists(candidate):
+                return candidate
+    return None
+
+
+def read_index(model: str, index: str) -> dict[str, str]:
+    """An index's ``weight_map``: tensor names to names of files beside it; anything else refused.
+
+    mergekit joins each file name to the model's folder, so ``../x`` or an absolute path would
+    be read from outside it.
+    """
+    try:
+        data = read_json(index)
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
+        if not isinstance(weight_map, dict):
+            raise UnreadableFile("it has no `weight_map` object of tensor names to file names")
+    except (UnreadableFile, OSError) as error:
+        raise InputError(f"{model}: cannot use its index {index} ({error}); download or copy the model again") from None
+    for tensor, name in weight_map.items():
+        if not plain_name(name):
+            raise InputError(
+                f"{model}: its index {index} puts {tensor!r} in {name!r}, which is not a file in the model's "
+                "folder (mergekit would read outside it); download or copy the model again"
+            )
+    return weight_map
+
+
+def check_weights(model: ModelIdentity, headers: HeaderCache) -> None:
+    """The headers of the files mergekit 0.1.5 will read for a local model (an input file of
+    ``mergekit-pytorch``, or a folder's index or chosen file); stray files are never opened."""
+    chosen = mergekit_weights(model.path) if os.path.isdir(model.path) else model.path
+    if chosen is None:
+        return
+    if not chosen.endswith(INDEX_SUFFIX):
+        headers.read(model.label, chosen)
+        return
+    for tensor, name in read_index(model.label, chosen).items():
+        tensors = headers.read(model.label, os.path.join(model.path, name))
+        if tensors is not None and tensor not in tensors:
+            raise InputError(
+                f"{model.label}: its index {chosen} puts {tensor!r} in {name}, which does not hold it; "
+                "download or copy the model again"
+            )
 
 
 def check_models(
@@ -64,7 +220,7 @@ def check_models(
     headers: HeaderCache,
 ) -> None:
     """A base model is set; every model is listed once (however spelled); local paths exist and
-    their safetensors files can be read."""
+    the weights mergekit will read can be read."""
     if base is None:
         raise InputError(
             f"{method} needs `base_model`: RAM merges task vectors (fine-tune minus base) and "
@@ -75,9 +231,8 @@ def check_models(
         for path in model.local_paths:
             if not os.path.exists(path):
                 raise InputError(f"model path {path} does not exist")
-            files = [path] if os.path.isfile(path) else sorted(glob.glob(os.path.join(path, "*.safetensors")))
-            for file in files:
-                headers.read(model.label, file)
+        if os.path.exists(model.path):
+            check_weights(model, headers)
 
 
 def check_listed_once(base: ModelIdentity, model_lists: Iterable[tuple[str, Sequence[ModelIdentity]]]) -> None:

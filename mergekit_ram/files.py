@@ -14,7 +14,7 @@ import errno
 import json
 import os
 import stat
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 #: The largest JSON file (manifest, index, journal, cache entry, config) read: well above any real one.
 JSON_LIMIT = 64 << 20
@@ -36,8 +36,10 @@ def plain_name(name: object) -> bool:
     )
 
 
-def read_regular(path: str, limit: int, *, dir_fd: Optional[int] = None, follow_symlinks: bool = True) -> bytes:
-    """The bytes of the regular file at ``path`` (relative to ``dir_fd`` if given), at most ``limit``.
+@contextlib.contextmanager
+def open_regular(path: str, *, dir_fd: Optional[int] = None, follow_symlinks: bool = True) -> Iterator[tuple[int, int]]:
+    """A descriptor of the regular file at ``path`` (relative to ``dir_fd`` if given) and its size,
+    closed on exit.
 
     Opened non-blocking, so a FIFO is refused instead of waited on; with ``follow_symlinks``
     False a symbolic link is refused too. Raises ``UnreadableFile`` for a file that is not what
@@ -56,18 +58,30 @@ def read_regular(path: str, limit: int, *, dir_fd: Optional[int] = None, follow_
         status = os.fstat(handle)
         if not stat.S_ISREG(status.st_mode):
             raise UnreadableFile("it is not a regular file")
-        if status.st_size > limit:
-            raise UnreadableFile(f"it is {status.st_size:,} bytes, more than the {limit:,} expected at most")
-        chunks, left = [], status.st_size
-        while left > 0:
-            chunk = os.read(handle, min(left, 1 << 24))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            left -= len(chunk)
-        return b"".join(chunks)
+        yield handle, status.st_size
     finally:
         os.close(handle)
+
+
+def read_at(handle: int, count: int, offset: int) -> bytes:
+    """``count`` bytes of the open file from ``offset``, fewer only where the file ends first."""
+    chunks = []
+    while count > 0:
+        chunk = os.pread(handle, min(count, 1 << 24), offset)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        count -= len(chunk)
+        offset += len(chunk)
+    return b"".join(chunks)
+
+
+def read_regular(path: str, limit: int, *, dir_fd: Optional[int] = None, follow_symlinks: bool = True) -> bytes:
+    """The bytes of the regular file at ``path``, at most ``limit`` (see ``open_regular``)."""
+    with open_regular(path, dir_fd=dir_fd, follow_symlinks=follow_symlinks) as (handle, size):
+        if size > limit:
+            raise UnreadableFile(f"it is {size:,} bytes, more than the {limit:,} expected at most")
+        return read_at(handle, size, 0)
 
 
 def read_json(path: str, *, dir_fd: Optional[int] = None, follow_symlinks: bool = True, limit: int = JSON_LIMIT) -> Any:

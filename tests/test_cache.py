@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pathlib
 import resource
 import shutil
 import subprocess
@@ -20,11 +21,12 @@ import pytest
 from mergekit.config import MergeConfiguration
 from mergekit.merge import run_merge
 from mergekit.options import MergeOptions
+from safetensors.torch import load_file, save_file
 
 from mergekit_ram import cache
 from mergekit_ram.integration.planner import counted_prepass, plan_merge
 from mergekit_ram.stats import counts_to_dict
-from tests.conftest import ModelSet, load_statistics
+from tests.conftest import ModelSet, load_statistics, merge_in_process, run_script, write_recipe
 
 OPTIONS = MergeOptions(quiet=True)
 
@@ -54,12 +56,23 @@ def _valid(planned: tuple[Any, str, list[Any]]) -> dict[str, Any]:
         return json.load(handle)
 
 
-def _edit(change: Callable[[dict[str, Any]], Any]) -> Callable[[dict[str, Any]], Any]:
+def _edit(change: Callable[[dict[str, Any]], Any], sign: bool = True) -> Callable[[dict[str, Any]], Any]:
+    """The entry changed, and its checksum made to match (``sign``) so that the check after it is reached."""
+
     def edited(entry: dict[str, Any]) -> Any:
         change(entry)
+        if sign:
+            entry["sha256"] = cache.checksum(entry["tensors"])
         return entry
 
     return edited
+
+
+def _fewer_shared(entry: dict[str, Any]) -> None:
+    """One shared element counted as unique: the right shape, counts that fit, the wrong rho."""
+    row = entry["tensors"][2]["histograms"][0]
+    assert row[1] > 0
+    row[0], row[1] = row[0] + 1, row[1] - 1
 
 
 BROKEN = {
@@ -72,7 +85,16 @@ BROKEN = {
     "another model": _edit(lambda entry: entry["tensors"][2]["models"].__setitem__(0, "/elsewhere/agent")),
     "a wrong element count": _edit(lambda entry: entry["tensors"][1].update(numel=entry["tensors"][1]["numel"] + 1)),
     "a histogram row too long": _edit(lambda entry: entry["tensors"][4]["histograms"][0].append(0)),
+    "counts changed, the checksum not": _edit(_fewer_shared, sign=False),
+    "a symbolic link to a valid entry": lambda entry: _elsewhere(entry),
 }
+
+
+def _elsewhere(entry: dict[str, Any]) -> pathlib.Path:
+    """A valid entry outside the cache's entries, for a link at the entry's place."""
+    path = pathlib.Path(cache.directory()) / "elsewhere.json"
+    path.write_text(json.dumps(entry), encoding="utf-8")
+    return path
 
 
 @pytest.mark.parametrize("damage", list(BROKEN), ids=list(BROKEN))
@@ -81,8 +103,12 @@ def test_a_broken_entry_is_a_warning_and_a_fresh_prepass(
 ) -> None:
     plan, key, fresh = planned
     broken = BROKEN[damage](_valid(planned))
-    with open(_entry(key), "w", encoding="utf-8") as handle:
-        handle.write(broken if isinstance(broken, str) else json.dumps(broken))
+    os.remove(_entry(key))
+    if isinstance(broken, pathlib.Path):
+        os.symlink(broken, _entry(key))  # entries are read without following a link
+    else:
+        with open(_entry(key), "w", encoding="utf-8") as handle:
+            handle.write(broken if isinstance(broken, str) else json.dumps(broken))
     with caplog.at_level(logging.INFO):
         counts = counted_prepass(plan, OPTIONS)
     assert counts == fresh
@@ -157,3 +183,39 @@ def test_fingerprint_sees_a_file_replaced_with_the_same_size_and_mtime(tmp_path,
     status = os.stat(file)
     assert (status.st_size, status.st_mtime_ns) == (4 << 20, os.stat(variant).st_mtime_ns)
     assert cache.fingerprint(file) != before
+
+
+def test_an_index_only_change_counts_afresh(bf16_models: ModelSet, cache_dir: str, tmp_path) -> None:
+    """Two shards both hold two tensors, one with the agent's values, one with the base's; the
+    agent's index swaps which shard each is read from. The same files, other bytes: new counts."""
+    agent = shutil.copytree(bf16_models.agents[0], str(tmp_path / "agent"))
+    names = ["model.layers.0.mlp.up_proj.weight", "model.layers.1.mlp.up_proj.weight"]
+    state = load_file(os.path.join(agent, "model.safetensors"))
+    base = load_file(os.path.join(bf16_models.base, "model.safetensors"))
+    save_file({name: state.pop(name) for name in names}, os.path.join(agent, "agent.safetensors"))
+    save_file({name: base[name] for name in names}, os.path.join(agent, "base.safetensors"))
+    save_file(state, os.path.join(agent, "model.safetensors"), metadata={"format": "pt"})
+    shards = ["agent.safetensors", "base.safetensors"]
+    weight_map = {tensor: "model.safetensors" for tensor in state} | dict(zip(names, shards))
+
+    def merge(out: str) -> dict[str, Any]:
+        with open(os.path.join(agent, "model.safetensors.index.json"), "w", encoding="utf-8") as handle:
+            json.dump({"weight_map": weight_map}, handle)
+        recipe = write_recipe(
+            str(tmp_path / f"{out}.yml"),
+            {
+                **bf16_models.recipe("ram_plus"),
+                "models": [{"model": agent}, *({"model": other} for other in bf16_models.agents[1:])],
+            },
+        )
+        if out == "first":
+            merge_in_process(recipe, str(tmp_path / out))
+        else:  # mergekit keeps the indexes it has read for the life of a process
+            log = run_script("mergekit-yaml", recipe, str(tmp_path / out), "-v").stderr
+            assert "pre-pass done" in log and "using cached counts" not in log
+        return {tensor["name"]: tensor for tensor in load_statistics(str(tmp_path / out))["tensors"]}
+
+    first = merge("first")
+    weight_map.update(zip(names, reversed(shards)))
+    second = merge("second")
+    assert [tensor for tensor in first if first[tensor] != second[tensor]] == names

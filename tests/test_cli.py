@@ -48,6 +48,9 @@ INTERNAL_RAISES = {
     "naming the file",
     "TypeError": "integration/inmemory.py: a wrong Python call shape (unexpected keyword arguments); "
     "integration/methods.py: mergekit's own check of in-memory groups",
+    "UnreadableFile": "files.py: caught by its callers, which name the file (checks.py in an InputError, cache.py "
+    "in a warning)",
+    "CorruptHeader": "checks.py: re-raised as InputError naming the model and the file",
 }
 
 

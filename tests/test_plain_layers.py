@@ -8,13 +8,22 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Optional
 
 import pytest
 import torch
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from mergekit_ram import cache
-from mergekit_ram.checks import HeaderCache, check_listed_once, check_models, check_tensors, planned_numel
+from mergekit_ram.checks import (
+    HEADER_LIMIT,
+    HeaderCache,
+    check_listed_once,
+    check_models,
+    check_tensors,
+    planned_numel,
+)
 from mergekit_ram.errors import InputError
 from mergekit_ram.parameters import ParameterError
 from mergekit_ram.planned import ModelIdentity, ModelPin, PlannedTensor, TensorInput, TensorParameters
@@ -115,8 +124,87 @@ def test_headers_are_read_once_and_tensors_checked(tmp_path) -> None:
     truncated = str(tmp_path / "t.safetensors")
     with open(base, "rb") as source, open(truncated, "wb") as target:
         target.write(source.read()[:20])
-    with pytest.raises(InputError, match=r"^a: cannot read .*t\.safetensors .* truncated or corrupt$"):
+    with pytest.raises(InputError, match=r"^a: cannot read .*t\.safetensors .* truncated or corrupt: download or"):
         headers.read("a", truncated)
+    (tmp_path / "pytorch_model.bin").write_bytes(b"not parsed here")
+    assert headers.read("a", str(tmp_path / "pytorch_model.bin")) is None  # mergekit reads it itself
+
+
+def raw(path: str, header: bytes, data: bytes = b"", length: Optional[int] = None) -> str:
+    """A file laid out as safetensors: 8-byte little-endian header length, header, data."""
+    with open(path, "wb") as handle:
+        handle.write((len(header) if length is None else length).to_bytes(8, "little") + header + data)
+    return path
+
+
+_U8 = b'"t": {"dtype": "U8", "shape": [2], "data_offsets": [0, 2]}'
+#: Crafted files, each read by safetensors itself and by the plugin's header check.
+HEADERS = {
+    "valid, with metadata": (b"{" + _U8 + b', "__metadata__": {"format": "pt"}}', b"ab"),
+    "whitespace around the JSON": (b" {" + _U8 + b"}\n ", b"ab"),
+    "no tensors": (b"{}", b""),
+    "an empty tensor and a scalar": (
+        b'{"e": {"dtype": "F32", "shape": [0, 3], "data_offsets": [0, 0]}, '
+        b'"s": {"dtype": "F32", "shape": [], "data_offsets": [0, 4]}}',
+        b"abcd",
+    ),
+    "sub-byte dtypes": (
+        b'{"a": {"dtype": "F4", "shape": [4], "data_offsets": [0, 2]}, '
+        b'"b": {"dtype": "F6_E2M3", "shape": [4], "data_offsets": [2, 5]}}',
+        b"abcde",
+    ),
+    "data cut short": (b"{" + _U8 + b"}", b"a"),
+    "bytes after the data": (b"{" + _U8 + b"}", b"abc"),
+    "a gap before a tensor": (b'{"t": {"dtype": "U8", "shape": [1], "data_offsets": [1, 2]}}', b"ab"),
+    "two tensors on the same bytes": (b"{" + _U8 + b", " + _U8.replace(b'"t"', b'"u"') + b"}", b"ab"),
+    "a size that does not fit the shape": (b'{"t": {"dtype": "F32", "shape": [2], "data_offsets": [0, 2]}}', b"ab"),
+    "an unknown dtype": (b'{"t": {"dtype": "Q8", "shape": [2], "data_offsets": [0, 2]}}', b"ab"),
+    "a negative extent": (b'{"t": {"dtype": "U8", "shape": [-2], "data_offsets": [0, 2]}}', b"ab"),
+    "a boolean offset": (b'{"t": {"dtype": "U8", "shape": [2], "data_offsets": [false, 2]}}', b"ab"),
+    "three offsets": (b'{"t": {"dtype": "U8", "shape": [2], "data_offsets": [0, 2, 2]}}', b"ab"),
+    "half a byte of F4": (b'{"t": {"dtype": "F4", "shape": [3], "data_offsets": [0, 2]}}', b"ab"),
+    "metadata that is not strings": (b'{"__metadata__": {"n": 1}}', b""),
+    "a list, not an object": (b"[1]", b""),
+    "bytes after the JSON": (b"{}\0", b""),
+    "not UTF-8": (b'{"\xff": {"dtype": "U8", "shape": [2], "data_offsets": [0, 2]}}', b"ab"),
+    "zeros (a sparse file)": (b"", b"\0" * 64),
+}
+
+
+@pytest.mark.parametrize("case", list(HEADERS), ids=list(HEADERS))
+def test_headers_are_checked_as_safetensors_checks_them(tmp_path, case: str) -> None:
+    file = raw(str(tmp_path / "m.safetensors"), *HEADERS[case])
+    try:
+        with safe_open(file, framework="pt") as handle:
+            expected: Optional[list[str]] = sorted(handle.keys())
+    except SafetensorError:
+        expected = None
+    try:
+        found: Optional[list[str]] = sorted(HeaderCache().read("m", file) or {})
+    except InputError as error:
+        assert "the file is truncated or corrupt" in str(error) and "\n" not in str(error)
+        found = None
+    assert found == expected
+
+
+def test_a_header_is_read_bounded_and_never_waited_on(tmp_path) -> None:
+    """A longer header than safetensors allows is refused unread; a FIFO, a device or a folder unopened."""
+    too_long = raw(str(tmp_path / "long.safetensors"), b"{}", length=HEADER_LIMIT + 1)
+    os.truncate(too_long, HEADER_LIMIT + 64)  # sparse: the announced header is there, but never read
+    with pytest.raises(InputError, match=r"\(a header of 100,000,001 bytes, more than the 100,000,000 safetensors"):
+        HeaderCache().read("m", too_long)
+    os.mkfifo(tmp_path / "fifo.safetensors")
+    os.mkfifo(tmp_path / "fifo.bin")  # not parsed, but mergekit's torch.load would wait on it
+    os.symlink("/dev/zero", tmp_path / "zero.safetensors")
+    os.mkdir(tmp_path / "folder.safetensors")
+    for name in ("fifo.safetensors", "fifo.bin", "zero.safetensors", "folder.safetensors"):
+        file = str(tmp_path / name)
+        with pytest.raises(InputError, match=rf"^m: cannot read {file} \(it is not a regular file\); put the model's"):
+            HeaderCache().read("m", file)
+    pointer = tmp_path / "lfs.safetensors"
+    pointer.write_text(f"version https://git-lfs.github.com/spec/v1\noid sha256:{'0' * 64}\nsize 1234\n")
+    with pytest.raises(InputError, match=r"lfs\.safetensors is a git-LFS pointer, not the weights: run `git lfs pull`"):
+        HeaderCache().read("m", str(pointer))
 
 
 def test_cache_key_follows_what_the_counts_depend_on(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -138,6 +226,24 @@ def test_cache_key_follows_what_the_counts_depend_on(tmp_path, monkeypatch: pyte
     headers = HeaderCache()
     assert cache.load(key, [tensor], headers) == [counts]
     path = os.path.join(str(tmp_path / "cache"), "prepass", f"{key}.json")
+    tensors = [{**counts_to_dict(counts), "numel": 7}]
     with open(path, "w", encoding="utf-8") as handle:
-        json.dump({"tensors": [{**counts_to_dict(counts), "numel": 7}]}, handle)
+        json.dump({"tensors": tensors, "sha256": cache.checksum(tensors)}, handle)
     assert cache.load(key, [tensor], headers) is None  # 7 elements where the header says 6
+
+
+def test_cache_key_follows_the_file_each_input_is_read_from(tmp_path) -> None:
+    """Two shards that both hold ``w``: which one a model's index names decides the counts."""
+    base = write(str(tmp_path / "base.safetensors"), w=torch.zeros(2, 3))
+    first = write(str(tmp_path / "a-1.safetensors"), w=torch.ones(2, 3))
+    second = write(str(tmp_path / "a-2.safetensors"), w=torch.full((2, 3), 2.0))
+    one = planned("w", TensorInput("base", base, "w"), TensorInput("a", first, "w"), TensorInput("b", second, "w"))
+    swapped = PlannedTensor(
+        **{**one.__dict__, "inputs": (one.inputs[0], TensorInput("a", second, "w"), TensorInput("b", first, "w"))}
+    )
+    keys = {cache.cache_key([swapped]), cache.cache_key([one])}  # the same files, read for other models
+    index = tmp_path / "model.safetensors.index.json"  # the index the folder is read through
+    for weight_map in ({"w": "a-1.safetensors"}, {"w": "a-2.safetensors"}):
+        index.write_text(json.dumps({"weight_map": weight_map}), encoding="utf-8")
+        keys.add(cache.cache_key([one]))
+    assert len(keys) == 4

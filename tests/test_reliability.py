@@ -9,6 +9,7 @@ they drift (``UPDATE_RELIABILITY_DOC=1`` rewrites the doc's table from the cases
 from __future__ import annotations
 
 import glob
+import json
 import os
 import re
 import shutil
@@ -126,6 +127,37 @@ def _truncated(models: ModelSet, root: str) -> dict[str, Any]:
     return recipe
 
 
+def _indexed(change: Callable[[str, dict[str, str]], str]) -> Callable[[ModelSet, str], dict[str, Any]]:
+    """The tool agent with a model.safetensors.index.json, its text made by ``change(folder, weight_map)``."""
+
+    def make(models: ModelSet, root: str) -> dict[str, Any]:
+        agent = _copy(models.agents[1], root, "tool-agent-indexed")
+        weight_map = {name: "model.safetensors" for name in load_file(os.path.join(agent, "model.safetensors"))}
+        with open(os.path.join(agent, "model.safetensors.index.json"), "w", encoding="utf-8") as handle:
+            handle.write(change(agent, weight_map))
+        recipe = models.recipe("ram_plus")
+        recipe["models"][1] = {"model": agent}
+        return recipe
+
+    return make
+
+
+def _outside(agent: str, weight_map: dict[str, str]) -> str:
+    weight_map["lm_head.weight"] = "../tool-agent-copy/model.safetensors"
+    shutil.copytree(agent, os.path.join(os.path.dirname(agent), "tool-agent-copy"))
+    return json.dumps({"weight_map": weight_map})
+
+
+def _lfs_pointer(models: ModelSet, root: str) -> dict[str, Any]:
+    """The tool agent cloned without git-lfs: its weights are a pointer file."""
+    agent = _copy(models.agents[1], root, "tool-agent-lfs")
+    with open(os.path.join(agent, "model.safetensors"), "w", encoding="utf-8") as handle:
+        handle.write(f"version https://git-lfs.github.com/spec/v1\noid sha256:{'0' * 64}\nsize 41344\n")
+    recipe = models.recipe("ram_plus")
+    recipe["models"][1] = {"model": agent}
+    return recipe
+
+
 def _integer_buffers(differ: bool) -> Callable[[ModelSet, str], dict[str, Any]]:
     def make(models: ModelSet, root: str) -> dict[str, Any]:
         paths = []
@@ -175,6 +207,17 @@ CASES = [
     Case("a misspelled parameter name", _with_parameters(apha=2.0), "unknown parameter 'apha'"),
     Case("a model path that does not exist", _missing_path, "does not exist"),
     Case("a truncated safetensors file", _truncated, "the file is truncated or corrupt"),
+    Case("weights that are a git-LFS pointer (cloned without git-lfs)", _lfs_pointer, "run `git lfs pull`"),
+    Case(
+        "a truncated model.safetensors.index.json",
+        _indexed(lambda agent, weight_map: json.dumps({"weight_map": weight_map})[:200]),
+        "cannot use its index",
+    ),
+    Case(
+        "an index naming a file outside the model's folder (`../`)",
+        _indexed(_outside),
+        "which is not a file in the model's folder",
+    ),
     Case(
         "integer buffers that differ between models (`mergekit-pytorch`, which merges every tensor)",
         _integer_buffers(differ=True),

@@ -29,8 +29,20 @@ _WITHOUT_PLUGIN = {
 }
 
 
+def terminal_text(text: str) -> str:
+    """``text`` with each unprintable character (a line break, a terminal escape) written as its
+    escape sequence: a model path cannot break a table's rows or drive the terminal."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
+def markdown_cell(value: object) -> str:
+    """``str(value)`` as one cell of a markdown table: ``|`` escaped, line breaks as ``<br>``."""
+    return "<br>".join(str(value).replace("|", "\\|").splitlines())
+
+
 def format_table(rows: Sequence[Sequence[str]], left_columns: int = 1) -> str:
     """Fixed-width columns; the first ``left_columns`` left-aligned, the rest right-aligned."""
+    rows = [[terminal_text(cell) for cell in row] for row in rows]
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = [
         "  ".join(cell.ljust(w) if i < left_columns else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
@@ -46,10 +58,11 @@ def markdown_table(rows: Sequence[Sequence[object]], align: str = "lr") -> str:
     ``align`` has one letter per column, ``l`` (``---``) or ``r`` (``---:``); its last letter
     repeats for the columns beyond it: ``"lr"``, the default, is the first column left-aligned
     and the rest right-aligned (as :func:`format_table`), ``"l"`` every column left-aligned.
+    Cells go through :func:`markdown_cell`.
     """
     width = len(rows[0])
     letters = align.ljust(width, align[-1])[:width]
-    lines = ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+    lines = ["| " + " | ".join(markdown_cell(cell) for cell in row) + " |" for row in rows]
     lines.insert(1, "|" + "|".join("---:" if letter == "r" else "---" for letter in letters) + "|")
     return "\n".join(lines)
 
@@ -159,16 +172,22 @@ def card_markdown(statistics: RamStatistics) -> str:
         f"Merged with `{statistics.method}` ({settings}); counts from the {statistics.source}, "
         f"mergekit-ram {versions.get('mergekit-ram', '?')}, mergekit {versions.get('mergekit', '?')}.",
         "",
-        "| model | density | changed | shared | unique | rho | lambda |",
-        "|---|---:|---:|---:|---:|---:|---:|",
     ]
+    rows: list[Sequence[object]] = [("model", "density", "changed", "shared", "unique", "rho", "lambda")]
     for stats in statistics.models:
         pin = f" ({stats.pinned} pinned)" if stats.pinned else ""
-        lines.append(
-            f"| {stats.model} | {100 * stats.density:.2f}% | {stats.active:,} | {stats.shared:,} | "
-            f"{stats.unique:,} | {format_rho(stats.rho)} | {stats.lambda_:.4f}{pin} |"
+        rows.append(
+            (
+                stats.model,
+                f"{100 * stats.density:.2f}%",
+                f"{stats.active:,}",
+                f"{stats.shared:,}",
+                f"{stats.unique:,}",
+                format_rho(stats.rho),
+                f"{stats.lambda_:.4f}{pin}",
+            )
         )
-    lines += ["", f"Full counts per tensor: `{STATISTICS_FILE}`.", ""]
+    lines += [markdown_table(rows), "", f"Full counts per tensor: `{STATISTICS_FILE}`.", ""]
     return "\n".join(lines)
 
 

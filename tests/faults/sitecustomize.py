@@ -97,7 +97,7 @@ def _in_transaction():
     """Whether the caller (past os.py and files.py) is the output transaction, mergekit_ram/staging.py."""
     frame = sys._getframe(2)
     while frame is not None and frame.f_code.co_filename.endswith(
-        ("<frozen os>", os.sep + "os.py", os.sep + "files.py")
+        ("<frozen os>", os.sep + "os.py", os.sep + "files.py", os.sep + "contextlib.py")
     ):
         frame = frame.f_back
     return frame is not None and frame.f_code.co_filename.endswith(os.path.join("mergekit_ram", "staging.py"))
