@@ -746,3 +746,13 @@ def test_ties_passes(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> Non
         calls.clear()
         merge_tensors(base, finetunes_, EPSILON, workers=1, shared="ties", density=density, chunk_elements=50)
         assert calls == shifts
+
+
+def test_finite_sums_far_apart_are_no_overflow() -> None:
+    """Shared mean -1e38 beside a scaled sum of 2.7e38 (their difference overflows): blended exactly, no error."""
+    base = torch.zeros(2)
+    finetunes = [torch.tensor([3e38, 1.0]), torch.tensor([-3e38, 0.0]), torch.tensor([-3e38, 0.0])]
+    lambdas = [1.1, 0.1, 0.1]
+    result = merge_tensors(base, finetunes, EPSILON, lambdas, workers=1).merged
+    assert same_bits(result, reference.merge(base, finetunes, EPSILON, lambdas))
+    assert result.tolist() == [(torch.tensor(-3e38) / 3).item(), torch.tensor(1.1).item()]
