@@ -35,7 +35,7 @@ bfloat16 base (4 bytes less for a float32 one), up to 15 models: 20 bytes for "m
 same pass (14 when only counting). Beyond 15 models the statistics' integer codes widen from 2
 to 4 bytes; beyond 24 the pattern is int64, with an int64 copy of each mask. "ties" with
 density < 1 first finds each model's k-th smallest magnitude exactly, by a radix select over
-the chunks (two passes of 16 bits in float32, four in float64; none when k == 0): 20 bytes per
+the chunks (two passes of 16 bits in float32, four in float64; none when k == 0): 16 bytes per
 chunk element and N + 1 tables of 2**16 counters (0.5 MiB each) per worker. Counting adds a
 table of 2**N counters per worker. Beyond these only the output is allocated. With float64
 arithmetic each float buffer is twice as wide.
@@ -898,15 +898,19 @@ def _select_digit(table: torch.Tensor, prefix: int, rank: int) -> tuple[int, int
 class _RadixScratch:
     """One worker's buffers for one radix-select pass: per model, a histogram of one 16-bit digit.
 
-    The entries are |tau_t| m_t at the shared positions; a digit is counted where the higher
-    bits equal the model's prefix so far (all of them in the first pass). Unshared positions
-    read as 0 (``_kept_from`` takes them off). ``shared`` counts the shared positions.
+    The entries are |tau_t| at the shared positions, inactive ones included: they are at most
+    epsilon, below every active entry, so the k-th smallest is the same as with zeros for them
+    wherever it exceeds epsilon, and at most epsilon where zeros would give 0 (``_kept_from``
+    raises it above epsilon either way). A digit is counted where the higher bits equal the
+    model's prefix so far. Unshared positions read as 0 (``_kept_from`` takes them off);
+    ``shared`` counts the shared positions.
     """
 
     def __init__(self, size: int, n: int, like: torch.Tensor, dtype: torch.dtype) -> None:
         device = like.device
+        self.first_shift = torch.finfo(dtype).bits - _DIGIT_BITS
         self.base = _ArithmeticBase(size, like, dtype)
-        self.tau, self.active, self.mask = (torch.empty(size, dtype=dtype, device=device) for _ in range(3))
+        self.tau, self.mask = (torch.empty(size, dtype=dtype, device=device) for _ in range(2))
         self.keys = torch.empty(size, dtype=torch.int32 if dtype == torch.float32 else torch.int64, device=device)
         self.tables = torch.zeros((n, 1 << _DIGIT_BITS), dtype=torch.int64, device=device)
         self.shared = 0
@@ -924,16 +928,19 @@ class _RadixScratch:
         """Count one chunk's digits ``(bits >> shift) & 0xFFFF`` of the entries under each model's prefix."""
         length = base.numel()
         base_c = self.base.load(base)
-        tau, active, shared, keys = self.tau[:length], self.active[:length], self.mask[:length], self.keys[:length]
+        tau, shared, keys = self.tau[:length], self.mask[:length], self.keys[:length]
+        first = shift == self.first_shift
         for index, finetune in enumerate(finetunes):
-            _update_and_mask(finetune, base_c, epsilon, active, active, (base, finetunes))
-            _add(shared, index == 0, active)
+            _update_and_mask(finetune, base_c, epsilon, tau, tau, (base, finetunes) if first else None)
+            _add(shared, index == 0, tau)
         torch.ge(shared, 2, out=shared)  # c >= 2
         self.shared += int(shared.sum().item())
         for index, finetune in enumerate(finetunes):
-            _update_and_mask(finetune, base_c, epsilon, tau, active)
-            tau.abs_().mul_(active.mul_(shared))  # |tau_t| m_t where shared, else 0
-            torch.bitwise_right_shift(tau.view(keys.dtype), shift, out=keys)
+            torch.sub(finetune, base_c, out=tau)
+            torch.bitwise_right_shift(tau.abs_().mul_(shared).view(keys.dtype), shift, out=keys)
+            if first:  # every entry's top digit
+                self.tables[index] += torch.bincount(keys, minlength=1 << _DIGIT_BITS)
+                continue
             # the digit + 1 under the prefix; 0 below it, 2**16 + 1 above
             keys.sub_((prefixes[index] << _DIGIT_BITS) - 1).clamp_(0, (1 << _DIGIT_BITS) + 1)
             self.tables[index] += torch.bincount(keys, minlength=(1 << _DIGIT_BITS) + 2)[1:-1]
