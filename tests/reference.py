@@ -67,10 +67,10 @@ def lambda_soft(rho_value: float, r: float) -> float:
     return 1.0 + r * (1.0 if math.isinf(rho_value) else rho_value / (1.0 + rho_value))
 
 
-def merge(
+def _unique_region(
     base: torch.Tensor, finetunes: Sequence[torch.Tensor], epsilon: float, lambdas: Sequence[float]
-) -> torch.Tensor:
-    """theta_pre + tau_merged: 0 where c = 0, lambda_t tau_t where only t, mean where c >= 2."""
+) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """theta_pre in the arithmetic dtype, tau_t, m_t, c, and lambda_t * tau_t where only t changed (0 elsewhere)."""
     dtype = arithmetic_dtype(base, finetunes)
     base32 = base.to(dtype)
     taus = [finetune.to(dtype) - base32 for finetune in finetunes]
@@ -78,12 +78,77 @@ def merge(
     overlap = torch.zeros(base.shape, dtype=torch.int64)
     for mask in m:
         overlap = overlap + mask.to(torch.int64)
-    active_sum = torch.zeros_like(base32)
-    for tau, mask in zip(taus, m):
-        active_sum = active_sum + torch.where(mask, tau, torch.zeros_like(tau))
-    mean = active_sum / overlap.clamp(min=1).to(dtype)
     single = torch.zeros_like(base32)
     for tau, mask, lam in zip(taus, m, lambdas):
         single = torch.where(mask & (overlap == 1), torch.tensor(lam, dtype=dtype) * tau, single)
+    return base32, taus, m, overlap, single
+
+
+def merge(
+    base: torch.Tensor, finetunes: Sequence[torch.Tensor], epsilon: float, lambdas: Sequence[float]
+) -> torch.Tensor:
+    """theta_pre + tau_merged: 0 where c = 0, lambda_t tau_t where only t, mean where c >= 2."""
+    base32, taus, m, overlap, single = _unique_region(base, finetunes, epsilon, lambdas)
+    active_sum = torch.zeros_like(base32)
+    for tau, mask in zip(taus, m):
+        active_sum = active_sum + torch.where(mask, tau, torch.zeros_like(tau))
+    mean = active_sum / overlap.clamp(min=1).to(base32.dtype)
     tau_merged = torch.where(overlap >= 2, mean, torch.where(overlap == 1, single, torch.zeros_like(base32)))
     return base32 + tau_merged
+
+
+def unique_merge(
+    base: torch.Tensor, finetunes: Sequence[torch.Tensor], epsilon: float, scales: Sequence[float]
+) -> torch.Tensor:
+    """ram_unique: theta_pre + scale_t tau_t where only t changed an element; the base everywhere else."""
+    base32, _, _, _, single = _unique_region(base, finetunes, epsilon, scales)
+    return base32 + single
+
+
+def ties_keep(
+    base: torch.Tensor, finetunes: Sequence[torch.Tensor], epsilon: float, density: float
+) -> list[torch.Tensor]:
+    """ram_ties' kept entries per model: at the P shared positions (c >= 2), the model's update (0 where
+    inactive) kept where its magnitude is at least the k-th smallest of those P magnitudes,
+    k = floor(P * (1 - density)), every one when k = 0; only nonzero entries count."""
+    base32, taus, m, overlap, _ = _unique_region(base, finetunes, epsilon, [1.0] * len(finetunes))
+    shared = overlap >= 2
+    positions = int(shared.sum())
+    k = math.floor(positions * (1 - density))
+    kept = []
+    for tau, mask in zip(taus, m):
+        entries = torch.where(mask, tau, torch.zeros_like(tau)).detach()[shared]
+        keep = entries != 0
+        if k > 0:
+            keep = keep & (entries.abs() >= entries.abs().kthvalue(k).values)
+        full = torch.zeros(base.shape, dtype=torch.bool)
+        full[shared] = keep
+        kept.append(full)
+    return kept
+
+
+def ties_merge(
+    base: torch.Tensor,
+    finetunes: Sequence[torch.Tensor],
+    epsilon: float,
+    density: float,
+    lambdas: Sequence[float] | None = None,
+) -> torch.Tensor:
+    """ram_ties: lambda_t tau_t where only t changed an element; where several did, the kept entries
+    (``ties_keep``) elect a sign, (sum of kept positive) - (sum of kept negative magnitudes), none
+    where it is 0, and tau_merged is the mean of the kept entries with that sign (0 if none)."""
+    base32, taus, _, overlap, single = _unique_region(base, finetunes, epsilon, lambdas or [1.0] * len(finetunes))
+    kept = ties_keep(base, finetunes, epsilon, density)
+    zero = torch.zeros_like(base32)
+    positive_mass, negative_mass = zero, zero
+    for tau, keep in zip(taus, kept):
+        positive_mass = positive_mass + torch.where(keep & (tau > 0), tau, zero)
+        negative_mass = negative_mass + torch.where(keep & (tau < 0), -tau, zero)
+    elected = torch.sign(positive_mass - negative_mass).detach()
+    agreeing_sum, agreeing = zero, torch.zeros(base.shape, dtype=torch.int64)
+    for tau, keep in zip(taus, kept):
+        agrees = keep & (elected != 0) & (torch.sign(tau.detach()) == elected)
+        agreeing_sum = agreeing_sum + torch.where(agrees, tau, zero)
+        agreeing = agreeing + agrees.to(torch.int64)
+    mean = agreeing_sum / agreeing.clamp(min=1).to(base32.dtype)
+    return base32 + torch.where(overlap >= 2, mean, torch.where(overlap == 1, single, zero))

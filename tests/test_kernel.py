@@ -16,11 +16,14 @@ import pytest
 import torch
 
 from benchmarks.memory import peak_allocated_bytes
+from mergekit_ram import kernel
 from mergekit_ram.kernel import (
     CHUNK_ELEMENTS,
     MergeOverflowError,
     NonFiniteInputError,
+    _kept_from,
     _map_chunks,
+    compute_dtype,
     count_overlaps,
     merge_tensors,
 )
@@ -253,6 +256,21 @@ SCRATCH_BOUNDS: dict[str, tuple[Callable[[torch.Tensor, list[torch.Tensor], int]
         30,
     ),
     "pre-pass (count only)": (lambda base, fts, n: count_overlaps(base, fts, EPSILON, workers=1), False, 14),
+    "ram_ties merge pass": (
+        lambda base, fts, n: merge_tensors(base, fts, EPSILON, workers=1, shared="ties", density=1.0),
+        True,
+        36,
+    ),
+    "ram_ties with statistics": (
+        lambda base, fts, n: merge_tensors(base, fts, EPSILON, workers=1, count=True, shared="ties", density=1.0),
+        True,
+        42,
+    ),
+    "ram_unique": (
+        lambda base, fts, n: merge_tensors(base, fts, EPSILON, [0.5] * n, workers=1, shared="base"),
+        True,
+        20,
+    ),
 }
 
 
@@ -273,6 +291,17 @@ def test_scratch_memory_is_bounded_and_independent_of_n(mode: str) -> None:
     assert max(scratch.values()) - min(scratch.values()) < 4096, scratch  # a bincount of 2**N counters at most
     assert max(scratch.values()) <= bytes_per_element * CHUNK_ELEMENTS + 4096, scratch
     assert max(scratch.values()) > (bytes_per_element - 2) * CHUNK_ELEMENTS, scratch  # the bound is tight
+
+
+def test_ties_radix_scratch_memory_is_bounded() -> None:
+    """The threshold search: 16 bytes per chunk element and 2**16 counters per model and one more, whatever the size."""
+    for numel in (2 * CHUNK_ELEMENTS, 5 * CHUNK_ELEMENTS):
+        for n in (2, 5):
+            base, finetunes, _ = designed_group(n, shape=(numel,), dtype=torch.bfloat16)
+            scratch = peak_scratch_bytes(
+                functools.partial(_kept_from, base, finetunes, EPSILON, 0.1, CHUNK_ELEMENTS, 1)
+            )
+            assert abs(scratch - 16 * CHUNK_ELEMENTS - (n + 1) * (8 << 16)) < 4096, (numel, n, scratch)
 
 
 def test_chunk_boundaries_do_not_change_results() -> None:
@@ -463,3 +492,271 @@ def test_pool_threads_leave_the_process_default_alone() -> None:
     thread.start()
     thread.join()
     assert later == [saved]
+
+
+# --- The shared region's rules: "ties" (ram_ties) and "base" (ram_unique) -------------------------
+
+BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32, torch.float64: torch.int64}
+
+
+def same_bits(ours: torch.Tensor, expected: torch.Tensor) -> bool:
+    """The same dtype, shape and bytes (0.0 and -0.0 differ here)."""
+    return ours.dtype == expected.dtype and torch.equal(ours.view(BITS[ours.dtype]), expected.view(BITS[ours.dtype]))
+
+
+def hand_group() -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Nine elements, three models; every value is dyadic, so base + tau and the sums are exact.
+
+    element:   0  1 (only 0)  2 (only 2)  3     4    5    6     7     8
+    tau_0:     0  2           0           1     1    1   -4     0     0.125
+    tau_1:     0  0           0          -2     0.5  3    0    -0.5  -0.0625
+    tau_2:     0  0          -0.5         0.25  0.5 -1    0.75  0.5   0
+    Shared: 3..8 (P = 6). With density 0.5, k = 3: the thresholds are model 0's 1 (the 3rd
+    smallest of 0, 0.125, 1, 1, 1, 4: three equal magnitudes straddle k, all kept), model 1's
+    0.5 (of 0, 0.0625, 0.5, 0.5, 2, 3) and model 2's 0.5 (of 0, 0.25, 0.5, 0.5, 0.75, 1).
+    """
+    taus = torch.tensor(
+        [
+            [0.0, 2.0, 0.0, 1.0, 1.0, 1.0, -4.0, 0.0, 0.125],
+            [0.0, 0.0, 0.0, -2.0, 0.5, 3.0, 0.0, -0.5, -0.0625],
+            [0.0, 0.0, -0.5, 0.25, 0.5, -1.0, 0.75, 0.5, 0.0],
+        ]
+    )
+    base = torch.tensor([0.5, -0.25, 1.5, 2.0, -1.0, 0.75, 3.0, -2.5, 1.25])
+    return base, [base + tau for tau in taus]
+
+
+HAND_LAMBDAS = [1.5, 1.0, 2.0]
+#: tau_merged of hand_group by density: 3: kept 1 and -2 elect -, mean -2; 4: all kept, +, 2 / 3;
+#: 5: 1 + 3 against 1 elects +, mean 2; 6: -4 against 0.75, -4; 7: 0.5 against 0.5, a sign tie:
+#: none; 8: 0.125 and -0.0625 both trimmed at density 0.5 (none kept), + at density 1.
+HAND_TIES = {
+    0.5: [0.0, 3.0, -1.0, -2.0, 2 / 3, 2.0, -4.0, 0.0, 0.0],
+    1.0: [0.0, 3.0, -1.0, -2.0, 2 / 3, 2.0, -4.0, 0.0, 0.125],
+}
+
+
+@pytest.mark.parametrize("density", HAND_TIES)
+def test_ties_by_hand(density: float) -> None:
+    """Trimming with equal magnitudes at the threshold, an elected sign, a sign tie, all trimmed, lambdas."""
+    base, finetunes = hand_group()
+    result = merge_tensors(base, finetunes, EPSILON, HAND_LAMBDAS, workers=1, shared="ties", density=density)
+    expected = base + torch.tensor(HAND_TIES[density])  # 2 / 3 rounded once to float32, then added
+    assert same_bits(result.merged, expected)
+    assert result.merged[7] == base[7] and result.merged[0] == base[0]  # a sign tie, and no change, keep the base
+    assert same_bits(result.merged, reference.ties_merge(base, finetunes, EPSILON, density, HAND_LAMBDAS))
+    many_chunks = merge_tensors(
+        base, finetunes, EPSILON, HAND_LAMBDAS, workers=2, shared="ties", density=density, chunk_elements=2
+    )
+    assert same_bits(many_chunks.merged, expected)
+
+
+def test_unique_by_hand() -> None:
+    """ram_unique: the scaled unique updates (scale 0 keeps the base), the base at every shared position."""
+    base, finetunes = hand_group()
+    for scales, unique in (([1.5, 1.0, 2.0], [3.0, -1.0]), ([0.0, 1 / 3, 1.0], [0.0, -0.5]), (None, [2.0, -0.5])):
+        result = merge_tensors(base, finetunes, EPSILON, scales, workers=1, shared="base").merged
+        expected = base.clone()
+        expected[1:3] += torch.tensor(unique)
+        assert same_bits(result, expected)
+        assert same_bits(result, reference.unique_merge(base, finetunes, EPSILON, scales or [1.0] * 3))
+
+
+def test_ties_gradients_by_hand() -> None:
+    """d merged / d theta_t: 1 / n where t's kept entry agrees with the elected sign, lambda_t where only t changed."""
+    base, finetunes = hand_group()
+    leaves = [tensor.clone().requires_grad_(True) for tensor in (base, *finetunes)]
+    result = merge_tensors(leaves[0], leaves[1:], EPSILON, HAND_LAMBDAS, workers=1, shared="ties", density=0.5)
+    result.merged.sum().backward()
+    third = (torch.tensor(1.0) / 3).item()
+    assert leaves[1].grad.tolist() == [0.0, 1.5, 0.0, 0.0, third, 0.5, 1.0, 0.0, 0.0]
+    assert leaves[2].grad.tolist() == [0.0, 0.0, 0.0, 1.0, third, 0.5, 0.0, 0.0, 0.0]
+    assert leaves[3].grad.tolist() == [0.0, 0.0, 2.0, 0.0, third, 0.0, 0.0, 0.0, 0.0]
+    assert leaves[0].grad.tolist() == [1.0, -0.5, -1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 1.0]  # 1 - the sum, exactly
+
+
+def kth_magnitudes(base: torch.Tensor, finetunes: list[torch.Tensor], density: float) -> list[float]:
+    """torch.kthvalue of each model's |tau_t| m_t over the shared positions (reference.ties_keep's threshold)."""
+    dtype = reference.arithmetic_dtype(base, finetunes)
+    masks = reference.masks(base, finetunes, EPSILON)
+    shared = torch.stack(masks).sum(0) >= 2
+    k = math.floor(int(shared.sum()) * (1 - density))
+    entries = [((finetune.to(dtype) - base.to(dtype)) * mask)[shared].abs() for finetune, mask in zip(finetunes, masks)]
+    return [entry.kthvalue(k).values.item() for entry in entries]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("density", [0.1, 0.5, 1e-4, 0.9])
+def test_ties_thresholds_are_kthvalue_bit_for_bit(dtype: torch.dtype, density: float) -> None:
+    """The radix select over many chunks on two workers gives torch.kthvalue's magnitude exactly.
+
+    Four models each changing 80% of 3000 elements, by changes of different sizes, the others
+    by noise under epsilon (float32, float64); the bfloat16 ones repeat magnitudes a lot, so
+    many equal values straddle k. At density 0.9 the k-th smallest is an inactive entry's 0.
+    """
+    generator = torch.Generator().manual_seed(7)
+    base = torch.randn(3000, generator=generator, dtype=torch.float64).to(dtype)
+    scales = torch.tensor([[0.01], [0.03], [0.05], [0.1]])
+    noise = (torch.rand(4, 3000, generator=generator) - 0.5) * EPSILON
+    changes = torch.where(
+        torch.rand(4, 3000, generator=generator) < 0.8, scales * torch.randn(4, 3000, generator=generator), noise
+    )
+    finetunes = [(base.double() + change).to(dtype) for change in changes]
+    arithmetic = compute_dtype(dtype)
+    above_epsilon = torch.nextafter(torch.tensor(EPSILON, dtype=arithmetic), torch.tensor(1.0, dtype=arithmetic))
+    expected = [max(kth, above_epsilon.item()) for kth in kth_magnitudes(base, finetunes, density)]
+    assert len(set(expected)) == (1 if density == 0.9 else 4)  # one threshold per model, or epsilon's
+    assert _kept_from(base, finetunes, EPSILON, density, 333, 2) == tuple(expected)
+    assert _kept_from(base, finetunes, EPSILON, 1.0, 333, 2) == (above_epsilon.item(),) * 4  # k == 0
+
+
+RULE_CASES = {
+    "ties": lambda base, fts, lambdas, density: reference.ties_merge(base, fts, EPSILON, density, lambdas),
+    "base": lambda base, fts, lambdas, density: reference.unique_merge(base, fts, EPSILON, lambdas),
+    "mean": lambda base, fts, lambdas, density: reference.merge(base, fts, EPSILON, lambdas),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("n", [2, 3, 5])
+@pytest.mark.parametrize("rule", RULE_CASES)
+def test_rules_equal_the_reference_bit_for_bit(dtype: torch.dtype, n: int, rule: str) -> None:
+    """Every density (tiny, 0.1, 0.5, 1: no trimming), with lambdas, one chunk or many, one or two workers."""
+    base, finetunes, _ = designed_group(n, shape=(50, 41), dtype=dtype, seed=n)
+    lambdas = [[1.0, 0.0, 1 / 3, 1.2, 0.9][index] for index in range(n)]
+    for density in (1e-3, 0.1, 0.5, 1.0):
+        expected = RULE_CASES[rule](base, finetunes, lambdas, density).to(dtype)
+        whole = merge_tensors(base, finetunes, EPSILON, lambdas, workers=1, shared=rule, density=density)
+        chunked = merge_tensors(
+            base, finetunes, EPSILON, lambdas, workers=2, shared=rule, density=density, chunk_elements=97
+        )
+        assert same_bits(whole.merged, expected), (density, int((whole.merged != expected).sum()))
+        assert same_bits(chunked.merged, expected)
+        if rule != "ties":
+            break
+
+
+def test_ties_without_shared_positions_is_the_unique_rule() -> None:
+    """P == 0: nothing to trim (no radix pass), the unique updates scaled, the rest the base."""
+    base = torch.linspace(-1, 1, 12)
+    first, second = base.clone(), base.clone()
+    first[:4] += 0.25
+    second[6:8] -= 0.5
+    ties = merge_tensors(base, [first, second], EPSILON, [2.0, 3.0], workers=1, shared="ties", density=0.1)
+    unique = merge_tensors(base, [first, second], EPSILON, [2.0, 3.0], workers=1, shared="base")
+    expected = base.clone()
+    expected[:4] += 0.5
+    expected[6:8] -= 1.5
+    assert same_bits(ties.merged, expected) and same_bits(unique.merged, expected)
+    assert same_bits(ties.merged, reference.ties_merge(base, [first, second], EPSILON, 0.1, [2.0, 3.0]))
+
+
+def test_histograms_are_the_same_for_every_rule() -> None:
+    base, finetunes, _ = designed_group(3, shape=(1000, 7), dtype=torch.bfloat16)
+    expected = count_overlaps(base, finetunes, EPSILON, workers=1).histograms
+    assert [list(row) for row in expected] == reference.counts(base, finetunes, EPSILON).histograms
+    for rule in RULE_CASES:
+        for workers, chunk in ((1, CHUNK_ELEMENTS), (2, 499)):
+            result = merge_tensors(
+                base,
+                finetunes,
+                EPSILON,
+                [1.2, 0.5, 1.0],
+                workers=workers,
+                count=True,
+                shared=rule,
+                chunk_elements=chunk,
+            )
+            plain = merge_tensors(base, finetunes, EPSILON, [1.2, 0.5, 1.0], workers=1, shared=rule)
+            assert result.histograms == expected
+            assert same_bits(result.merged, plain.merged)
+
+
+@pytest.mark.parametrize("rule", RULE_CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rule_gradients_equal_the_reference(rule: str, dtype: torch.dtype) -> None:
+    """Chunked gradients on two workers: the fine-tunes' exactly the reference's, the base's 1 - their sum."""
+    base, finetunes, _ = designed_group(3, shape=(300, 7), dtype=dtype)
+    lambdas = [1.2, 0.0, 1 / 3]
+    leaves = [tensor.clone().requires_grad_(True) for tensor in (base, *finetunes)]
+    result = merge_tensors(
+        leaves[0], leaves[1:], EPSILON, lambdas, workers=2, shared=rule, density=0.3, chunk_elements=500
+    )
+    assert result.merged.grad_fn is not None
+    plain = merge_tensors(base, finetunes, EPSILON, lambdas, workers=1, shared=rule, density=0.3)
+    assert same_bits(result.merged.detach(), plain.merged)
+    weights = torch.randn(base.shape, generator=torch.Generator().manual_seed(1))
+    (result.merged.float() * weights).sum().backward()
+    references = [tensor.clone().requires_grad_(True) for tensor in (base, *finetunes)]
+    (RULE_CASES[rule](references[0], references[1:], lambdas, 0.3).to(dtype).float() * weights).sum().backward()
+    for ours, theirs in zip(leaves[1:], references[1:]):
+        assert torch.equal(ours.grad, theirs.grad)  # equal values; a zero's sign may differ
+    torch.testing.assert_close(leaves[0].grad.float(), references[0].grad.float(), rtol=0, atol=2.5e-7)
+
+
+def test_rule_errors_name_the_input_or_the_overflow() -> None:
+    """A NaN input is named under every rule; an overflow is an error where it reaches the result.
+
+    The unique rule's shared region keeps the base: the sum of the updates there may overflow.
+    """
+    base, finetunes, _ = designed_group(3)
+    finetunes = [base + 0.01, finetunes[1].clone(), base - 0.01]
+    finetunes[1][5, 5] = math.nan  # where the other two changed the base: a shared position
+    for rule, density in (("ties", 0.1), ("ties", 1.0), ("base", 0.1)):
+        with pytest.raises(NonFiniteInputError) as error:
+            merge_tensors(base, finetunes, EPSILON, workers=1, shared=rule, density=density)
+        assert error.value.index == 1
+    big = 3.0e38
+    base = torch.zeros(4)
+    overflowing = [torch.tensor([big, big, 0.0, 5.0]), torch.tensor([big, 0.0, 0.0, 0.0])]  # shared 0; unique 1, 3
+    unique = merge_tensors(base, overflowing, EPSILON, workers=1, shared="base").merged
+    assert unique.tolist() == [0.0, torch.tensor(big).item(), 0.0, 5.0]
+    for density in (0.1, 1.0):
+        with pytest.raises(MergeOverflowError) as error:
+            merge_tensors(base, overflowing, EPSILON, workers=1, shared="ties", density=density)
+        assert (error.value.cause, error.value.dtype) == ("sum", torch.float32)
+    assert same_bits(merge_tensors(base, overflowing, EPSILON, [1.0, 1e38], workers=1, shared="base").merged, unique)
+    with pytest.raises(MergeOverflowError) as error:  # 1e38 * 5 where only model 0 changed
+        merge_tensors(base, overflowing, EPSILON, [1e38, 1.0], workers=1, shared="base")
+    assert (error.value.cause, error.value.index) == ("lambda", 0)
+    apart = [torch.tensor([3e38, 0.0]), torch.tensor([0.0, 0.0])]
+    with pytest.raises(MergeOverflowError):  # tau = 3e38 - (-3e38) overflows before any trimming
+        merge_tensors(torch.tensor([-3e38, 0.0]), apart, EPSILON, workers=1, shared="ties", density=0.5)
+
+
+def test_bad_rules_are_refused() -> None:
+    base, finetunes, _ = designed_group(2)
+    for density in (0.0, 1.5, -0.1, math.nan):
+        with pytest.raises(ValueError, match=r"density must be in \(0, 1\]"):
+            merge_tensors(base, finetunes, EPSILON, workers=1, shared="ties", density=density)
+    with pytest.raises(ValueError, match="shared must be one of mean, ties, base, got 'median'"):
+        merge_tensors(base, finetunes, EPSILON, workers=1, shared="median")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_ties_passes(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Radix passes over the chunks: 16 bits each (2 in float32, 4 in float64), none when k == 0, one when P == 0."""
+    calls: list[int] = []
+    run_chunk = kernel._RadixScratch.run_chunk
+    monkeypatch.setattr(
+        kernel._RadixScratch, "run_chunk", lambda *args, **kw: calls.append(kw["shift"]) or run_chunk(*args, **kw)
+    )
+    base, finetunes, _ = designed_group(3, shape=(10, 10), dtype=dtype)
+    for density, finetunes_, shifts in (
+        (0.1, finetunes, {torch.float32: [16, 16, 0, 0], torch.float64: [48, 48, 32, 32, 16, 16, 0, 0]}[dtype]),
+        (1.0, finetunes, []),
+        (0.1, [finetunes[0], base], [16 if dtype == torch.float32 else 48] * 2),
+    ):
+        calls.clear()
+        merge_tensors(base, finetunes_, EPSILON, workers=1, shared="ties", density=density, chunk_elements=50)
+        assert calls == shifts
+
+
+def test_finite_sums_far_apart_are_no_overflow() -> None:
+    """Shared mean -1e38 beside a scaled sum of 2.7e38 (their difference overflows): blended exactly, no error."""
+    base = torch.zeros(2)
+    finetunes = [torch.tensor([3e38, 1.0]), torch.tensor([-3e38, 0.0]), torch.tensor([-3e38, 0.0])]
+    lambdas = [1.1, 0.1, 0.1]
+    result = merge_tensors(base, finetunes, EPSILON, lambdas, workers=1).merged
+    assert same_bits(result, reference.merge(base, finetunes, EPSILON, lambdas))
+    assert result.tolist() == [(torch.tensor(-3e38) / 3).item(), torch.tensor(1.1).item()]

@@ -1,0 +1,177 @@
+"""The kernel's merge rules side by side, and against an older kernel, in one run.
+
+For N fine-tunes of one bfloat16 tensor (the agents of ``benchmarks.kernel``), each call of
+``mergekit_ram.kernel`` as the merge methods make it, on torch's thread count: ``ram`` (merge
+only, and merge + count as a ``ram`` merge runs it), ``ram_plus`` (lambdas != 1), the
+pre-pass (``count_overlaps``), ``ram_ties`` (density 0.1 and 1.0) and ``ram_unique``. With
+``--before REV``, the ram / ram_plus / pre-pass calls also run on the ``kernel.py`` of that git
+revision, loaded as a module of its own (it imports torch only). With ``--alternatives``, the
+ram merge + count also runs with each simplification of ``ALTERNATIVES`` (the kernel's pattern
+tiers and thread setting replaced for the call). Every round runs each call once, in turns,
+so that all see the same load on a shared machine.
+
+Time per element: the fastest round and the median (after one warm-up call each). Scratch:
+the peak of torch's allocations during one call on one worker thread, the output excluded,
+per element of a chunk (``benchmarks.memory``).
+
+    python -m benchmarks.kernel_rules --numel 16M --n 3 --repeats 7 --before HEAD~3 --alternatives
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+import torch
+
+from benchmarks.common import fmt_count, median, parse_size
+from benchmarks.kernel import EPSILON, LAMBDAS, kernel_inputs
+from benchmarks.memory import peak_allocated_bytes
+from mergekit_ram import kernel
+from mergekit_ram.stats import markdown_table
+
+#: The denominators of the ratio column: the same call on the older kernel, or ram's merge.
+RAM = "ram, merge only"
+COUNTING_RAM = "ram, merge + count"
+#: Simplifications of the kernel, measured on a counting ram merge: its attributes replaced for the call.
+ALTERNATIVES: dict[str, dict[str, Any]] = {
+    "int32 codes (no int16 tier)": {"_INT16_MAX_MODELS": 0},
+    "int64 patterns (no float32 tier)": {"_FLOAT_PATTERN_MAX_MODELS": 0},
+    "torch.unique tally (no bincount tier)": {"_BINCOUNT_MAX_MODELS": 0},
+    "torch.set_num_threads (no ctypes)": {"_omp_set_num_threads": lambda: None},
+    "workers on torch's threads (no setting)": {"_one_intra_op_thread": contextlib.nullcontext},
+}
+
+
+@contextlib.contextmanager
+def replaced(module: ModuleType, attributes: dict[str, Any]) -> Iterator[None]:
+    """``module``'s ``attributes`` replaced meanwhile."""
+    saved = {name: getattr(module, name) for name in attributes}
+    for name, value in attributes.items():
+        setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(module, name, value)
+
+
+def with_alternative(function: Callable[[], Any], attributes: dict[str, Any]) -> Callable[[], Any]:
+    """``function`` run with the kernel's ``attributes`` replaced."""
+
+    def call() -> Any:
+        with replaced(kernel, attributes):
+            return function()
+
+    return call
+
+
+def kernel_at(revision: str) -> ModuleType:
+    """``mergekit_ram/kernel.py`` as it was at ``revision``, imported as the module ``kernel_<revision>``."""
+    source = subprocess.run(
+        ["git", "show", f"{revision}:mergekit_ram/kernel.py"], capture_output=True, text=True, check=True
+    ).stdout
+    path = Path(tempfile.mkdtemp()) / "kernel_before.py"
+    path.write_text(source, encoding="utf-8")
+    name = f"kernel_{revision}".replace("~", "_").replace("^", "_")
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def calls(
+    module: ModuleType, base: torch.Tensor, finetunes: list[torch.Tensor], old: bool
+) -> dict[str, Callable[[], Any]]:
+    """Every call measured on ``module``, by label; the older kernel has no shared-region rules."""
+    lambdas = list(LAMBDAS[: len(finetunes)])
+
+    def merge(*args: Any, **options: Any) -> Callable[[], Any]:
+        return lambda: module.merge_tensors(base, finetunes, EPSILON, *args, workers=torch.get_num_threads(), **options)
+
+    measured = {
+        RAM: merge(),
+        COUNTING_RAM: merge(count=True),
+        "ram_plus, merge (lambdas)": merge(lambdas),
+        "pre-pass, count only": lambda: module.count_overlaps(
+            base, finetunes, EPSILON, workers=torch.get_num_threads()
+        ),
+    }
+    if not old:
+        measured["ram_ties, density 0.1"] = merge(shared="ties", density=0.1)
+        measured["ram_ties, density 1.0"] = merge(shared="ties", density=1.0)
+        measured["ram_unique"] = merge(shared="base")
+    return measured
+
+
+def measure(labelled: dict[str, Callable[[], Any]], repeats: int) -> dict[str, list[float]]:
+    """Seconds per call: one warm-up each, then ``repeats`` rounds of every call in turn."""
+    for function in labelled.values():
+        function()
+    times: dict[str, list[float]] = {label: [] for label in labelled}
+    for _ in range(repeats):
+        for label, function in labelled.items():
+            started = time.perf_counter()
+            function()
+            times[label].append(time.perf_counter() - started)
+    return times
+
+
+def scratch_per_chunk_element(function: Callable[[], Any], chunk: int) -> float:
+    """Peak torch allocations of one call on one thread, minus its output, per chunk element."""
+    peak, result = peak_allocated_bytes(function, threads=1)
+    output = result.merged if hasattr(result, "merged") else torch.empty(0)
+    return (peak - output.numel() * output.element_size()) / chunk
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--numel", default="16M", help="elements per tensor (default 16M)")
+    parser.add_argument("--n", type=int, default=3, help="fine-tuned models (default 3)")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--before", help="git revision whose kernel.py runs beside this one")
+    parser.add_argument("--alternatives", action="store_true", help="also the simplifications of ALTERNATIVES")
+    args = parser.parse_args(argv)
+    numel = parse_size(args.numel)
+    base, finetunes = kernel_inputs(numel, args.n)
+    ours = calls(kernel, base, finetunes, False)
+    # label: (call, the label of the call its time is compared with)
+    measured = {f"{name} (new)": (function, f"{RAM} (new)") for name, function in ours.items()}
+    if args.before:
+        before = calls(kernel_at(args.before), base, finetunes, True)
+        measured |= {f"{name} (before)": (function, f"{name} (new)") for name, function in before.items()}
+        measured |= {f"{name} (new)": (ours[name], f"{name} (before)") for name in before}
+    if args.alternatives:
+        measured |= {
+            f"{COUNTING_RAM} ({name})": (with_alternative(ours[COUNTING_RAM], attributes), f"{COUNTING_RAM} (new)")
+            for name, attributes in ALTERNATIVES.items()
+        }
+    times = measure({label: function for label, (function, _) in measured.items()}, args.repeats)
+    rows = [
+        [
+            label,
+            f"{min(times[label]) / numel * 1e9:.2f}",
+            f"{median(times[label]) / numel * 1e9:.2f}",
+            f"{median(times[label]) / median(times[against]):.2f}x {against}",
+            f"{scratch_per_chunk_element(function, kernel.CHUNK_ELEMENTS):.1f}",
+        ]
+        for label, (function, against) in measured.items()
+    ]
+    print(f"kernel alone, {fmt_count(numel)} bfloat16 elements, N = {args.n}, torch threads {torch.get_num_threads()}")
+    headers = ["call", "ns / element (min)", "ns / element (median)", "median ratio", "scratch B / chunk element"]
+    print(markdown_table([headers, *rows], "l"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
