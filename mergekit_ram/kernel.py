@@ -69,7 +69,6 @@ _PATTERN_MAX_MODELS = 62
 #: TIES-trimmed sign-elected mean (ram_ties), or nothing, the base's value (ram_unique).
 SharedRule = Literal["mean", "ties", "base"]
 #: ram_ties' default share of each model's shared updates kept.
-TIES_DENSITY = 0.1
 #: The radix select of the TIES thresholds reads 16 bits of the magnitudes per pass.
 _DIGIT_BITS = 16
 
@@ -176,7 +175,7 @@ def merge_tensors(
     out_dtype: Optional[torch.dtype] = None,
     chunk_elements: int = CHUNK_ELEMENTS,
     shared: SharedRule = "mean",
-    density: float = TIES_DENSITY,
+    density: float = 1.0,
 ) -> MergeResult:
     """Merge one tensor group; with ``count``, its histograms in the same pass.
 

@@ -28,6 +28,7 @@ def _not_a_boolean(value: Any) -> Any:
 
 
 NonNegative = Annotated[float, BeforeValidator(_not_a_boolean), Field(ge=0, allow_inf_nan=False)]
+Share = Annotated[float, BeforeValidator(_not_a_boolean), Field(gt=0, le=1)]
 
 
 @dataclass(frozen=True)
@@ -58,9 +59,27 @@ LAMBDA = ParameterInfo(
     "lambda", Optional[NonNegative], None, "a finite number >= 0 (pins the model's lambda)", per_model=True
 )
 
+#: ram_ties: the share of each model's updates at a tensor's shared positions that TIES keeps (the authors': 0.1).
+DENSITY = ParameterInfo("density", Share, 0.1, "a number in (0, 1], the share of shared updates kept")
+#: ram_ties rescales nothing unless asked (the authors' mode): lambda 1 for every model.
+R_TIES = ParameterInfo("r", NonNegative, 0.0, "a finite number >= 0")
+SCALE = ParameterInfo(
+    "scale", NonNegative, 1.0, "a finite number >= 0 (the factor of the model's unique updates)", per_model=True
+)
+
 METHOD_PARAMETERS: dict[str, tuple[ParameterInfo, ...]] = {
     "ram": (EPSILON,),
     "ram_plus": (EPSILON, R, ALPHA, RULE, RHO, LAMBDA),
+    "ram_ties": (EPSILON, DENSITY, R_TIES, ALPHA, RULE, RHO, LAMBDA),
+    "ram_unique": (EPSILON, SCALE),
+}
+#: What each method does where several models changed an element (the kernel's ``shared`` rule):
+#: the mean of their updates, TIES (trim to ``density``, elect a sign, average the agreeing), or the base.
+SHARED_RULES: dict[str, Literal["mean", "ties", "base"]] = {
+    "ram": "mean",
+    "ram_plus": "mean",
+    "ram_ties": "ties",
+    "ram_unique": "base",
 }
 
 
@@ -70,6 +89,12 @@ class ParameterError(RecipeError):
 
 def declared_names(method: str) -> list[str]:
     return [info.name for info in METHOD_PARAMETERS[method]]
+
+
+def parameter_scopes(method: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The method's parameter names: those of the whole merge, then those set per model."""
+    infos = METHOD_PARAMETERS[method]
+    return tuple(i.name for i in infos if not i.per_model), tuple(i.name for i in infos if i.per_model)
 
 
 def close_name(method: str, name: str) -> Optional[str]:

@@ -21,25 +21,16 @@ class TensorInput:
 
 
 @dataclass(frozen=True)
-class ModelPin:
-    """The per-model values a recipe set for one tensor (None where unset)."""
-
-    model: str
-    rho: Optional[float]
-    lambda_: Optional[float]
-
-
-@dataclass(frozen=True)
 class TensorParameters:
-    """A method's parameters as resolved for one tensor: the whole-merge ones (epsilon, and r,
-    alpha, rule for ram_plus) and the per-model pins."""
+    """A method's parameters as resolved for one tensor: the whole-merge ones the method declares
+    (epsilon; r, alpha, rule; density) and each fine-tuned model's own (rho, lambda; scale), None where unset."""
 
     name: str
     shared: tuple[tuple[str, Any], ...]
-    pins: tuple[ModelPin, ...] = ()
+    per_model: tuple[tuple[str, tuple[tuple[str, Any], ...]], ...] = ()
 
     def value(self, parameter: str) -> Any:
-        return dict(self.shared)[parameter]
+        return dict(self.shared).get(parameter)
 
 
 @dataclass(frozen=True)

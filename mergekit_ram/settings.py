@@ -1,9 +1,10 @@
-"""A RAM merge's settings, validated once: the rescaling (r, alpha, rule), the pins, and lambda.
+"""A RAM merge's settings, validated once: the rescaling (r, alpha, rule), density, the pins, and lambda.
 
-lambda_t is global (paper eq. 6): one r, one alpha, one rule per merge and one pin per model,
-whatever filters or gradients the recipe uses. ``merge_settings`` checks that over every
-tensor of the merge and returns the one ``MergeSettings`` that turns rho into lambda for the
-pre-pass, the kernel and the statistics alike. Plain data; no torch, no mergekit.
+lambda_t is global (paper eq. 6): one r, one alpha, one rule per merge and one pin (or scale) per
+model, whatever filters or gradients the recipe uses; ram_ties's density is one value too.
+``merge_settings`` checks that over every tensor of the merge and returns the one
+``MergeSettings`` that turns rho into lambda for the pre-pass, the kernel and the statistics
+alike. Plain data; no torch, no mergekit.
 """
 
 from __future__ import annotations
@@ -11,12 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable, NamedTuple, Optional, Sequence
 
-from mergekit_ram.parameters import ALPHA, RULE, ParameterError, R
+from mergekit_ram.parameters import METHOD_PARAMETERS, ParameterError
 from mergekit_ram.planned import TensorParameters
 from mergekit_ram.rescaling import Rescaling
 from mergekit_ram.stats import Pin, RamStatistics, Source, TensorCounts, build_statistics, model_lambda
-
-RAM_METHODS = ("ram", "ram_plus")
 
 
 class Applied(NamedTuple):
@@ -30,14 +29,15 @@ class Applied(NamedTuple):
 class MergeSettings:
     """What turns counts into statistics and rho into lambda, fixed once per merge.
 
-    ``rescaling`` is None for ``ram`` (every lambda is 1). ``pins``: (model, "rho" or
-    "lambda", value) as the recipe set them.
+    ``rescaling`` is None where lambda does not come from rho (``ram``: 1; ``ram_unique``: each
+    model's scale). ``pins``: (model, "rho", "lambda" or "scale", value) as the recipe set them.
     """
 
     method: str
     rescaling: Optional[Rescaling] = None
     pins: tuple[tuple[str, Pin, float], ...] = ()
     checkpoint_dtypes: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    density: Optional[float] = None
 
     def pin(self, model: str) -> Optional[tuple[Pin, float]]:
         return next(((kind, value) for name, kind, value in self.pins if name == model), None)
@@ -71,7 +71,7 @@ class MergeSettings:
         """Each model's lambda as the kernel is to apply it, with the rho it came from (None for a
         pinned lambda); from ``statistics`` when counts were needed, else from the pins alone.
 
-        None for ``ram``, which has no lambda.
+        Empty where lambda does not come from rho (``ram``, ``ram_unique``): the method reads it itself.
         """
         if self.rescaling is None:
             return {}
@@ -95,6 +95,7 @@ class MergeSettings:
             pins={model: (kind, value) for model, kind, value in self.pins},
             source=source,
             checkpoint_dtypes=dict(self.checkpoint_dtypes),
+            density=self.density,
         )
 
 
@@ -103,43 +104,53 @@ def merge_settings(
 ) -> MergeSettings:
     """The one MergeSettings of a merge whose tensors were resolved to ``tensors``.
 
-    r, alpha and rule must be one value per merge, and each model's pin one value.
+    Every whole-merge parameter the method declares but epsilon (r, alpha, rule, density) must be
+    one value per merge, and each model's own parameter one value (its pin or scale).
     """
-    if method not in RAM_METHODS:
+    if method not in METHOD_PARAMETERS:
         raise ValueError(f"not a mergekit-ram method: {method!r}")
     dtypes = tuple((model, tuple(sorted(found))) for model, found in sorted((checkpoint_dtypes or {}).items()))
-    if method == "ram":
-        return MergeSettings(method=method, checkpoint_dtypes=dtypes)
-    values = {
-        name: _one_value(name, [(tensor.name, tensor.value(name)) for tensor in tensors])
-        for name in ("r", "alpha", "rule")
-    }
+    declared = {info.name: info for info in METHOD_PARAMETERS[method] if not info.per_model and info.name != "epsilon"}
+    values = {}
+    for name, info in declared.items():
+        value = _one_value(method, name, [(tensor.name, tensor.value(name)) for tensor in tensors])
+        values[name] = info.default if value is None else value
+    rescaling = Rescaling(values["r"], values["alpha"], values["rule"]) if "r" in values else None
+    return MergeSettings(
+        method=method,
+        rescaling=rescaling,
+        pins=_pins(method, tensors),
+        checkpoint_dtypes=dtypes,
+        density=values.get("density"),
+    )
+
+
+def _pins(method: str, tensors: Sequence[TensorParameters]) -> tuple[tuple[str, Pin, float], ...]:
+    """(model, kind, value) for each model whose own parameters set one value over the whole merge:
+    its lambda, else its rho (ram_plus, ram_ties), or its scale (ram_unique)."""
     pins = []
-    for model in dict.fromkeys(pin.model for tensor in tensors for pin in tensor.pins):
+    for model in dict.fromkeys(model for tensor in tensors for model, _ in tensor.per_model):
         seen: dict[tuple[Pin, Any], str] = {}
         for tensor in tensors:
-            for pin in tensor.pins:
-                if pin.model == model:
-                    key: tuple[Pin, Any] = ("lambda", pin.lambda_) if pin.lambda_ is not None else ("rho", pin.rho)
-                    seen.setdefault(key, tensor.name)
+            for name, values in tensor.per_model:
+                if name == model:
+                    own = dict(values)
+                    kind: Pin = next((k for k in ("lambda", "rho", "scale") if own.get(k) is not None), "rho")
+                    seen.setdefault((kind, own.get(kind)), tensor.name)
         if len(seen) > 1:
             (first, first_tensor), (second, second_tensor) = list(seen.items())[:2]
             raise ParameterError(
-                f"ram_plus: the pinned {first[0]} of {model} must be one value for the whole merge; "
+                f"{method}: the {'' if first[0] == 'scale' else 'pinned '}{first[0]} of {model} must be one value "
+                "for the whole merge; "
                 f"got {first[1]!r} for {first_tensor} and {second[0]}={second[1]!r} for {second_tensor}"
             )
         ((kind, value),) = seen
         if value is not None:
             pins.append((model, kind, float(value)))
-    rescaling = Rescaling(
-        r=R.default if values["r"] is None else values["r"],
-        alpha=ALPHA.default if values["alpha"] is None else values["alpha"],
-        rule=RULE.default if values["rule"] is None else values["rule"],
-    )
-    return MergeSettings(method=method, rescaling=rescaling, pins=tuple(pins), checkpoint_dtypes=dtypes)
+    return tuple(pins)
 
 
-def _one_value(name: str, values: Sequence[tuple[str, Any]]) -> Any:
+def _one_value(method: str, name: str, values: Sequence[tuple[str, Any]]) -> Any:
     """The single value a whole-merge parameter has over the tensors; None when there are none."""
     seen: dict[Any, str] = {}
     for tensor, value in values:
@@ -147,7 +158,7 @@ def _one_value(name: str, values: Sequence[tuple[str, Any]]) -> Any:
     if len(seen) > 1:
         (first, first_tensor), (second, second_tensor) = list(seen.items())[:2]
         raise ParameterError(
-            f"ram_plus: parameter {name!r} must be one value for the whole merge (lambda_t is global, "
-            f"paper eq. 6); got {first!r} for {first_tensor} and {second!r} for {second_tensor}"
+            f"{method}: parameter {name!r} must be one value for the whole merge (it sets lambda_t or the shared "
+            f"region's rule, paper eq. 6); got {first!r} for {first_tensor} and {second!r} for {second_tensor}"
         )
     return next(iter(seen), None)

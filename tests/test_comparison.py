@@ -20,7 +20,7 @@ from mergekit.merge_methods.base import TensorGroup
 from mergekit.merge_methods.ram import ram_merge as builtin_ram
 from mergekit.merge_methods.ram import ramplus_tl_merge as builtin_ramplus_tl
 
-from mergekit_ram.integration.methods import RAM_PLUS
+from mergekit_ram.integration.methods import METHODS
 from mergekit_ram.kernel import CHUNK_ELEMENTS
 from mergekit_ram.kernel import merge_tensors as ram_merge_tensors
 from mergekit_ram.rescaling import Rescaling
@@ -140,7 +140,7 @@ def test_ramplus_tl_rho_is_per_tensor_and_ours_is_global(local_vs_global, tmp_pa
 def test_default_alpha_caps_ramplus_tl_lambda_at_1_02() -> None:
     defaults = {spec.name: spec.default for spec in registry.get("ramplus_tl").spec.parameters}
     assert defaults == {"r": 0.1, "alpha": 0.2, "epsilon": 1e-5}
-    ours = {spec.name: spec.default for spec in RAM_PLUS.spec.parameters}
+    ours = {spec.name: spec.default for spec in METHODS["ram_plus"].spec.parameters}
     assert (ours["r"], ours["alpha"], ours["epsilon"]) == (0.1, 2.0, 1e-5)
 
     # Model 0: 1 unique and 9 shared elements (rho 9); its unique update is scaled by 1 + 0.1 * 0.2.

@@ -102,15 +102,16 @@ def test_other_methods_parameters_are_ignored_with_a_warning(bf16_models: ModelS
         "ram ignores parameter 'weight' (in models[0].parameters, models[1].parameters): it is a parameter of "
         "breadcrumbs, breadcrumbs_ties, dare_linear, dare_ties and 7 more, not of ram",
         "ram ignores parameter 'lambda' (in models[0].parameters): it is a parameter of breadcrumbs, "
-        "breadcrumbs_ties, dare_linear, dare_ties and 5 more, not of ram; set merge_method: ram_plus to use it",
-        "ram ignores parameter 'r' (in parameters): it is a parameter of ram_plus, ramplus_tl, not of ram; "
-        "set merge_method: ram_plus to use it",
+        "breadcrumbs_ties, dare_linear, dare_ties and 6 more, not of ram; set merge_method: ram_plus or ram_ties "
+        "to use it",
+        "ram ignores parameter 'r' (in parameters): it is a parameter of ram_plus, ram_ties, ramplus_tl, not of "
+        "ram; set merge_method: ram_plus or ram_ties to use it",
         "ram ignores parameter 'density' (in parameters): it is a parameter of breadcrumbs, breadcrumbs_ties, "
-        "dare_linear, dare_ties and 4 more, not of ram",
+        "dare_linear, dare_ties and 5 more, not of ram; set merge_method: ram_ties to use it",
         "ram_plus ignores parameter 'weight' (in models[0].parameters, models[1].parameters): it is a parameter "
         "of breadcrumbs, breadcrumbs_ties, dare_linear, dare_ties and 7 more, not of ram_plus",
         "ram_plus ignores parameter 'density' (in parameters): it is a parameter of breadcrumbs, "
-        "breadcrumbs_ties, dare_linear, dare_ties and 4 more, not of ram_plus",
+        "breadcrumbs_ties, dare_linear, dare_ties and 5 more, not of ram_plus; set merge_method: ram_ties to use it",
     ]
 
 

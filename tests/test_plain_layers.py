@@ -26,7 +26,7 @@ from mergekit_ram.checks import (
 )
 from mergekit_ram.errors import InputError
 from mergekit_ram.parameters import ParameterError
-from mergekit_ram.planned import ModelIdentity, ModelPin, PlannedTensor, TensorInput, TensorParameters
+from mergekit_ram.planned import ModelIdentity, PlannedTensor, TensorInput, TensorParameters
 from mergekit_ram.settings import Applied, merge_settings
 from mergekit_ram.stats import TensorCounts, counts_to_dict
 
@@ -35,7 +35,7 @@ def parameters(name: str, r: float = 0.1, alpha: float = 2.0, rule: str = "clip"
     return TensorParameters(
         name=name,
         shared=(("epsilon", 1e-5), ("r", r), ("alpha", alpha), ("rule", rule)),
-        pins=tuple(ModelPin(model, rho, lambda_) for model, (rho, lambda_) in pins.items()),
+        per_model=tuple((model, (("rho", rho), ("lambda", lambda_))) for model, (rho, lambda_) in pins.items()),
     )
 
 

@@ -198,8 +198,9 @@ def test_the_switch_keeps_mergekits_builtin_ram(monkeypatch) -> None:
     import mergekit.merge_methods as merge_methods
     from mergekit.merge_methods.ram import ram_merge as builtin
 
-    from mergekit_ram.integration.methods import RAM, RAM_PLUS
+    from mergekit_ram.integration.methods import METHODS
 
+    RAM, RAM_PLUS = METHODS["ram"], METHODS["ram_plus"]
     assert merge_methods.get("ram") is RAM
     monkeypatch.setenv(BUILTIN_RAM_VARIABLE, "1")
     try:

@@ -24,7 +24,7 @@ from mergekit.merge_methods import merge_state_dicts as mergekit_merge_state_dic
 from mergekit.merge_methods.base import BatchOptions, PerGroupValues
 
 from mergekit_ram.integration.methods import RamMergeMethod
-from mergekit_ram.parameters import ParameterError, check_parameter
+from mergekit_ram.parameters import METHOD_PARAMETERS, ParameterError, check_parameter
 from mergekit_ram.stats import RamStatistics
 
 StateDict = Mapping[str, torch.Tensor]
@@ -64,8 +64,8 @@ def merge_state_dicts(
     method = getattr(getattr(method, "spec", None), "name", method)
     if legacy:
         raise TypeError(f"merge_state_dicts got unexpected keyword arguments {sorted(legacy)}")
-    if method not in ("ram", "ram_plus"):
-        raise ParameterError(f"method must be 'ram' or 'ram_plus'; got {method!r}")
+    if method not in METHOD_PARAMETERS:
+        raise ParameterError(f"method must be one of {', '.join(METHOD_PARAMETERS)}; got {method!r}")
     named: dict[Hashable, ModelLike] = dict(models) if isinstance(models, Mapping) else dict(enumerate(models))
     if base is None or base not in named:
         raise ParameterError(f"{method}: `base` must name the base model among {list(named)}; got {base!r}")

@@ -28,8 +28,8 @@ from mergekit.merge_methods.dtype import align_dtype, promoted_dtype
 
 from mergekit_ram.errors import InputError, RamError
 from mergekit_ram.kernel import MergeOverflowError, NonFiniteInputError, count_overlaps, merge_tensors
-from mergekit_ram.parameters import METHOD_PARAMETERS, ParameterError
-from mergekit_ram.planned import ModelPin, TensorParameters
+from mergekit_ram.parameters import METHOD_PARAMETERS, SHARED_RULES, ParameterError, parameter_scopes
+from mergekit_ram.planned import TensorParameters
 from mergekit_ram.settings import Applied, merge_settings
 from mergekit_ram.stats import RamStatistics, TensorCounts
 
@@ -37,6 +37,8 @@ REFERENCE_URL = "https://arxiv.org/abs/2601.13572"
 PRETTY_NAMES = {
     "ram": "Reinforced Agent Merging (RAM, mergekit-ram)",
     "ram_plus": "Reinforced Agent Merging Plus (RAM+, global rho, mergekit-ram)",
+    "ram_ties": "Reinforced Agent Merging with a TIES shared region (mergekit-ram)",
+    "ram_unique": "Reinforced Agent Merging, unique regions only (mergekit-ram)",
 }
 
 StatisticsSink = Callable[[RamStatistics], None]
@@ -47,7 +49,8 @@ class MissingStatisticsError(RamError, RuntimeError):
 
 
 class RamMergeMethod(GroupMergeMethod):
-    """RAM (``ram``) or RAM+ (``ram_plus``) on tensor groups; float32 (or float64) inside.
+    """One of mergekit-ram's methods on tensor groups (``ram``, ``ram_plus``, ``ram_ties``, ``ram_unique``):
+    the kernel with the method's shared-region rule (``parameters.SHARED_RULES``); float32 (or float64) inside.
 
     ``statistics_sink``, when given, receives the statistics of each in-memory call (mergekit's
     ``merge_state_dicts``); ``mergekit_ram.merge_state_dicts`` passes one per call.
@@ -93,7 +96,7 @@ class RamMergeMethod(GroupMergeMethod):
         bound = self._bind_parameters(groups, parameters or {})  # mergekit's checks of groups and values
         input_dtypes = [(dtype or promoted_dtype(group)) if group.entries else dtype for group in groups]
         settings = merge_settings(
-            self.spec.name, [tensor_parameters(group, kwargs) for group, kwargs in zip(groups, bound)]
+            self.spec.name, [tensor_parameters(self.spec.name, group, kwargs) for group, kwargs in zip(groups, bound)]
         )
         finetunes = list(dict.fromkeys(str(entry.id) for group in groups for entry in group.non_base))
         statistics = None
@@ -163,6 +166,8 @@ class RamMergeMethod(GroupMergeMethod):
                 workers=torch.get_num_threads(),
                 count=count,
                 out_dtype=out_dtype,
+                shared=SHARED_RULES[self.spec.name],
+                density=parameters.get("density", 1.0),
             )
         except NonFiniteInputError as error:
             raise _input_error(group, error, original) from None
@@ -172,22 +177,24 @@ class RamMergeMethod(GroupMergeMethod):
         return result.merged, counts
 
     def lambdas(self, group: TensorGroup, parameters: Mapping[str, Any]) -> Optional[list[float]]:
-        """lambda_t per fine-tune as given (injected by the pre-pass, or pinned); None for RAM.
+        """lambda_t per fine-tune as given (injected by the pre-pass, or pinned; ram_unique: each
+        model's scale); None for RAM.
 
         A group merged on its own (``merge_group``) gets them from its own parameters, through
         the same ``MergeSettings``; a model that needs a global rho it was not given is an error.
         """
         if self.spec.name == "ram":
             return None
-        given = [parameters["lambda"].get(entry.id) for entry in group.non_base]
+        injected = parameters.get("lambda", {})
+        given = [injected.get(entry.id) for entry in group.non_base]
         if all(value is not None for value in given):
             return given
-        settings = merge_settings(self.spec.name, [tensor_parameters(group, parameters)])
+        settings = merge_settings(self.spec.name, [tensor_parameters(self.spec.name, group, parameters)])
         own = settings.lambdas_without_counts([str(entry.id) for entry in group.non_base])
         if own is None:
             missing = next(entry.id for entry, value in zip(group.non_base, given) if value is None)
             raise MissingStatisticsError(
-                f"ram_plus has no global rho for {missing} while merging {group.metadata.name}: "
+                f"{self.spec.name} has no global rho for {missing} while merging {group.metadata.name}: "
                 "the whole-model pre-pass did not run on this path. Merge with mergekit-yaml, "
                 "mergekit-multi, mergekit-pytorch or mergekit.merge.run_merge with mergekit-ram "
                 "registered, call the method with every tensor group at once "
@@ -232,15 +239,18 @@ class RamMergeMethod(GroupMergeMethod):
         if error.cause == "lambda" and error.index is not None and lambdas is not None:
             entry = group.non_base[error.index]
             lam = lambdas[error.index]
-            pinned = parameters["rho"].get(entry.id) is None and parameters["lambda"].get(entry.id) is not None
+            pinned = "r" not in parameters or (
+                parameters["rho"].get(entry.id) is None and parameters["lambda"].get(entry.id) is not None
+            )
+            kind = "scale" if "scale" in parameters else "lambda"
             setting = (
-                f"the pinned lambda {lam!r} of {entry.id}"
+                f"the pinned {kind} {lam!r} of {entry.id}"
                 if pinned
                 else f"lambda = 1 + r * clip(rho) = {lam!r} of {entry.id} (from r = {parameters['r']!r})"
             )
             return ParameterError(
                 f"{self.spec.name}: tensor {name}: {setting} times its update does not fit {dtype}; "
-                f"lower {'lambda' if pinned else 'r'} (the paper's lambdas are about 1.2)"
+                f"lower {kind if pinned else 'r'} (the paper's lambdas are about 1.2)"
             )
         if error.cause == "sum":
             return ParameterError(
@@ -253,15 +263,18 @@ class RamMergeMethod(GroupMergeMethod):
         )
 
 
-def tensor_parameters(group: TensorGroup, parameters: Mapping[str, Any]) -> TensorParameters:
-    """A group's bound parameters as plain data (for ``merge_settings``)."""
-    shared = tuple((name, parameters[name]) for name in ("epsilon", "r", "alpha", "rule") if name in parameters)
-    pins = tuple(
-        ModelPin(str(entry.id), parameters["rho"].get(entry.id), parameters["lambda"].get(entry.id))
-        for entry in group.non_base
-        if "rho" in parameters
+def tensor_parameters(method: str, group: TensorGroup, parameters: Mapping[str, Any]) -> TensorParameters:
+    """A group's bound parameters as plain data (for ``merge_settings``): the method's whole-merge
+    and per-model parameters, as the parameter table declares them."""
+    shared, per_model = parameter_scopes(method)
+    return TensorParameters(
+        name=group.metadata.name or "",
+        shared=tuple((name, parameters[name]) for name in shared if name in parameters),
+        per_model=tuple(
+            (str(entry.id), tuple((name, parameters[name].get(entry.id)) for name in per_model if name in parameters))
+            for entry in group.non_base
+        ),
     )
-    return TensorParameters(name=group.metadata.name or "", shared=shared, pins=pins)
 
 
 def with_lambdas(group: TensorGroup, parameters: Mapping[str, Any], applied: Mapping[str, Applied]) -> dict[str, Any]:
@@ -304,6 +317,4 @@ def _input_error(group: TensorGroup, error: NonFiniteInputError, original: Mappi
     return InputError(f"{entry.id}: tensor {name} contains NaN or Inf")
 
 
-RAM = RamMergeMethod("ram")
-RAM_PLUS = RamMergeMethod("ram_plus")
-METHODS = {method.spec.name: method for method in (RAM, RAM_PLUS)}
+METHODS = {name: RamMergeMethod(name) for name in METHOD_PARAMETERS}

@@ -22,6 +22,7 @@ from mergekit_ram.errors import RecipeError
 from mergekit_ram.integration.registry import declared_by_other_methods, is_ours
 from mergekit_ram.integration.versions import require
 from mergekit_ram.parameters import (
+    METHOD_PARAMETERS,
     ParameterError,
     check_lambda_range,
     check_parameter,
@@ -133,7 +134,8 @@ def check_recipe(method: str, config: BaseModel) -> None:
                 (check_parameter(method, setting.name, scalar, setting.where), setting.where)
             )
     for name, places in ignored.items():
-        hint = "; set merge_method: ram_plus to use it" if name in declared_names("ram_plus") else ""
+        users = [other for other in METHOD_PARAMETERS if name in declared_names(other)]
+        hint = f"; set merge_method: {' or '.join(users)} to use it" if users else ""
         LOG.warning(
             "%s ignores parameter %r (in %s): it is a parameter of %s, not of %s%s",
             method,
@@ -143,7 +145,7 @@ def check_recipe(method: str, config: BaseModel) -> None:
             method,
             hint,
         )
-    if method == "ram_plus":
+    if "r" in declared_names(method):
         r, where = max(values.get("r", [(parameter_info(method, "r").default, "the defaults")]))
         alphas = [value for value, _ in values.get("alpha", [(parameter_info(method, "alpha").default, "")])]
         rules = [value for value, _ in values.get("rule", [(parameter_info(method, "rule").default, "")])]
@@ -156,6 +158,7 @@ _SHARED_SCOPE = {
     "r": " (lambda_t = 1 + r * clip(rho_t, 0, alpha) is global: one r, one alpha, one rule per merge)",
     "alpha": " (lambda_t = 1 + r * clip(rho_t, 0, alpha) is global: one r, one alpha, one rule per merge)",
     "rule": " (lambda_t = 1 + r * clip(rho_t, 0, alpha) is global: one r, one alpha, one rule per merge)",
+    "density": " (ram_ties trims every model's shared updates to one density)",
 }
 
 

@@ -24,17 +24,18 @@ from pydantic import BaseModel, ConfigDict
 
 from mergekit_ram.files import write_atomically
 from mergekit_ram.integration.methods import METHODS
-from mergekit_ram.planned import ModelPin, PlannedTensor, TensorInput, TensorParameters
+from mergekit_ram.parameters import parameter_scopes
+from mergekit_ram.planned import PlannedTensor, TensorInput, TensorParameters
 from mergekit_ram.settings import Applied, MergeSettings
 from mergekit_ram.stats import STATISTICS_FILE, RamStatistics, TensorCounts, log_statistics, statistics_to_json
 
-_SHARED = ("epsilon", "r", "alpha", "rule")
 ValueT = TypeVar("ValueT")
 
 
 def planned_tensor(task: ExecuteMergeMethodTask) -> PlannedTensor:
     """One merge task as plain data: inputs (file and name per model), parameters, input sub-graph."""
     finetunes = tuple(model for model in task.model_order if model != task.base_model)
+    shared, per_model = parameter_scopes(task.method_name)
     return PlannedTensor(
         name=task.output_weight.name,
         optional=task.output_weight.optional,
@@ -45,11 +46,9 @@ def planned_tensor(task: ExecuteMergeMethodTask) -> PlannedTensor:
         inputs=tuple(_task_inputs(task)),
         parameters=TensorParameters(
             name=task.output_weight.name,
-            shared=tuple((name, task.parameters[name]) for name in _SHARED if name in task.parameters),
-            pins=tuple(
-                ModelPin(
-                    str(model), task.input_parameters[model].get("rho"), task.input_parameters[model].get("lambda")
-                )
+            shared=tuple((name, task.parameters[name]) for name in shared if name in task.parameters),
+            per_model=tuple(
+                (str(model), tuple((name, task.input_parameters[model].get(name)) for name in per_model))
                 for model in finetunes
             ),
         ),

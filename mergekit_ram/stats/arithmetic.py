@@ -27,8 +27,9 @@ DENSE = 0.9
 
 
 def model_lambda(rho: float, rescaling: Optional[Rescaling], pin: Optional[tuple[Pin, float]] = None) -> float:
-    """lambda_t: a pinned lambda as is; else the rule on rho_t (the pinned rho if any); 1 for RAM."""
-    if pin is not None and pin[0] == "lambda":
+    """lambda_t: a pinned lambda (or ram_unique's scale) as is; else the rule on rho_t (the pinned rho
+    if any); 1 for RAM."""
+    if pin is not None and pin[0] in ("lambda", "scale"):
         return pin[1]
     if rescaling is None:
         return 1.0
@@ -57,6 +58,7 @@ def build_statistics(
     pins: Optional[Mapping[str, tuple[Pin, float]]] = None,
     source: Source = "pre-pass",
     checkpoint_dtypes: Optional[Mapping[str, Iterable[str]]] = None,
+    density: Optional[float] = None,
 ) -> RamStatistics:
     """Sum per-tensor counts per model, then rho_t and lambda_t (pins override).
 
@@ -92,6 +94,7 @@ def build_statistics(
         tensors=tensors,
         warnings=_warnings(models, epsilons, checkpoint_dtypes or {}),
         versions=package_versions(),
+        density=density,
     )
 
 

@@ -12,7 +12,8 @@ from typing import Any, Literal, Mapping, Optional, Union
 from mergekit_ram.rescaling import Rescaling, rho_of_histogram
 
 Source = Literal["pre-pass", "merge"]
-Pin = Literal["rho", "lambda"]
+#: Which per-model value the recipe set: a pinned rho or lambda (ram_plus, ram_ties), or ram_unique's scale.
+Pin = Literal["rho", "lambda", "scale"]
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,8 @@ class OverlapCounts:
 class ModelStatistics(OverlapCounts):
     """One fine-tuned model over the whole merge: its rho and the lambda applied to it.
 
-    ``rho`` is ``measured_rho`` unless pinned; ``pinned`` says which value the recipe fixed.
+    ``rho`` is ``measured_rho`` unless pinned; ``lambda_`` is the factor applied to the model's
+    unique updates (ram_unique: its ``scale``); ``pinned`` says which value the recipe fixed.
     """
 
     rho: float
@@ -86,7 +88,8 @@ class ModuleStatistics(OverlapCounts):
 class RamStatistics:
     """What a RAM / RAM+ merge computed: per-model counts, rho and lambda, and per-tensor counts.
 
-    ``rescaling`` is None for ``ram``; ``epsilons`` are the distinct epsilon values, sorted.
+    ``rescaling`` is None where lambda does not come from rho (``ram``, ``ram_unique``); ``epsilons``
+    are the distinct epsilon values, sorted; ``density`` is ``ram_ties``'s.
     """
 
     method: str
@@ -97,12 +100,15 @@ class RamStatistics:
     tensors: tuple[TensorCounts, ...]
     warnings: tuple[str, ...]
     versions: Mapping[str, str]  # mergekit-ram, mergekit, torch
+    density: Optional[float] = None
 
     @property
     def parameters(self) -> dict[str, Any]:
-        """The settings as a recipe writes them: epsilon (a list when it varies), r, alpha, rule."""
+        """The settings as a recipe writes them: epsilon (a list when it varies), density, r, alpha, rule."""
         epsilon: Union[float, list[float]] = self.epsilons[0] if len(self.epsilons) == 1 else list(self.epsilons)
         parameters: dict[str, Any] = {"epsilon": epsilon}
+        if self.density is not None:
+            parameters["density"] = self.density
         if self.rescaling is not None:
             parameters.update(r=self.rescaling.r, alpha=self.rescaling.alpha, rule=self.rescaling.rule)
         return parameters

@@ -27,6 +27,8 @@ _WITHOUT_PLUGIN = {
     "ram_plus": "Without mergekit-ram, mergekit refuses `ram_plus` (an unknown merge method); its own "
     "`ramplus_tl` is a different, tensor-local rule.",
 }
+#: What the card says of the methods mergekit has no counterpart of.
+_UNKNOWN_TO_MERGEKIT = "Without mergekit-ram, mergekit refuses `{method}` (an unknown merge method)."
 
 
 def terminal_text(text: str) -> str:
@@ -165,7 +167,7 @@ def card_markdown(statistics: RamStatistics) -> str:
         "`pip install mergekit-ram`), then run `mergekit-yaml mergekit_config.yml <output folder>` "
         "with the configuration above (saved beside the weights).",
         "",
-        _WITHOUT_PLUGIN.get(statistics.method, ""),
+        _WITHOUT_PLUGIN.get(statistics.method, _UNKNOWN_TO_MERGEKIT.format(method=statistics.method)),
         "",
         "## RAM statistics",
         "",

@@ -136,6 +136,7 @@ def statistics_from_dict(data: Mapping[str, Any]) -> RamStatistics:
         tensors=tuple(counts_from_dict(entry) for entry in data["tensors"]),
         warnings=tuple(data.get("warnings", ())),
         versions=dict(data["versions"]),
+        density=parameters.get("density"),
     )
 
 

@@ -122,6 +122,11 @@ def _install_fsop(hit, action):
 
 
 if _SPEC:
+    # As in a terminal: a shell's background job (`cmd &`) starts with SIGINT and SIGQUIT ignored.
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if signal.getsignal(signal.SIGQUIT) == signal.SIG_IGN:
+        signal.signal(signal.SIGQUIT, signal.SIG_DFL)
     _where, _what, _target, _action = _SPEC.split(":")
     _install(_where, _what, int(_target), _action)
 elif os.environ.get("MERGEKIT_RAM_TEST_COUNT"):
