@@ -38,6 +38,7 @@ class MergeSettings:
     pins: tuple[tuple[str, Pin, float], ...] = ()
     checkpoint_dtypes: tuple[tuple[str, tuple[str, ...]], ...] = ()
     density: Optional[float] = None
+    modules: tuple[tuple[str, str], ...] = ()  # (tensor, mergekit module) in a `modules:` merge
 
     def pin(self, model: str) -> Optional[tuple[Pin, float]]:
         return next(((kind, value) for name, kind, value in self.pins if name == model), None)
@@ -96,11 +97,15 @@ class MergeSettings:
             source=source,
             checkpoint_dtypes=dict(self.checkpoint_dtypes),
             density=self.density,
+            modules=dict(self.modules),
         )
 
 
 def merge_settings(
-    method: str, tensors: Sequence[TensorParameters], checkpoint_dtypes: Optional[dict[str, set[str]]] = None
+    method: str,
+    tensors: Sequence[TensorParameters],
+    checkpoint_dtypes: Optional[dict[str, set[str]]] = None,
+    modules: Optional[dict[str, str]] = None,
 ) -> MergeSettings:
     """The one MergeSettings of a merge whose tensors were resolved to ``tensors``.
 
@@ -122,6 +127,7 @@ def merge_settings(
         pins=_pins(method, tensors),
         checkpoint_dtypes=dtypes,
         density=values.get("density"),
+        modules=tuple(sorted((modules or {}).items())),
     )
 
 

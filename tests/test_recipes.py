@@ -23,8 +23,8 @@ from mergekit.options import MergeOptions
 from mergekit.scripts.multimerge import load_config, make_tasks
 
 from mergekit_ram.integration.recipes import check_recipe
+from mergekit_ram.parameters import METHOD_PARAMETERS as RAM_METHODS
 from mergekit_ram.parameters import ParameterError
-from mergekit_ram.settings import RAM_METHODS
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "recipes"
@@ -47,6 +47,10 @@ REQUIRED = (
     "qwen2.5-7b/ram-plus-then-linear.multi.yaml",
     "llama3.2-3b/math-tool-search-ram.yaml",
     "llama3.2-3b/math-tool-search-ram-plus.yaml",
+    "qwen2.5-7b/figure3-unique-regions.multi.yaml",
+    "qwen2.5-7b/coding-tool-memory-ram-ties.yaml",
+    "qwen2.5-7b/coding-tool-memory-arm-r-v2.yaml",
+    "qwen2.5-vl-7b/ram-plus-modules.yaml",
 )
 HEADER_FIELDS = ("Reproduces:", "Paper scores", "Memory (estimate", "Time (estimate", "Run:")
 TOP_LEVEL_KEYS = frozenset(MergeConfiguration.model_fields)
@@ -173,7 +177,7 @@ def test_required_recipes_exist() -> None:
 @pytest.mark.parametrize("path", RECIPE_FILES, ids=[str(p.relative_to(RECIPES)) for p in RECIPE_FILES])
 def test_recipe_is_valid(path: Path) -> None:
     configs = check_file(path)
-    assert any(config.merge_method in RAM_METHODS for config in configs), "no ram / ram_plus stage"
+    assert any(config.merge_method in RAM_METHODS for config in configs), "no stage of a mergekit-ram method"
 
 
 @pytest.mark.parametrize("path", RECIPE_FILES, ids=[str(p.relative_to(RECIPES)) for p in RECIPE_FILES])

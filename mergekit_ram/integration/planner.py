@@ -57,15 +57,18 @@ class PlannedMerge:
     merge_tasks: list[ExecuteMergeMethodTask]
     tensors: list[PlannedTensor]
     headers: HeaderCache
+    modules: dict[str, str]  # output tensor -> mergekit module, in a merge of several modules
 
     @classmethod
-    def of(cls, merge_tasks: Sequence[ExecuteMergeMethodTask], headers: HeaderCache) -> PlannedMerge:
-        return cls(list(merge_tasks), [planned_tensor(task) for task in merge_tasks], headers)
+    def of(
+        cls, merge_tasks: Sequence[ExecuteMergeMethodTask], headers: HeaderCache, modules: dict[str, str]
+    ) -> PlannedMerge:
+        return cls(list(merge_tasks), [planned_tensor(task) for task in merge_tasks], headers, modules)
 
     def settings(self, method: str) -> MergeSettings:
         """The merge's settings, once the inputs' headers are checked."""
         dtypes = check_tensors(self.tensors, self.headers).dtypes
-        return merge_settings(method, [tensor.parameters for tensor in self.tensors], dtypes)
+        return merge_settings(method, [tensor.parameters for tensor in self.tensors], dtypes, self.modules)
 
     def finetunes(self) -> list[str]:
         return list(dict.fromkeys(model for tensor in self.tensors for model in tensor.finetunes))
@@ -105,7 +108,7 @@ def patch_planner(plan: ModuleType) -> None:
             headers = _checked(method, self.config, self.options)
             out_path = (args[0] if args else kwargs["out_path"]) if to_disk else None
             targets = original(self, *args, **kwargs)
-            return attach_ram_plan(targets, self.options, out_path, headers)
+            return attach_ram_plan(targets, self.options, out_path, headers, tensor_modules(self))
 
         return planned
 
@@ -131,8 +134,29 @@ def patch_flat_plan(raw: ModuleType) -> None:
     wrap(raw, "plan_flat_merge", make)
 
 
+def tensor_modules(planner: Any) -> dict[str, str]:
+    """Each output tensor's module in a merge of several (a ``modules:`` recipe; mergekit's text
+    decoder, vision tower, ...), from the output model's architecture; empty for one module."""
+    from mergekit.architecture import ConfiguredModuleArchitecture
+
+    if len(planner.config.modules or {}) < 2:
+        return {}
+    found: dict[str, str] = {}
+    for module in planner.config.modules:
+        definition = planner.arch_info.modules[module]
+        architecture = ConfiguredModuleArchitecture(
+            info=definition.architecture, config=planner.out_model_config, weight_prefix=definition.weight_prefix
+        )
+        found.update((weight.name, module) for weight in architecture.all_weights())
+    return found
+
+
 def attach_ram_plan(
-    targets: list[Task], options: MergeOptions, out_path: Optional[str], headers: HeaderCache
+    targets: list[Task],
+    options: MergeOptions,
+    out_path: Optional[str],
+    headers: HeaderCache,
+    modules: Optional[dict[str, str]] = None,
 ) -> list[Task]:
     """Rewrite planned targets (SaveTensor or ReturnTensor) for a RAM merge.
 
@@ -146,7 +170,7 @@ def attach_ram_plan(
         task.tensor_task.model_copy(update={"out_dtype": task.dtype}) if task.dtype else task.tensor_task
         for task in outputs
     ]
-    plan = PlannedMerge.of(merge_tasks, headers)
+    plan = PlannedMerge.of(merge_tasks, headers, modules or {})
     settings = plan.settings(merge_tasks[0].method_name if merge_tasks else "ram")
     finetunes = plan.finetunes()
     if settings.method == "ram":
@@ -241,7 +265,7 @@ def plan_merge(config: Any, options: MergeOptions) -> PlannedMerge:
     planner = MergePlanner(config, arch_info, options=options, out_model_config=out_config)
     # plan_in_memory would do, but mergekit 0.1.5's ReturnTensor refuses its own merge tasks.
     require(planner, "_plan")()
-    return PlannedMerge.of([task for _, task in require(planner, "_tensors")], headers)
+    return PlannedMerge.of([task for _, task in require(planner, "_tensors")], headers, tensor_modules(planner))
 
 
 def probe_statistics(config: Any, options: MergeOptions) -> RamStatistics:

@@ -7,6 +7,7 @@ lambda_t comes from :func:`model_lambda` alone, so the lambda reported is the on
 from __future__ import annotations
 
 import importlib.metadata
+from dataclasses import replace
 from typing import Iterable, Mapping, Optional
 
 from mergekit_ram.rescaling import PLAUSIBLE_LAMBDA, Rescaling
@@ -59,6 +60,7 @@ def build_statistics(
     source: Source = "pre-pass",
     checkpoint_dtypes: Optional[Mapping[str, Iterable[str]]] = None,
     density: Optional[float] = None,
+    modules: Optional[Mapping[str, str]] = None,
 ) -> RamStatistics:
     """Sum per-tensor counts per model, then rho_t and lambda_t (pins override).
 
@@ -66,7 +68,9 @@ def build_statistics(
     listed after the counted ones. ``checkpoint_dtypes`` (safetensors dtype names per model)
     only feeds the warnings.
     """
-    tensors = tuple(tensors)
+    # Each output tensor once: mergekit 0.1.5 plans some twice (qwen2_vl's projector "layers" share names).
+    named = {counts.name: replace(counts, module=(modules or {}).get(counts.name, counts.module)) for counts in tensors}
+    tensors = tuple(named.values())
     pins = dict(pins or {})
     summed = sum_counts(tensors)
     models = []
@@ -99,17 +103,34 @@ def build_statistics(
 
 
 def by_module(statistics: RamStatistics) -> dict[str, tuple[ModuleStatistics, ...]]:
-    """The counts split by part of the network (``MODULES`` order; parts with no tensor left out)."""
+    """The counts split by part of the network (``MODULES`` order; parts with no tensor left out),
+    within each of mergekit's modules in a ``modules:`` merge ("vision_tower: attention")."""
     groups: dict[str, list[TensorCounts]] = {}
     for counts in statistics.tensors:
-        groups.setdefault(module_of(counts.name), []).append(counts)
+        part = module_of(counts.name)
+        groups.setdefault(f"{counts.module}: {part}" if counts.module else part, []).append(counts)
+    order = {part: index for index, part in enumerate(MODULES)}
+    return _grouped(
+        dict(sorted(groups.items(), key=lambda item: (item[1][0].module, order[module_of(item[1][0].name)])))
+    )
+
+
+def by_merged_module(statistics: RamStatistics) -> dict[str, tuple[ModuleStatistics, ...]]:
+    """The counts per module of a ``modules:`` merge (mergekit's text decoder, vision tower, ...), in
+    recipe order; empty for a merge of one module."""
+    groups: dict[str, list[TensorCounts]] = {}
+    for counts in statistics.tensors:
+        groups.setdefault(counts.module, []).append(counts)
+    return _grouped(groups) if len(groups) > 1 else {}
+
+
+def _grouped(groups: Mapping[str, list[TensorCounts]]) -> dict[str, tuple[ModuleStatistics, ...]]:
     return {
         module: tuple(
             ModuleStatistics(model=counts.model, numel=counts.numel, histogram=counts.histogram, module=module)
-            for counts in sum_counts(groups[module]).values()
+            for counts in sum_counts(tensors).values()
         )
-        for module in MODULES
-        if module in groups
+        for module, tensors in groups.items()
     }
 
 

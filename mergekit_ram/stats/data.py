@@ -29,6 +29,7 @@ class TensorCounts:
     epsilon: float
     models: tuple[str, ...]
     histograms: tuple[tuple[int, ...], ...]
+    module: str = ""  # mergekit's module of the tensor in a `modules:` merge (text decoder, vision tower, ...)
 
 
 @dataclass(frozen=True)

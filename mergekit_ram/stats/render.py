@@ -8,10 +8,10 @@ from __future__ import annotations
 import logging
 import math
 import os
-from typing import Sequence
+from typing import Mapping, Sequence
 
-from mergekit_ram.stats.arithmetic import by_module
-from mergekit_ram.stats.data import RamStatistics
+from mergekit_ram.stats.arithmetic import by_merged_module, by_module
+from mergekit_ram.stats.data import ModuleStatistics, RamStatistics
 from mergekit_ram.stats.schema import STATISTICS_FILE
 
 LOG = logging.getLogger("mergekit_ram.stats")
@@ -133,9 +133,12 @@ def histogram_table(statistics: RamStatistics) -> str:
 
 def module_table(statistics: RamStatistics) -> str:
     """Density, shared, unique and local rho per part of the network and model."""
-    names = display_names(statistics)
+    return format_table(_module_rows(by_module(statistics), display_names(statistics)), left_columns=2)
+
+
+def _module_rows(groups: Mapping[str, Sequence[ModuleStatistics]], names: Mapping[str, str]) -> list[list[str]]:
     rows = [["module", "model", "density", "changed", "shared", "unique", "local rho"]]
-    for module, models in by_module(statistics).items():
+    for module, models in groups.items():
         for stats in models:
             rows.append(
                 [
@@ -148,7 +151,7 @@ def module_table(statistics: RamStatistics) -> str:
                     format_rho(stats.measured_rho),
                 ]
             )
-    return format_table(rows, left_columns=2)
+    return rows
 
 
 def card_markdown(statistics: RamStatistics) -> str:
@@ -189,7 +192,16 @@ def card_markdown(statistics: RamStatistics) -> str:
                 f"{stats.lambda_:.4f}{pin}",
             )
         )
-    lines += [markdown_table(rows), "", f"Full counts per tensor: `{STATISTICS_FILE}`.", ""]
+    lines += [markdown_table(rows), ""]
+    merged_modules = by_merged_module(statistics)
+    if merged_modules:
+        lines += [
+            "Per module (rho local to the module; lambda uses the rho over every module):",
+            "",
+            markdown_table(_module_rows(merged_modules, {stats.model: stats.model for stats in statistics.models})),
+            "",
+        ]
+    lines += [f"Full counts per tensor: `{STATISTICS_FILE}`.", ""]
     return "\n".join(lines)
 
 

@@ -12,8 +12,8 @@ import math
 from typing import Any, Mapping, Optional, Union
 
 from mergekit_ram.rescaling import Rescaling
-from mergekit_ram.stats.arithmetic import by_module
-from mergekit_ram.stats.data import ModelStatistics, OverlapCounts, RamStatistics, TensorCounts
+from mergekit_ram.stats.arithmetic import by_merged_module, by_module
+from mergekit_ram.stats.data import ModelStatistics, ModuleStatistics, OverlapCounts, RamStatistics, TensorCounts
 
 STATISTICS_FILE = "ram_statistics.json"
 #: 1: the first (rho null when infinite); 2: rho "inf" when infinite.
@@ -45,6 +45,7 @@ def counts_to_dict(counts: TensorCounts) -> dict[str, Any]:
         "epsilon": counts.epsilon,
         "models": list(counts.models),
         "histograms": [list(row) for row in counts.histograms],
+        **({"module": counts.module} if counts.module else {}),
     }
 
 
@@ -55,6 +56,7 @@ def counts_from_dict(data: Mapping[str, Any]) -> TensorCounts:
         epsilon=float(data["epsilon"]),
         models=tuple(data["models"]),
         histograms=tuple(tuple(int(v) for v in row) for row in data["histograms"]),
+        module=str(data.get("module", "")),
     )
 
 
@@ -91,12 +93,20 @@ def statistics_to_dict(statistics: RamStatistics, *, with_modules: bool = False)
         ],
         "tensors": [counts_to_dict(counts) for counts in statistics.tensors],
     }
+    merged_modules = by_merged_module(statistics)
+    if merged_modules:
+        data["modules"] = _local_figures(merged_modules)
     if with_modules:
-        data["by_module"] = {
-            module: [{**_counts_fields(stats), "local_rho": write_ratio(stats.measured_rho)} for stats in models]
-            for module, models in by_module(statistics).items()
-        }
+        data["by_module"] = _local_figures(by_module(statistics))
     return data
+
+
+def _local_figures(groups: Mapping[str, tuple[ModuleStatistics, ...]]) -> dict[str, list[dict[str, Any]]]:
+    """Per group, each model's counts and its rho local to that group (which sets no lambda)."""
+    return {
+        group: [{**_counts_fields(stats), "local_rho": write_ratio(stats.measured_rho)} for stats in models]
+        for group, models in groups.items()
+    }
 
 
 def statistics_to_json(statistics: RamStatistics) -> str:
