@@ -44,8 +44,6 @@ INTERNAL_RAISES = {
     "is clean",
     "KeyboardInterrupt": "staging.py: SIGINT inside the output transaction, as Python's own handler raises it",
     "SystemExit": "staging.py: the exit status after a signal, as its default action would give",
-    "UnreadableFile": "files.py: why a file cannot be used; each caller turns it into a warning or a RamError "
-    "naming the file",
     "TypeError": "integration/inmemory.py: a wrong Python call shape (unexpected keyword arguments); "
     "integration/methods.py: mergekit's own check of in-memory groups",
     "UnreadableFile": "files.py: caught by its callers, which name the file (checks.py in an InputError, cache.py "

@@ -433,6 +433,34 @@ def test_same_inputs_give_byte_identical_files(ram_plus_merge: Merged, tmp_path)
     assert all(torch.equal(tensors[name], tensor) for name, tensor in whole.items())
 
 
+def _files(folder: str) -> dict[str, bytes]:
+    """Every file under ``folder`` (hidden ones included), by path relative to it."""
+    found = {}
+    for root, _, names in os.walk(folder):
+        for name in names:
+            with open(os.path.join(root, name), "rb") as handle:
+                found[os.path.relpath(os.path.join(root, name), folder)] = handle.read()
+    return found
+
+
+def test_the_folder_is_byte_identical_whatever_the_hash_seed(bf16_models: ModelSet, tmp_path) -> None:
+    """One recipe of six fine-tunes merged by mergekit-yaml under another PYTHONHASHSEED than this
+    process's, and in this process: every file equal, the card included (mergekit lists the models in
+    it from a set, 720 orders; each output folder is named ``out``, as the card's title is its name)."""
+    copies = [_copy(path, str(tmp_path), f"copy-{index}") for index, path in enumerate(bf16_models.agents)]
+    recipe = write_recipe(
+        str(tmp_path / "r.yml"),
+        {**bf16_models.recipe("ram_plus"), "models": [{"model": p} for p in [*bf16_models.agents, *copies]]},
+    )
+    seed = os.environ.get("PYTHONHASHSEED", "")
+    other = str(int(seed) + 1) if seed.isdigit() else "0"  # this process's is random unless the variable is set
+    run_script("mergekit-yaml", recipe, str(tmp_path / "a" / "out"), "--quiet", env={"PYTHONHASHSEED": other})
+    merge_in_process(recipe, str(tmp_path / "b" / "out"))
+    first, second = _files(str(tmp_path / "a" / "out")), _files(str(tmp_path / "b" / "out"))
+    assert sorted(first) == sorted(second) and "README.md" in first
+    assert [name for name in first if first[name] != second[name]] == []
+
+
 OTHER_METHODS = {
     "linear": {"weight": 0.25},
     "task_arithmetic": {"weight": 0.5},
