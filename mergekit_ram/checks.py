@@ -19,6 +19,7 @@ from typing import Any, Iterable, Optional, Sequence
 
 from mergekit_ram.errors import InputError
 from mergekit_ram.files import UnreadableFile, open_regular, plain_name, read_at, read_json
+from mergekit_ram.parameters import METHOD_PARAMETERS
 from mergekit_ram.planned import ModelIdentity, PlannedTensor
 
 #: mergekit 0.1.5's weights in a model folder, in the order it looks for them (``ShardedTensorIndex.from_disk``).
@@ -36,6 +37,31 @@ DTYPE_BITS = {
     **dict.fromkeys(("I64", "U64", "F64", "C64"), 64),
 }
 _LFS_POINTER = b"version https://git-lfs.github.com/spec/"
+
+
+def close_method(name: str) -> Optional[str]:
+    """The method of this plugin (a key of ``METHOD_PARAMETERS``) that ``name`` misspells, if any: within
+    one edit per four letters of it (at least one), compared in lower case with ``-`` read as ``_`` and
+    ``+`` as ``_plus`` (``RAM+``, ``ram-plus``, ``ram_pluss``, ``rma``)."""
+    spelled = name.strip().lower().replace("-", "_").replace("+", "_plus")
+    distances = {method: edit_distance(spelled, method) for method in METHOD_PARAMETERS if method != name}
+    near = [method for method, distance in distances.items() if distance <= max(1, len(method) // 4)]
+    return min(near, key=distances.__getitem__, default=None)
+
+
+def edit_distance(first: str, second: str) -> int:
+    """Insertions, deletions, substitutions and swaps of neighbours that turn ``first`` into ``second``."""
+    before: list[int] = []
+    previous = list(range(len(second) + 1))
+    for i, one in enumerate(first, 1):
+        current = [i]
+        for j, other in enumerate(second, 1):
+            cost = min(previous[j] + 1, current[j - 1] + 1, previous[j - 1] + (one != other))
+            if before and j > 1 and one == second[j - 2] and first[i - 2] == other:
+                cost = min(cost, before[j - 2] + 1)
+            current.append(cost)
+        before, previous = previous, current
+    return previous[-1]
 
 
 @dataclass(frozen=True)

@@ -17,12 +17,13 @@ import torch
 import yaml
 from mergekit.config import MergeConfiguration
 from mergekit.options import MergeOptions
+from mergekit.scripts import merge_raw_pytorch, multimerge, run_yaml
 from safetensors.torch import load_file, save_file
 
-from mergekit_ram import errors
+from mergekit_ram import cli, errors
 from mergekit_ram.errors import RecipeError
 from mergekit_ram.probe import probe_config, select_stages
-from tests.conftest import ModelSet, run_script, write_recipe
+from tests.conftest import ModelSet, command_refusal, run_script, write_recipe
 from tests.test_docs import package_modules
 from tests.test_statistics import independent_figures
 
@@ -182,6 +183,26 @@ def test_yaml_errors_of_ram_recipes_are_one_line(bf16_models: ModelSet, tmp_path
     message = one_line_error(run_script("mergekit-ram", "probe", str(syntax), check=False))
     assert message.startswith(f"{syntax}: invalid YAML at line 3, column 7: ")
     assert not os.path.exists(tmp_path / "o")
+
+
+def test_a_misspelt_method_is_one_line_naming_the_method(bf16_models: ModelSet, tmp_path) -> None:
+    """mergekit-yaml (what its user sees: one line, no traceback), mergekit-multi, mergekit-pytorch and the
+    probe (their click commands here) name the method meant; another unknown name stays mergekit's error."""
+    recipe = write_recipe(str(tmp_path / "r.yml"), bf16_models.recipe("ram_pluss"))
+    expected = "unknown merge method 'ram_pluss' (did you mean 'ram_plus'?)"
+    assert one_line_error(run_script("mergekit-yaml", recipe, str(tmp_path / "o"), check=False)) == expected
+    assert command_refusal(cli.probe, recipe) == expected
+    stages = write_recipe(str(tmp_path / "m.yml"), {"name": "agents", **bf16_models.recipe("RAM+")})
+    refused = command_refusal(multimerge.main, stages, "-I", str(tmp_path / "stages"))
+    assert refused == "unknown merge method 'RAM+' (did you mean 'ram_plus'?)"
+    files = {"merge_method": "rma", "base_model": "base.safetensors", "models": [{"model": "a.safetensors"}]}
+    raw = write_recipe(str(tmp_path / "raw.yml"), files)
+    refused = command_refusal(merge_raw_pytorch.main, raw, str(tmp_path / "o"))
+    assert refused == "unknown merge method 'rma' (did you mean 'ram'?)"
+    other = write_recipe(str(tmp_path / "other.yml"), bf16_models.recipe("frankenmerge"))
+    with pytest.raises(RuntimeError, match="^Unimplemented merge method frankenmerge$"):
+        run_yaml.main.main(args=[other, str(tmp_path / "o")], standalone_mode=False)
+    assert not os.path.exists(tmp_path / "stages")
 
 
 @pytest.mark.parametrize(

@@ -22,11 +22,13 @@ from mergekit_ram.checks import (
     check_listed_once,
     check_models,
     check_tensors,
+    close_method,
     planned_numel,
 )
 from mergekit_ram.errors import InputError
-from mergekit_ram.parameters import ParameterError
+from mergekit_ram.parameters import METHOD_PARAMETERS, ParameterError
 from mergekit_ram.planned import ModelIdentity, ModelPin, PlannedTensor, TensorInput, TensorParameters
+from mergekit_ram.recipe_file import declared_methods
 from mergekit_ram.settings import Applied, merge_settings
 from mergekit_ram.stats import TensorCounts, counts_to_dict
 
@@ -247,3 +249,35 @@ def test_cache_key_follows_the_file_each_input_is_read_from(tmp_path) -> None:
         index.write_text(json.dumps({"weight_map": weight_map}), encoding="utf-8")
         keys.add(cache.cache_key([one]))
     assert len(keys) == 4
+
+
+def test_a_recipe_says_its_method_even_where_its_yaml_breaks_later() -> None:
+    """Whether a file is a RAM recipe comes from its parsed ``merge_method``: comments, nested keys and
+    other documents' lists do not count; a syntax error after the method does not hide it."""
+    assert declared_methods("merge_method: ram_plus\nbase_model: [x\nmodels: 3\n") == ["ram_plus"]
+    assert declared_methods("# merge_method: ram\nmerge_method: linear\nmodels: [{merge_method: ram}]\n") == ["linear"]
+    stages = 'name: a\nmerge_method: ram\n---\n{"merge_method": ram_pluss}\n---\n- merge_method: ram\n'
+    assert declared_methods(stages) == ["ram", "ram_pluss"]
+    assert declared_methods("merge_method:\n\tram_plus\n") == []  # nothing readable: mergekit's own error
+
+
+@pytest.mark.parametrize(
+    ("name", "meant"),
+    [
+        ("ram_pluss", "ram_plus"),
+        ("ramplus", "ram_plus"),
+        ("RAM+", "ram_plus"),
+        ("ram-plus", "ram_plus"),
+        ("rma", "ram"),
+    ],
+)
+def test_a_misspelt_method_name_is_recognised(name: str, meant: str) -> None:
+    assert close_method(name) == meant
+
+
+def test_method_names_come_from_the_parameter_table(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Names far from every method of ours, or ours exactly, have no suggestion; a method added to the
+    table is suggested at once."""
+    assert [close_method(name) for name in ("ram", "ram_plus", "ramplus_tl", "linear", "ties", "ram_tl")] == [None] * 6
+    monkeypatch.setitem(METHOD_PARAMETERS, "ram_unique", ())
+    assert close_method("ram_uniqe") == "ram_unique"

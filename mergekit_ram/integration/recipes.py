@@ -17,7 +17,7 @@ from typing import Any, Iterator, NamedTuple, Optional, Union, get_args, get_ori
 import yaml
 from pydantic import BaseModel
 
-from mergekit_ram.checks import HeaderCache, check_models
+from mergekit_ram.checks import HeaderCache, check_models, close_method
 from mergekit_ram.errors import RecipeError
 from mergekit_ram.integration.registry import declared_by_other_methods, is_ours
 from mergekit_ram.integration.versions import require
@@ -44,6 +44,20 @@ def check_config(method: str, config: Any, headers: HeaderCache, source: Optiona
     check_recipe(method, config)
     base = getattr(config, "base_model", None)
     check_models(method, None if base is None else model_identity(base), list(model_lists(config)), headers)
+
+
+def check_method_name(method: str) -> None:
+    """A merge method mergekit does not know whose name misspells one of this plugin's: one line with the
+    right name (mergekit's own error is a traceback, without it). Other unknown names stay mergekit's."""
+    from mergekit import merge_methods
+
+    hint = close_method(method)
+    if hint is None:
+        return
+    try:
+        merge_methods.get(method)
+    except RuntimeError:
+        raise RecipeError(f"unknown merge method {method!r} (did you mean {hint!r}?)") from None
 
 
 def model_identity(model: Any) -> ModelIdentity:
