@@ -80,11 +80,15 @@ def select_stages(recipe_path: str, stage_name: Optional[str] = None, intermedia
 
 
 def probe_config(config: Any, options: Any) -> RamStatistics:
-    """Run only the pre-pass of a ``ram`` / ``ram_plus`` MergeConfiguration; its statistics."""
+    """Run only the pre-pass of a ``ram`` / ``ram_plus`` MergeConfiguration; its statistics. The recipe
+    is checked as a merge checks it, ``--allow-crimes`` included (the planner's own check cannot see it)."""
+    from mergekit_ram.checks import HeaderCache
     from mergekit_ram.integration import register
     from mergekit_ram.integration.planner import probe_statistics
+    from mergekit_ram.integration.recipes import check_config
 
     register()
+    check_config(config.merge_method, config, HeaderCache(), allow_crimes=options.allow_crimes)
     return probe_statistics(config, options)
 
 

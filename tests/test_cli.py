@@ -20,7 +20,7 @@ from mergekit.options import MergeOptions
 from mergekit.scripts import merge_raw_pytorch, multimerge, run_yaml
 from safetensors.torch import load_file, save_file
 
-from mergekit_ram import cli, errors
+from mergekit_ram import checks, cli, errors
 from mergekit_ram.errors import RecipeError
 from mergekit_ram.probe import probe_config, select_stages
 from tests.conftest import ModelSet, command_refusal, run_script, write_recipe
@@ -116,6 +116,7 @@ def test_every_error_a_user_can_meet_is_a_ram_error() -> None:
         "_input_error": methods._input_error,
         "self._overflow_error": methods.RamMergeMethod._overflow_error,
         "unknown_parameter": parameters.unknown_parameter,
+        "shape_error": checks.shape_error,
     }
     for name, factory in factories.items():
         classes[name] = typing.get_type_hints(factory)["return"]

@@ -6,8 +6,10 @@ unimportable.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import re
 from typing import Optional
 
 import pytest
@@ -120,6 +122,15 @@ def test_headers_are_read_once_and_tensors_checked(tmp_path) -> None:
     with pytest.raises(InputError, match=r"^tensor v has shape \[5\] in a but \[4\] in base$"):
         check_tensors([planned("v", TensorInput("base", base, "v"), TensorInput("a", agent, "v"))], headers)
     assert headers.files_read == 2  # each header once
+    # The vocabulary hint only where the shapes differ along the tensor's vocabulary axis (rows here).
+    rows = write(str(tmp_path / "rows.safetensors"), more_rows=torch.zeros(5, 3), wider=torch.zeros(2, 4))
+    for name, message in (
+        ("more_rows", "[5, 3] in a but [2, 3] in base (different vocabulary sizes: set `tokenizer_source`, e.g. base"),
+        ("wider", "[2, 4] in a but [2, 3] in base$"),
+    ):
+        tensor = planned(name, TensorInput("base", base, "w"), TensorInput("a", rows, name))
+        with pytest.raises(InputError, match=re.escape(message).replace(r"\$", "$")):
+            check_tensors([dataclasses.replace(tensor, vocabulary_axis=0)], headers)
     with pytest.raises(InputError, match="^a has no tensor for u, which base has; the models do not share"):
         check_tensors([planned("u", TensorInput("base", base, "w"), TensorInput("a", None, "u"))], headers)
     check_tensors([planned("u", TensorInput("base", base, "w"), TensorInput("a", None, "u"), optional=True)], headers)

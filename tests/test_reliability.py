@@ -26,9 +26,20 @@ import yaml
 from mergekit.scripts.merge_raw_pytorch import main as mergekit_pytorch
 from safetensors.torch import load_file, save_file
 
+from mergekit_ram import cli
+from mergekit_ram.errors import InputError
 from mergekit_ram.staging import MARKER_FILE, STAGING_DIR
-from mergekit_ram.synthetic import build_agents, tiny_config
-from tests.conftest import Merged, ModelSet, load_statistics, merge_in_process, run_script, script, write_recipe
+from mergekit_ram.synthetic import build_agents, build_base, tiny_config
+from tests.conftest import (
+    Merged,
+    ModelSet,
+    command_refusal,
+    load_statistics,
+    merge_in_process,
+    run_script,
+    script,
+    write_recipe,
+)
 
 DOC = os.path.join(os.path.dirname(__file__), os.pardir, "docs", "reliability.md")
 
@@ -80,6 +91,19 @@ def _vocabulary_mismatch(models: ModelSet, root: str) -> dict[str, Any]:
     recipe = models.recipe("ram_plus")
     recipe["models"][1] = {"model": agent}
     return recipe
+
+
+def _other_model(architecture: str = "llama", **sizes: int) -> Callable[[ModelSet, str], dict[str, Any]]:
+    """The tool agent replaced by a model of its own (not a fine-tune of the base) with these sizes."""
+
+    def make(models: ModelSet, root: str) -> dict[str, Any]:
+        shape = {"hidden_size": 32, "intermediate_size": 48, "num_layers": 2, "vocab_size": 64, **sizes}
+        build_base(os.path.join(root, "other-model"), tiny_config(architecture, **shape), seed=5)
+        recipe = models.recipe("ram_plus")
+        recipe["models"][1] = {"model": os.path.join(root, "other-model")}
+        return recipe
+
+    return make
 
 
 def _missing_tensor(models: ModelSet, root: str) -> dict[str, Any]:
@@ -192,6 +216,21 @@ CASES = [
         "a tensor's shape differs (vocabularies differ, no `tokenizer_source`)",
         _vocabulary_mismatch,
         "set `tokenizer_source`",
+    ),
+    Case(
+        "a model of another depth (3 layers, the base 2)",
+        _other_model(num_layers=3),
+        "<dir>/other-model has 3 layers but the base model <models>/base has 2 (`num_hidden_layers`",
+    ),
+    Case(
+        "a model of another architecture (Qwen2, the base Llama)",
+        _other_model("qwen2"),
+        "<dir>/other-model is a Qwen2ForCausalLM but the base model <models>/base is a LlamaForCausalLM",
+    ),
+    Case(
+        "a model of another width (hidden size 48, the base 32; vocabularies equal)",
+        _other_model(hidden_size=48),
+        "tensor lm_head.weight has shape [64, 48] in <dir>/other-model but [64, 32] in the base model <models>/base",
     ),
     Case("a tensor missing from one model", _missing_tensor, "has no tensor for model.layers.1.mlp.down_proj.weight"),
     Case("NaN in an input tensor (`ram_plus`: found by the pre-pass)", _poison("ram_plus", float("nan")), "NaN or Inf"),
@@ -313,6 +352,41 @@ def test_bad_input_is_refused_and_nothing_is_written(case: Case, bf16_models: Mo
     message, changed = _outcome(case.title, bf16_models, scratch_root)
     assert case.expected in message
     assert changed == [], f"the failed merge changed {changed} in the output folder"
+    if "vocabularies equal" in case.title:
+        assert message.endswith(case.expected)  # no hint about vocabulary sizes
+
+
+def test_models_that_do_not_fit_the_base_are_refused_by_the_probe_alike(
+    bf16_models: ModelSet, scratch_root: str, tmp_path
+) -> None:
+    """The probe gives the merge's line (the same check, before anything is read)."""
+    for case in CASES:
+        if case.title.startswith(("a model of another depth", "a model of another architecture")):
+            message, _ = _outcome(case.title, bf16_models, scratch_root)
+            recipe = write_recipe(str(tmp_path / "r.yml"), case.make(bf16_models, str(tmp_path)))
+            refused = command_refusal(cli.probe, recipe).replace(str(tmp_path), "<dir>")
+            assert refused.replace(os.path.dirname(bf16_models.base), "<models>") == message
+            shutil.rmtree(tmp_path / "other-model")
+
+
+def test_allow_crimes_keeps_mergekits_own_behaviour(bf16_models: ModelSet, tmp_path, capsys) -> None:
+    """A fine-tune whose config.json names an architecture mergekit defines apart (Mistral; its tensors
+    are Llama's): one line naming both, or, with --allow-crimes, what mergekit does (merge, probe)."""
+    renamed = _copy(bf16_models.agents[1], str(tmp_path), "renamed")
+    with open(os.path.join(renamed, "config.json"), encoding="utf-8") as handle:
+        config = json.load(handle)
+    with open(os.path.join(renamed, "config.json"), "w", encoding="utf-8") as handle:
+        json.dump({**config, "architectures": ["MistralForCausalLM"], "model_type": "mistral"}, handle)
+    recipe = bf16_models.recipe("ram_plus")
+    recipe["models"][1] = {"model": renamed}
+    path = write_recipe(str(tmp_path / "r.yml"), recipe)
+    with pytest.raises(InputError, match=f"^{renamed} is a MistralForCausalLM but the base model .* LlamaForCausalLM"):
+        merge_in_process(path, str(tmp_path / "out"))
+    assert not os.path.exists(tmp_path / "out")
+    merge_in_process(path, str(tmp_path / "out"), allow_crimes=True)
+    assert [m["model"] for m in load_statistics(str(tmp_path / "out"))["models"]][1] == renamed
+    cli.probe.main(args=[path, "--allow-crimes", "--json"], standalone_mode=False)
+    assert json.loads(capsys.readouterr().out)["models"][1]["model"] == renamed
 
 
 def _table(models: ModelSet, root: str) -> str:
