@@ -176,3 +176,33 @@ def test_mismatched_inputs_name_model_and_tensor(bf16_models: ModelSet) -> None:
         merge_state_dicts({"base": base, "agent": poisoned, "other": base}, "ram_plus", base="base")
     with pytest.raises(ParameterError, match="`base` must name the base model"):
         merge_state_dicts({"base": base, "agent": base}, "ram")
+
+
+def test_a_pin_for_some_models(bf16_models: ModelSet) -> None:
+    """The documented pin of one model (the others' rho from the counts, as without the pin) through ours
+    and mergekit's own function alike."""
+    models = models_of(bf16_models)
+    coder, *others = bf16_models.agents
+    _, unpinned = merge_state_dicts(models, "ram_plus", base="base")
+    merged, statistics = merge_state_dicts(models, "ram_plus", base="base", parameters={"lambda": {coder: 1.1}})
+    assert [(m.lambda_, m.pinned) for m in statistics.models] == [
+        (1.1, "lambda"),
+        *((m.lambda_, None) for m in unpinned.models[1:]),
+    ]
+    theirs = mergekit_merge_state_dicts(models, "ram_plus", base="base", parameters={"lambda": {coder: 1.1}})
+    assert all(torch.equal(theirs[name], tensor) for name, tensor in merged.items())
+
+
+def test_strict_as_mergekit_has_it(bf16_models: ModelSet) -> None:
+    """``strict=False`` merges the tensors every model has, as mergekit's own function does; ``strict``
+    refuses the others, naming the model."""
+    models = models_of(bf16_models)
+    others = bf16_models.agents[1:]
+    pruned = {**models, others[0]: {k: v for k, v in models[others[0]].items() if k != "model.norm.weight"}}
+    with pytest.raises(ValueError, match=rf"^{others[0]}: tensors differ from the base's \(missing \['model.norm"):
+        merge_state_dicts(pruned, "ram_plus", base="base")
+    merged, statistics = merge_state_dicts(pruned, "ram_plus", base="base", strict=False)
+    theirs = mergekit_merge_state_dicts(pruned, "ram_plus", base="base", strict=False)
+    assert set(merged) == set(theirs) == set(models["base"]) - {"model.norm.weight"}
+    assert all(torch.equal(theirs[name], tensor) for name, tensor in merged.items())
+    assert "model.norm.weight" not in [tensor.name for tensor in statistics.tensors]
