@@ -136,8 +136,9 @@ def test_plugin_errors_are_one_line_in_every_script(bf16_models: ModelSet, tmp_p
     missing = {**bf16_models.recipe("ram"), "name": "agents"}
     missing["models"] = [*missing["models"][:2], {"model": str(tmp_path / "no-such-agent")}]
     multi = write_recipe(str(tmp_path / "multi.yml"), missing)
-    completed = run_script("mergekit-multi", multi, "-I", str(tmp_path / "stages"), check=False)
+    completed = run_script("mergekit-multi", multi, "-I", str(tmp_path / "stages" / "nested"), check=False)
     assert one_line_error(completed) == f"model path {tmp_path / 'no-such-agent'} does not exist"
+    assert not os.path.exists(tmp_path / "stages")  # mergekit-multi made it (and its parent): removed again
 
     # NaN in an input, found by the pre-pass of mergekit-pytorch; under -v the traceback comes first.
     broken = shutil.copytree(bf16_models.agents[1], str(tmp_path / "nan-agent"))
@@ -229,7 +230,15 @@ def test_other_methods_keep_mergekit_output(bf16_models: ModelSet, tmp_path, cas
 
 @NO_CUDA
 def test_cuda_without_a_device_is_one_line(bf16_models: ModelSet, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
-    expected = f"--cuda was given but no CUDA device is available (torch {torch.__version__}, CPU build)"
+    build, fix = (
+        ("CPU build", "install a CUDA build of torch")
+        if torch.version.cuda is None
+        else (f"built for CUDA {torch.version.cuda}", "check the GPU's driver and CUDA_VISIBLE_DEVICES")
+    )
+    expected = (
+        f"--cuda was given but no CUDA device is available (torch {torch.__version__}, {build}): "
+        f"drop --cuda to run on the CPU, or {fix}"
+    )
     recipe = write_recipe(str(tmp_path / "r.yml"), bf16_models.recipe("ram_plus"))
     assert one_line_error(run_script("mergekit-yaml", recipe, str(tmp_path / "o"), "--cuda", check=False)) == expected
     stages = write_recipe(str(tmp_path / "m.yml"), {"name": "agents", **bf16_models.recipe("ram")})

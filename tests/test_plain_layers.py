@@ -27,7 +27,7 @@ from mergekit_ram.checks import (
     close_method,
     planned_numel,
 )
-from mergekit_ram.errors import InputError
+from mergekit_ram.errors import DeviceError, InputError
 from mergekit_ram.parameters import METHOD_PARAMETERS, ParameterError
 from mergekit_ram.planned import ModelIdentity, ModelPin, PlannedTensor, TensorInput, TensorParameters
 from mergekit_ram.recipe_file import declared_methods
@@ -292,3 +292,18 @@ def test_method_names_come_from_the_parameter_table(monkeypatch: pytest.MonkeyPa
     assert [close_method(name) for name in ("ram", "ram_plus", "ramplus_tl", "linear", "ties", "ram_tl")] == [None] * 6
     monkeypatch.setitem(METHOD_PARAMETERS, "ram_unique", ())
     assert close_method("ram_uniqe") == "ram_unique"
+
+
+def test_a_cuda_device_that_is_not_there_names_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mergekit_ram.device import check_device
+
+    check_device("cpu", "--device cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    check_device("cuda:1", "--device cuda:1")
+    with pytest.raises(DeviceError) as refused:
+        check_device("cuda:2", "--device cuda:2")
+    assert str(refused.value) == (
+        "--device cuda:2 was given but only 2 CUDA device(s) are visible (cuda:0 to cuda:1): "
+        "name one of those, or drop --device cuda:2 to run on the CPU"
+    )

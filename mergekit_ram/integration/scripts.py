@@ -12,6 +12,7 @@ from mergekit.options import MergeOptions
 
 from mergekit_ram.device import check_device
 from mergekit_ram.errors import RamError, exit_on_one_line
+from mergekit_ram.files import removed_if_failed
 from mergekit_ram.integration.recipes import check_method_name, check_raw_keys, read_stages
 from mergekit_ram.integration.registry import is_ours
 from mergekit_ram.integration.versions import require, wrap
@@ -34,6 +35,8 @@ def patch_script(script: ModuleType) -> None:
     missing CUDA device are reported so only for a file that asks for ``ram``/``ram_plus``, and a
     misspelling of those names for any file: for every other recipe mergekit's output stays as
     it was. ``mergekit-pytorch`` (which has no ``run_merge``) also shows the statistics table here.
+    A failed ``mergekit-multi`` run of a RAM recipe removes the ``-I`` folder it made, if empty
+    (the failed stage has removed its own folder).
     """
     name, recipe_argument = SCRIPTS[script.__name__]
 
@@ -41,7 +44,8 @@ def patch_script(script: ModuleType) -> None:
         def callback(*args: Any, **kwargs: Any) -> Any:
             try:
                 options = check_script_recipe(script, name, kwargs.get(recipe_argument), kwargs)
-                result = original(*args, **kwargs)
+                with removed_if_failed(kwargs.get("intermediate_dir") if options is not None else None):
+                    result = original(*args, **kwargs)  # mergekit-multi makes its -I folder itself
             except RamError as error:
                 exit_on_one_line(error, verbose=bool(kwargs.get("verbosity")))
             if options is not None and name == "mergekit-pytorch" and not options.quiet:
