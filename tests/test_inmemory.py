@@ -10,7 +10,7 @@ from mergekit.merge_methods import merge_state_dicts as mergekit_merge_state_dic
 
 from mergekit_ram import ParameterError, merge_state_dicts
 from tests import reference
-from tests.conftest import Merged, ModelSet, load_statistics, load_weights
+from tests.conftest import Merged, ModelSet, load_statistics, load_weights, merge_in_process
 
 
 @pytest.fixture(params=["ram", "ram_plus"])
@@ -206,3 +206,19 @@ def test_strict_as_mergekit_has_it(bf16_models: ModelSet) -> None:
     assert set(merged) == set(theirs) == set(models["base"]) - {"model.norm.weight"}
     assert all(torch.equal(theirs[name], tensor) for name, tensor in merged.items())
     assert "model.norm.weight" not in [tensor.name for tensor in statistics.tensors]
+
+
+def test_mixed_dtypes_give_the_promoted_dtype(bf16_models: ModelSet, fp32_models: ModelSet, tmp_path) -> None:
+    """A float32 fine-tune with a bfloat16 base and fine-tune, no ``dtype`` or ``out_dtype``: every merged
+    tensor is float32, the inputs' promoted dtype, as mergekit's own methods give (docs/publishing.md)."""
+    models = {"base": load_weights(bf16_models.base), "a": load_weights(fp32_models.agents[0])}
+    models["b"] = load_weights(bf16_models.agents[1])
+    merged, _ = merge_state_dicts(models, "ram_plus", base="base")
+    theirs = mergekit_merge_state_dicts(models, "task_arithmetic", base="base", parameters={"weight": 0.5})
+    assert (
+        {tensor.dtype for tensor in merged.values()} == {tensor.dtype for tensor in theirs.values()} == {torch.float32}
+    )
+    recipe = bf16_models.recipe("ram_plus")
+    recipe["models"][0] = {"model": fp32_models.agents[0]}
+    merge_in_process(recipe, str(tmp_path / "out"))
+    assert {tensor.dtype for tensor in load_weights(str(tmp_path / "out")).values()} == {torch.float32}
