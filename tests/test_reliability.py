@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import glob
 import json
+import logging
 import os
 import re
 import shutil
@@ -367,6 +368,18 @@ def test_models_that_do_not_fit_the_base_are_refused_by_the_probe_alike(
             refused = command_refusal(cli.probe, recipe).replace(str(tmp_path), "<dir>")
             assert refused.replace(os.path.dirname(bf16_models.base), "<models>") == message
             shutil.rmtree(tmp_path / "other-model")
+
+
+def test_a_model_that_does_not_fit_is_refused_before_anything_is_written(
+    bf16_models: ModelSet, tmp_path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Before the output folder is made: no folder to remove afterwards, and no ERROR line before the
+    one-line error (a shape difference was found only once the merge was planned)."""
+    recipe = _other_model(hidden_size=48)(bf16_models, str(tmp_path))
+    with caplog.at_level(logging.INFO), pytest.raises(InputError, match="in the base model"):
+        merge_in_process(recipe, str(tmp_path / "new" / "out"))
+    assert not os.path.exists(tmp_path / "new")
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR or "removed" in r.getMessage()] == []
 
 
 def test_allow_crimes_keeps_mergekits_own_behaviour(bf16_models: ModelSet, tmp_path, capsys) -> None:
