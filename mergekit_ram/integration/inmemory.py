@@ -24,11 +24,12 @@ from types import ModuleType
 from typing import Any, Callable, Hashable, Mapping, Optional, Sequence, Union
 
 import torch
+from mergekit import merge_methods
 from mergekit.merge_methods import merge_state_dicts as mergekit_merge_state_dicts
 from mergekit.merge_methods.base import BatchOptions, PerGroupValues
 
 from mergekit_ram.integration.methods import RamMergeMethod
-from mergekit_ram.integration.registry import is_ours
+from mergekit_ram.integration.registry import is_ours, register_methods
 from mergekit_ram.integration.versions import require, wrap
 from mergekit_ram.parameters import METHOD_PARAMETERS, ParameterError, check_parameter
 from mergekit_ram.stats import RamStatistics
@@ -79,9 +80,7 @@ def merge_state_dicts(
     finetunes = [key for key in named if key != base]
     _check_parameters(method, parameters or {}, finetunes)
     _check_inputs(named, base, strict)
-    from mergekit_ram.integration import register
-
-    register()
+    register_methods(merge_methods)  # the methods mergekit knows, also where the start-up hook is off
     received: list[RamStatistics] = []
     merged = mergekit_merge_state_dicts(
         models,
