@@ -15,10 +15,11 @@ import json
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 from mergekit_ram.errors import InputError
 from mergekit_ram.files import UnreadableFile, open_regular, plain_name, read_at, read_json
+from mergekit_ram.parameters import METHOD_PARAMETERS
 from mergekit_ram.planned import ModelIdentity, PlannedTensor
 
 #: mergekit 0.1.5's weights in a model folder, in the order it looks for them (``ShardedTensorIndex.from_disk``).
@@ -36,6 +37,31 @@ DTYPE_BITS = {
     **dict.fromkeys(("I64", "U64", "F64", "C64"), 64),
 }
 _LFS_POINTER = b"version https://git-lfs.github.com/spec/"
+
+
+def close_method(name: str) -> Optional[str]:
+    """The method of this plugin (a key of ``METHOD_PARAMETERS``) that ``name`` misspells, if any: within
+    one edit per four letters of it (at least one), compared in lower case with ``-`` read as ``_`` and
+    ``+`` as ``_plus`` (``RAM+``, ``ram-plus``, ``ram_pluss``, ``rma``)."""
+    spelled = name.strip().lower().replace("-", "_").replace("+", "_plus")
+    distances = {method: edit_distance(spelled, method) for method in METHOD_PARAMETERS if method != name}
+    near = [method for method, distance in distances.items() if distance <= max(1, len(method) // 4)]
+    return min(near, key=distances.__getitem__, default=None)
+
+
+def edit_distance(first: str, second: str) -> int:
+    """Insertions, deletions, substitutions and swaps of neighbours that turn ``first`` into ``second``."""
+    before: list[int] = []
+    previous = list(range(len(second) + 1))
+    for i, one in enumerate(first, 1):
+        current = [i]
+        for j, other in enumerate(second, 1):
+            cost = min(previous[j] + 1, current[j - 1] + 1, previous[j - 1] + (one != other))
+            if before and j > 1 and one == second[j - 2] and first[i - 2] == other:
+                cost = min(cost, before[j - 2] + 1)
+            current.append(cost)
+        before, previous = previous, current
+    return previous[-1]
 
 
 @dataclass(frozen=True)
@@ -195,15 +221,16 @@ def read_index(model: str, index: str) -> dict[str, str]:
     return weight_map
 
 
-def check_weights(model: ModelIdentity, headers: HeaderCache) -> None:
-    """The headers of the files mergekit 0.1.5 will read for a local model (an input file of
-    ``mergekit-pytorch``, or a folder's index or chosen file); stray files are never opened."""
+def check_weights(model: ModelIdentity, headers: HeaderCache) -> dict[str, TensorHeader]:
+    """The tensors of the files mergekit 0.1.5 will read for a local model (an input file of
+    ``mergekit-pytorch``, or a folder's index or chosen file), from their headers (none from a
+    ``.bin`` file, which is mergekit's to read); stray files are never opened."""
     chosen = mergekit_weights(model.path) if os.path.isdir(model.path) else model.path
     if chosen is None:
-        return
+        return {}
     if not chosen.endswith(INDEX_SUFFIX):
-        headers.read(model.label, chosen)
-        return
+        return headers.read(model.label, chosen) or {}
+    found = {}
     for tensor, name in read_index(model.label, chosen).items():
         tensors = headers.read(model.label, os.path.join(model.path, name))
         if tensors is not None and tensor not in tensors:
@@ -211,6 +238,35 @@ def check_weights(model: ModelIdentity, headers: HeaderCache) -> None:
                 f"{model.label}: its index {chosen} puts {tensor!r} in {name}, which does not hold it; "
                 "download or copy the model again"
             )
+        if tensors is not None:
+            found[tensor] = tensors[tensor]
+    return found
+
+
+def read_config(model: ModelIdentity) -> dict[str, Any]:
+    """A local model folder's ``config.json``, read bounded and without blocking (a stranger's file);
+    {} where there is none (a Hub id, a ``mergekit-pytorch`` input file: mergekit reads those itself)."""
+    path = os.path.join(model.path, "config.json")
+    if not os.path.isdir(model.path) or not os.path.lexists(path):
+        return {}
+    try:
+        config = read_json(path)
+        if not isinstance(config, dict):
+            raise UnreadableFile("it is not a JSON object")
+    except (UnreadableFile, OSError) as error:
+        raise InputError(f"{model.label}: cannot use {path} ({error}); download or copy the model again") from None
+    return config
+
+
+@dataclass(frozen=True)
+class BaseFit:
+    """What ``check_fits_base`` needs of mergekit, which the boundary hands it: whether mergekit merges
+    two architectures (None: not compared, its ``--allow-crimes``), the tensors of an architecture that
+    have a vocabulary axis, and whether the recipe aligns vocabularies (``tokenizer_source``)."""
+
+    same_architecture: Optional[Callable[[str, str], bool]] = None
+    vocabulary_axes: Callable[[str], Mapping[str, int]] = lambda architecture: {}
+    vocabulary_aligned: bool = False
 
 
 def check_models(
@@ -218,21 +274,94 @@ def check_models(
     base: Optional[ModelIdentity],
     model_lists: Sequence[tuple[str, Sequence[ModelIdentity]]],
     headers: HeaderCache,
+    fit: BaseFit = BaseFit(),
 ) -> None:
-    """A base model is set; every model is listed once (however spelled); local paths exist and
-    the weights mergekit will read can be read."""
+    """A base model is set; every model is listed once (however spelled); local paths exist, the weights
+    mergekit will read can be read, and each model fits the base (``check_fits_base``)."""
     if base is None:
         raise InputError(
             f"{method} needs `base_model`: RAM merges task vectors (fine-tune minus base) and "
             "has no meaning without the common base"
         )
     check_listed_once(base, model_lists)
+    tensors: dict[tuple[Optional[str], ...], dict[str, TensorHeader]] = {}
     for model in [base, *(model for _, models in model_lists for model in models)]:
         for path in model.local_paths:
             if not os.path.exists(path):
                 raise InputError(f"model path {path} does not exist")
         if os.path.exists(model.path):
-            check_weights(model, headers)
+            tensors[model.key] = check_weights(model, headers)
+    base_files = (base, read_config(base), tensors.get(base.key, {}))
+    for where, models in model_lists:
+        for model in models:
+            model_files = (model, read_config(model), tensors.get(model.key, {}))
+            check_fits_base(model_files, base_files, fit, whole_model=where.endswith("models"))
+
+
+#: A model, its ``config.json`` and its tensors' headers, as ``check_fits_base`` compares them.
+ModelFiles = tuple[ModelIdentity, dict[str, Any], dict[str, TensorHeader]]
+
+
+def check_fits_base(model: ModelFiles, base: ModelFiles, fit: BaseFit, whole_model: bool) -> None:
+    """A model the base was not fine-tuned into is one line naming it and what differs, before mergekit
+    reads a tensor (its own errors for these are tracebacks naming no model): another architecture,
+    another depth (of a whole model, not a slice of it), or a tensor of another shape (the vocabulary
+    hint only where the shapes differ along the tensor's vocabulary axis, which passes when the recipe
+    aligns vocabularies)."""
+    (identity, config, tensors), (base_identity, base_config, base_tensors) = model, base
+    name, base_name = _architecture(identity, config), _architecture(base_identity, base_config)
+    if fit.same_architecture is not None and name and base_name and not fit.same_architecture(name, base_name):
+        raise InputError(
+            f"{identity.label} is a {name} but the base model {base_identity.label} is a {base_name} "
+            "(`architectures` in their config.json): RAM merges fine-tunes of one base model "
+            "(--allow-crimes lets mergekit merge other architectures anyway)"
+        )
+    layers = [_integer(config, "num_hidden_layers"), _integer(base_config, "num_hidden_layers")]
+    if whole_model and None not in layers and layers[0] != layers[1]:
+        raise InputError(
+            f"{identity.label} has {layers[0]} layers but the base model {base_identity.label} has {layers[1]} "
+            "(`num_hidden_layers` in their config.json): RAM merges fine-tunes of one base model, which keep "
+            "its layers"
+        )
+    axes = fit.vocabulary_axes(base_name) if base_name else {}
+    for tensor, header in tensors.items():
+        reference = base_tensors.get(tensor)
+        if reference is None or reference.shape == header.shape:
+            continue
+        vocabulary = tensor in axes and differing_axis(header.shape, reference.shape) == axes[tensor]
+        if not (vocabulary and fit.vocabulary_aligned):
+            label = f"the base model {base_identity.label}"
+            raise shape_error(tensor, identity.label, header.shape, label, reference.shape, vocabulary)
+
+
+def _architecture(model: ModelIdentity, config: dict[str, Any]) -> Optional[str]:
+    """The architecture mergekit takes a model for: its override, else the one its config.json names."""
+    names = config.get("architectures")
+    if model.override_architecture is not None:
+        return model.override_architecture
+    return names[0] if isinstance(names, list) and len(names) == 1 and isinstance(names[0], str) else None
+
+
+def _integer(config: dict[str, Any], key: str) -> Optional[int]:
+    value = config.get(key)
+    return value if type(value) is int else None
+
+
+def differing_axis(shape: tuple[int, ...], reference: tuple[int, ...]) -> Optional[int]:
+    """The one axis along which two shapes of the same rank differ; None for another rank or several axes."""
+    axes = [axis for axis, (one, other) in enumerate(zip(shape, reference)) if one != other]
+    return axes[0] if len(shape) == len(reference) and len(axes) == 1 else None
+
+
+def shape_error(
+    name: str, model: str, shape: tuple[int, ...], reference: str, reference_shape: tuple[int, ...], vocabulary: bool
+) -> InputError:
+    """Tensor ``name`` has another shape in ``model`` than in ``reference``; the vocabulary hint only
+    where the shapes differ along the vocabulary axis alone (elsewhere it would send the user astray)."""
+    hint = " (different vocabulary sizes: set `tokenizer_source`, e.g. base or union)" if vocabulary else ""
+    return InputError(
+        f"tensor {name} has shape {list(shape)} in {model} but {list(reference_shape)} in {reference}{hint}"
+    )
 
 
 def check_listed_once(base: ModelIdentity, model_lists: Iterable[tuple[str, Sequence[ModelIdentity]]]) -> None:
@@ -285,19 +414,12 @@ def check_tensors(planned: Iterable[PlannedTensor], headers: HeaderCache) -> Inp
             )
         if tensor.reshaped:
             continue
-        shapes = {model: header.shape for model, header in found.items()}
-        if len(set(shapes.values())) > 1:
-            (first, first_shape), *rest = shapes.items()
-            other, other_shape = next((m, s) for m, s in rest if s != first_shape)
-            hint = (
-                " (different vocabulary sizes: set `tokenizer_source`, e.g. base or union)"
-                if tensor.vocabulary_axis is not None
-                else ""
-            )
-            raise InputError(
-                f"tensor {tensor.name} has shape {list(other_shape)} in {other} "
-                f"but {list(first_shape)} in {first}{hint}"
-            )
+        reference = tensor.base if tensor.base in found else next(iter(found), "")
+        for model, header in found.items():
+            if header.shape != found[reference].shape:
+                axis = differing_axis(header.shape, found[reference].shape)
+                vocabulary = axis is not None and axis == tensor.vocabulary_axis
+                raise shape_error(tensor.name, model, header.shape, reference, found[reference].shape, vocabulary)
     return facts
 
 

@@ -161,6 +161,7 @@ def demo(out_dir: str, architecture: str, seed: int) -> None:
 @click.option("--device", default=None, help="Count on this torch device (cpu, cuda, cuda:1, ...).")
 @click.option("--lora-merge-cache", default=None, help="Where mergekit merges LoRA inputs (as mergekit-yaml).")
 @click.option("--trust-remote-code", is_flag=True, help="As mergekit-yaml.")
+@click.option("--allow-crimes", is_flag=True, help="As mergekit-yaml: let mergekit take models of other architectures.")
 @click.option("-j", "--num-threads", type=int, default=None, help="Torch CPU threads.")
 @click.option("-v", "--verbose", is_flag=True, help="Log the pre-pass; show the traceback of an error.")
 def probe(
@@ -175,6 +176,7 @@ def probe(
     device: str | None,
     lora_merge_cache: str | None,
     trust_remote_code: bool,
+    allow_crimes: bool,
     num_threads: int | None,
     verbose: bool,
 ) -> None:
@@ -198,6 +200,7 @@ def probe(
         device=device,
         lora_merge_cache=lora_merge_cache,
         trust_remote_code=trust_remote_code,
+        allow_crimes=allow_crimes,
         num_threads=num_threads,
         quiet=as_json or not verbose,
     )

@@ -18,7 +18,16 @@ def check_device(device: Optional[str], flag: str) -> None:
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if index < count:
         return
-    build = "CPU build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
-    if count == 0:
-        raise DeviceError(f"{flag} was given but no CUDA device is available (torch {torch.__version__}, {build})")
-    raise DeviceError(f"{flag} was given but only {count} CUDA device(s) are visible (cuda:0 to cuda:{count - 1})")
+    if count:
+        raise DeviceError(
+            f"{flag} was given but only {count} CUDA device(s) are visible (cuda:0 to cuda:{count - 1}): "
+            f"name one of those, or drop {flag} to run on the CPU"
+        )
+    if torch.version.cuda is None:
+        build, fix = "CPU build", "install a CUDA build of torch"
+    else:
+        build, fix = f"built for CUDA {torch.version.cuda}", "check the GPU's driver and CUDA_VISIBLE_DEVICES"
+    raise DeviceError(
+        f"{flag} was given but no CUDA device is available (torch {torch.__version__}, {build}): "
+        f"drop {flag} to run on the CPU, or {fix}"
+    )

@@ -12,9 +12,12 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import logging
 import os
 import stat
 from typing import Any, Iterator, Optional
+
+LOG = logging.getLogger(__name__)
 
 #: The largest JSON file (manifest, index, journal, cache entry, config) read: well above any real one.
 JSON_LIMIT = 64 << 20
@@ -110,4 +113,24 @@ def write_atomically(path: str, text: str, *, dir_fd: Optional[int] = None) -> N
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(partial, dir_fd=dir_fd)
+        raise
+
+
+@contextlib.contextmanager
+def removed_if_failed(path: Optional[str]) -> Iterator[None]:
+    """The folders of ``path`` (if given) that do not exist before the block and that it creates are
+    removed again if it fails, innermost first and only while empty: a failed command leaves nothing
+    it made, and never anything else."""
+    missing = []
+    folder = os.path.abspath(path) if path else ""
+    while folder and not os.path.lexists(folder):
+        missing.append(folder)
+        folder = os.path.dirname(folder)
+    try:
+        yield
+    except BaseException:
+        for folder in missing:
+            with contextlib.suppress(OSError):
+                os.rmdir(folder)
+                LOG.info("removed %s, which the merge had created", folder)
         raise

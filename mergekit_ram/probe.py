@@ -32,7 +32,7 @@ def select_stages(recipe_path: str, stage_name: Optional[str] = None, intermedia
     has written that output under ``intermediate_dir``.
     """
     from mergekit_ram.errors import RecipeError
-    from mergekit_ram.integration.recipes import read_stages
+    from mergekit_ram.integration.recipes import check_method_name, read_stages
     from mergekit_ram.parameters import METHOD_PARAMETERS, ParameterError
     from mergekit_ram.recipe_file import read_text, stage_output
 
@@ -48,6 +48,8 @@ def select_stages(recipe_path: str, stage_name: Optional[str] = None, intermedia
                 f"{recipe_path} has no stage named {stage_name!r}; its stages: "
                 + ", ".join(stage.label for stage in stages)
             )
+    for stage in candidates:
+        check_method_name(stage.config.merge_method)
     ram_stages = [stage for stage in candidates if stage.config.merge_method in METHOD_PARAMETERS]
     if not ram_stages:
         methods = ", ".join(dict.fromkeys(stage.config.merge_method for stage in candidates))
@@ -78,11 +80,15 @@ def select_stages(recipe_path: str, stage_name: Optional[str] = None, intermedia
 
 
 def probe_config(config: Any, options: Any) -> RamStatistics:
-    """Run only the pre-pass of a ``ram`` / ``ram_plus`` MergeConfiguration; its statistics."""
+    """Run only the pre-pass of a ``ram`` / ``ram_plus`` MergeConfiguration; its statistics. The recipe
+    is checked as a merge checks it, ``--allow-crimes`` included (the planner's own check cannot see it)."""
+    from mergekit_ram.checks import HeaderCache
     from mergekit_ram.integration import register
     from mergekit_ram.integration.planner import probe_statistics
+    from mergekit_ram.integration.recipes import check_config
 
     register()
+    check_config(config.merge_method, config, HeaderCache(), allow_crimes=options.allow_crimes)
     return probe_statistics(config, options)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Optional
 
 import click
@@ -16,6 +17,8 @@ from mergekit_ram.stats import STATISTICS_FILE, RamStatistics, card_markdown, co
 
 #: The Hub tag of every model merged with mergekit-ram's methods.
 CARD_TAG = "mergekit-ram"
+#: The bullet list under mergekit's "### Models Merged" heading (its intro line, then the bullets).
+_MODEL_LIST = re.compile(r"(^### Models Merged\n\n[^\n]*\n)((?:\* [^\n]*\n)+)", re.MULTILINE)
 
 
 def read_statistics(out_path: str) -> Optional[RamStatistics]:
@@ -28,7 +31,7 @@ def read_statistics(out_path: str) -> Optional[RamStatistics]:
 
 
 def append_card_section(out_path: str) -> None:
-    """Tag the card ``mergekit-ram`` and add how to reproduce the merge and its statistics."""
+    """Make mergekit's card reproducible and tag it, then add how to reproduce the merge and its statistics."""
     card = os.path.join(out_path, "README.md")
     statistics = read_statistics(out_path) if os.path.exists(card) else None
     if statistics is None:
@@ -36,24 +39,35 @@ def append_card_section(out_path: str) -> None:
     with open(card, encoding="utf-8") as handle:
         text = handle.read()
     with open(card, "w", encoding="utf-8") as handle:
-        handle.write(with_card_tag(text, CARD_TAG) + "\n" + card_markdown(statistics))
+        handle.write(with_card_metadata(with_sorted_model_list(text), CARD_TAG) + "\n" + card_markdown(statistics))
 
 
-def with_card_tag(card: str, tag: str) -> str:
-    """``card`` with ``tag`` appended to the ``tags`` of its YAML front matter (as mergekit dumps it)."""
+def with_sorted_model_list(card: str) -> str:
+    """mergekit's "Models Merged" bullets in sorted order: mergekit lists them from a set of model
+    references (``referenced_models()``), whose order changes with the hash seed from run to run."""
+    return _MODEL_LIST.sub(lambda found: found[1] + "".join(sorted(found[2].splitlines(True))), card, count=1)
+
+
+def with_card_metadata(card: str, tag: str) -> str:
+    """``card`` with ``tag`` appended to the ``tags`` of its YAML front matter (as mergekit dumps it), its
+    ``base_model`` list sorted (mergekit's comes from a set, see ``with_sorted_model_list``) and, where
+    that list names models, ``base_model_relation: merge``: the Hub's model-card metadata for a merge of
+    them (https://huggingface.co/docs/hub/model-cards#specifying-a-base-model)."""
     if not card.startswith("---\n"):
         return card
     end = card.find("\n---\n", 4)
-    if end < 0:
-        return card
-    metadata = yaml.safe_load(card[4:end]) or {}
+    metadata = yaml.safe_load(card[4:end]) if end >= 0 else None
     if not isinstance(metadata, dict):
         return card
     tags = list(metadata.get("tags") or [])
-    if tag in tags:
+    updated = {**metadata, "tags": tags if tag in tags else [*tags, tag]}
+    if isinstance(metadata.get("base_model"), list):
+        updated["base_model"] = sorted(dict.fromkeys(map(str, metadata["base_model"])))
+    if updated.get("base_model"):
+        updated["base_model_relation"] = "merge"
+    if updated == metadata:
         return card
-    metadata["tags"] = [*tags, tag]
-    return "---\n" + yaml.dump(metadata) + card[end + 1 :]
+    return "---\n" + yaml.dump(updated) + card[end + 1 :]
 
 
 def report_summary(out_path: str) -> None:

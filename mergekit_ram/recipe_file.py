@@ -11,7 +11,6 @@ the place and the fix, instead of a yaml or pydantic traceback.
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -20,8 +19,6 @@ from pydantic import BaseModel, ValidationError
 
 from mergekit_ram.errors import RecipeError
 
-#: ``merge_method: ram`` or ``ram_plus`` on a line that is not a comment (block or flow style).
-_RAM_METHOD = re.compile(r"^[^#\n]*\bmerge_method[\"']?\s*:\s*[\"']?(?:ram_plus|ram)(?![\w.-])", re.MULTILINE)
 _SHOWN_VALIDATION_ERRORS = 3
 
 
@@ -38,9 +35,30 @@ class Stage:
         return self.name if self.name is not None else "(unnamed final stage)"
 
 
-def names_ram_method(text: str) -> bool:
-    """Whether a recipe's text asks for ``ram`` or ``ram_plus`` (readable YAML or not)."""
-    return _RAM_METHOD.search(text) is not None
+def declared_methods(text: str) -> list[str]:
+    """The ``merge_method`` of each YAML document of a recipe's text, read as far as the text is valid
+    YAML: a file with a syntax error after its ``merge_method`` still says which method it asks for."""
+    methods: list[str] = []
+    open_nodes: list[Optional[int]] = []  # per open collection: nodes read so far in a mapping, None in a list
+    key: Optional[str] = None
+    try:
+        for event in yaml.parse(text, Loader=yaml.SafeLoader):
+            if isinstance(event, yaml.CollectionEndEvent):
+                open_nodes.pop()
+            elif isinstance(event, yaml.NodeEvent):
+                read = open_nodes[-1] if open_nodes else None
+                if read is not None:
+                    open_nodes[-1] = read + 1
+                    scalar = event.value if isinstance(event, yaml.ScalarEvent) else None
+                    if len(open_nodes) == 1 and read % 2 == 0:
+                        key = scalar
+                    elif len(open_nodes) == 1 and key == "merge_method" and scalar is not None:
+                        methods.append(scalar)
+                if isinstance(event, yaml.CollectionStartEvent):
+                    open_nodes.append(0 if isinstance(event, yaml.MappingStartEvent) else None)
+    except yaml.YAMLError:
+        pass
+    return methods
 
 
 def read_text(path: str) -> Optional[str]:

@@ -17,12 +17,13 @@ import torch
 import yaml
 from mergekit.config import MergeConfiguration
 from mergekit.options import MergeOptions
+from mergekit.scripts import merge_raw_pytorch, multimerge, run_yaml
 from safetensors.torch import load_file, save_file
 
-from mergekit_ram import errors
+from mergekit_ram import checks, cli, errors
 from mergekit_ram.errors import RecipeError
 from mergekit_ram.probe import probe_config, select_stages
-from tests.conftest import ModelSet, run_script, write_recipe
+from tests.conftest import ModelSet, command_refusal, run_script, write_recipe
 from tests.test_docs import package_modules
 from tests.test_statistics import independent_figures
 
@@ -115,6 +116,7 @@ def test_every_error_a_user_can_meet_is_a_ram_error() -> None:
         "_input_error": methods._input_error,
         "self._overflow_error": methods.RamMergeMethod._overflow_error,
         "unknown_parameter": parameters.unknown_parameter,
+        "shape_error": checks.shape_error,
     }
     for name, factory in factories.items():
         classes[name] = typing.get_type_hints(factory)["return"]
@@ -134,8 +136,9 @@ def test_plugin_errors_are_one_line_in_every_script(bf16_models: ModelSet, tmp_p
     missing = {**bf16_models.recipe("ram"), "name": "agents"}
     missing["models"] = [*missing["models"][:2], {"model": str(tmp_path / "no-such-agent")}]
     multi = write_recipe(str(tmp_path / "multi.yml"), missing)
-    completed = run_script("mergekit-multi", multi, "-I", str(tmp_path / "stages"), check=False)
+    completed = run_script("mergekit-multi", multi, "-I", str(tmp_path / "stages" / "nested"), check=False)
     assert one_line_error(completed) == f"model path {tmp_path / 'no-such-agent'} does not exist"
+    assert not os.path.exists(tmp_path / "stages")  # mergekit-multi made it (and its parent): removed again
 
     # NaN in an input, found by the pre-pass of mergekit-pytorch; under -v the traceback comes first.
     broken = shutil.copytree(bf16_models.agents[1], str(tmp_path / "nan-agent"))
@@ -184,6 +187,26 @@ def test_yaml_errors_of_ram_recipes_are_one_line(bf16_models: ModelSet, tmp_path
     assert not os.path.exists(tmp_path / "o")
 
 
+def test_a_misspelt_method_is_one_line_naming_the_method(bf16_models: ModelSet, tmp_path) -> None:
+    """mergekit-yaml (what its user sees: one line, no traceback), mergekit-multi, mergekit-pytorch and the
+    probe (their click commands here) name the method meant; another unknown name stays mergekit's error."""
+    recipe = write_recipe(str(tmp_path / "r.yml"), bf16_models.recipe("ram_pluss"))
+    expected = "unknown merge method 'ram_pluss' (did you mean 'ram_plus'?)"
+    assert one_line_error(run_script("mergekit-yaml", recipe, str(tmp_path / "o"), check=False)) == expected
+    assert command_refusal(cli.probe, recipe) == expected
+    stages = write_recipe(str(tmp_path / "m.yml"), {"name": "agents", **bf16_models.recipe("RAM+")})
+    refused = command_refusal(multimerge.main, stages, "-I", str(tmp_path / "stages"))
+    assert refused == "unknown merge method 'RAM+' (did you mean 'ram_plus'?)"
+    files = {"merge_method": "rma", "base_model": "base.safetensors", "models": [{"model": "a.safetensors"}]}
+    raw = write_recipe(str(tmp_path / "raw.yml"), files)
+    refused = command_refusal(merge_raw_pytorch.main, raw, str(tmp_path / "o"))
+    assert refused == "unknown merge method 'rma' (did you mean 'ram'?)"
+    other = write_recipe(str(tmp_path / "other.yml"), bf16_models.recipe("frankenmerge"))
+    with pytest.raises(RuntimeError, match="^Unimplemented merge method frankenmerge$"):
+        run_yaml.main.main(args=[other, str(tmp_path / "o")], standalone_mode=False)
+    assert not os.path.exists(tmp_path / "stages")
+
+
 @pytest.mark.parametrize(
     "case",
     ["yaml syntax", pytest.param("cuda", marks=NO_CUDA)],
@@ -207,7 +230,15 @@ def test_other_methods_keep_mergekit_output(bf16_models: ModelSet, tmp_path, cas
 
 @NO_CUDA
 def test_cuda_without_a_device_is_one_line(bf16_models: ModelSet, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
-    expected = f"--cuda was given but no CUDA device is available (torch {torch.__version__}, CPU build)"
+    build, fix = (
+        ("CPU build", "install a CUDA build of torch")
+        if torch.version.cuda is None
+        else (f"built for CUDA {torch.version.cuda}", "check the GPU's driver and CUDA_VISIBLE_DEVICES")
+    )
+    expected = (
+        f"--cuda was given but no CUDA device is available (torch {torch.__version__}, {build}): "
+        f"drop --cuda to run on the CPU, or {fix}"
+    )
     recipe = write_recipe(str(tmp_path / "r.yml"), bf16_models.recipe("ram_plus"))
     assert one_line_error(run_script("mergekit-yaml", recipe, str(tmp_path / "o"), "--cuda", check=False)) == expected
     stages = write_recipe(str(tmp_path / "m.yml"), {"name": "agents", **bf16_models.recipe("ram")})

@@ -1,17 +1,22 @@
 """The documentation cannot drift from the code it describes.
 
 - Every message the package can raise, warn or log (its fixed text) is quoted in
-  docs/troubleshooting.md: adding a ``raise`` without documenting it fails here.
+  docs/troubleshooting.md: adding a ``raise`` without documenting it fails here; and every
+  message that page quotes as the plugin's is one the code gives (rewording one fails here).
+- The versions and the statistics schema the pages name, and how they say an infinite rho is
+  written, are the code's.
 - Every test, script and module a page names exists; every link into the repository resolves
   (README.md's are absolute, for the package index, and mapped back to the checkout).
 - docs/contributing.md has a line for every module; docs/changelog.md an entry for the version.
-- docs/scripts/check_merged.py (docs/publishing.md) tells a finished merge from an unfinished one.
+- docs/scripts/check_merged.py (docs/publishing.md) names what stops a merge from being shared.
 """
 
 from __future__ import annotations
 
 import ast
 import glob
+import json
+import math
 import os
 import re
 import shutil
@@ -27,6 +32,8 @@ except ImportError:  # Python 3.10
     import tomli as tomllib
 
 from mergekit_ram import __version__
+from mergekit_ram.integration.versions import TESTED_MERGEKIT
+from mergekit_ram.stats.schema import READABLE_SCHEMAS, SCHEMA_VERSION, write_ratio
 from tests.conftest import Merged, ModelSet
 
 ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
@@ -175,6 +182,102 @@ def test_a_new_undocumented_raise_is_caught() -> None:
     ]
 
 
+def _template(node: ast.AST) -> list[str] | None:
+    """The fixed text of a string expression, split where values go in (``_pieces``, with a value that
+    is not a string, such as a conditional, taken as one more value of a ``+``)."""
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+        left, right = _template(node.left), _template(node.right)
+        if left is None and right is None:
+            return None
+        left, right = left or ["", ""], right or ["", ""]
+        return [*left[:-1], left[-1] + right[0], *right[1:]]
+    return _pieces(node)
+
+
+def code_templates() -> list[re.Pattern[str]]:
+    """Every text the package can put into a message, as a pattern: its fixed parts (at least 8 letters
+    or digits in all, ends trimmed), anything where values go in (f-string fields, ``%s``, ``+ value``)."""
+    found = set()
+    for module in package_modules():
+        with open(os.path.join(PACKAGE, module), encoding="utf-8") as handle:
+            tree = ast.parse(handle.read())
+        for node in ast.walk(tree):
+            pieces = _template(node) if isinstance(node, (ast.Constant, ast.JoinedStr, ast.BinOp)) else None
+            if pieces is None or sum(character.isalnum() for character in "".join(pieces)) < 8:
+                continue
+            parts = [part for piece in pieces for part in _PRINTF.split(piece)]
+            parts[0] = parts[0].lstrip(_TRIMMED)
+            parts[-1] = parts[-1].rstrip(_TRIMMED)
+            # a value first or last takes the message's start or end, whatever it is
+            found.add("^" * (parts[0] == "") + ".*?".join(map(re.escape, parts)) + "$" * (parts[-1] == ""))
+    return [re.compile(pattern, re.DOTALL) for pattern in sorted(found)]
+
+
+_TRIMMED = " .:;,"
+#: What a placeholder of a quoted message, or the punctuation around it, may be.
+_PLACEHOLDERS = re.compile(r"(?:<[^<>]*>|[\s.:;,()'\[\]])*")
+
+
+def quoted_messages(page: str) -> list[str]:
+    """The messages a table of ``page`` quotes as mergekit-ram's (the first column, without mergekit's
+    own and Python's), each whole: ``... rest`` after a message stands for its start, ``start ...``
+    for its end, and click's ``Error: `` is left out."""
+    quoted = []
+    for row in read(page).replace("\\|", "|").splitlines():
+        cell = row.split(" | ")[0][2:] if row.startswith("| ") else ""
+        if "(mergekit's)" in cell or "(not a message)" in cell or re.match(r"`?[A-Z]\w+(Error|Warning):", cell):
+            continue
+        previous = ""
+        for double, single in re.findall(r"``(.+?)``|`([^`]+)`", cell):
+            span = (double or single).strip().removeprefix("Error: ")
+            if len(span.split()) < 3 or span.startswith("-"):
+                continue
+            if span.startswith("...") and previous:
+                rest = span[3:].lstrip()
+                span = previous[: max(previous.find(rest.split()[0]), 0)] + rest
+            if span.endswith("...") and previous:
+                rest = span[:-3].rstrip()
+                span = rest + previous[previous.find(rest.split()[-1]) + len(rest.split()[-1]) :]
+            previous = span.strip(_TRIMMED)
+            quoted.append(previous)
+    return quoted
+
+
+def unexplained(messages: list[str], templates: list[re.Pattern[str]]) -> list[str]:
+    """The messages no single text of the code produces: some template must match the message, all but
+    placeholders (``<model>``) and punctuation around them."""
+
+    def explained(message: str) -> bool:
+        for template in templates:
+            found = template.search(message)
+            if found and all(
+                _PLACEHOLDERS.fullmatch(part) for part in (message[: found.start()], message[found.end() :])
+            ):
+                return True
+        return False
+
+    return [message for message in messages if not explained(message)]
+
+
+def test_every_message_troubleshooting_quotes_is_one_the_code_gives() -> None:
+    quoted = quoted_messages("troubleshooting.md")
+    assert len(quoted) >= 100, "the reader finds too few quoted messages"
+    missing = unexplained(quoted, code_templates())
+    assert not missing, "docs/troubleshooting.md quotes messages the code does not give:\n" + "\n".join(missing)
+
+
+def test_a_reworded_message_is_caught() -> None:
+    templates = code_templates()
+    assert (
+        unexplained(["model path <path> does not exist", "<model>: tensor <tensor> contains NaN or Inf"], templates)
+        == []
+    )
+    assert unexplained(["model path <path> is missing", "model path <path> does not exist today"], templates) == [
+        "model path <path> is missing",
+        "model path <path> does not exist today",
+    ]
+
+
 def _anchor(heading: str) -> str:
     """GitHub's anchor for a Markdown heading."""
     text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
@@ -286,24 +389,82 @@ def test_changelog_has_an_entry_for_this_version() -> None:
     assert re.search(rf"^## {re.escape(__version__)}\b", read("changelog.md"), flags=re.MULTILINE)
 
 
+#: Where a page says how ram_statistics.json writes an infinite rho: (page, pattern of the quoted value).
+INFINITE_RHO = (
+    ("statistics.md", r"\| `rho` \| number or `([^`]+)`"),
+    ("statistics.md", r"\| `measured_rho` \| number or `([^`]+)`"),
+    ("statistics.md", r"`local_rho` \(number or `([^`]+)`\)"),
+    ("statistics.md", r"writes the string `([^`]+)`"),
+    ("method.md", r"`ram_statistics.json` stores `([^`]+)`"),
+    ("reliability.md", r"written as `([^`]+)` in `ram_statistics.json`"),
+    ("prepass.md", r"`([^`]+)` in the JSON"),
+    ("troubleshooting.md", r"or `([^`]+)` for infinity"),
+)
+
+
+def test_the_documented_infinite_rho_is_what_the_json_holds() -> None:
+    written = json.dumps(write_ratio(math.inf))
+    assert written == '"inf"'
+    for page, pattern in INFINITE_RHO:
+        assert re.findall(pattern, read(page)) == [written], f"{page}: {pattern}"
+
+
+def test_documented_versions_are_the_codes() -> None:
+    """statistics.md's schema (heading, field, table of versions) and the versions of mergekit-ram and
+    mergekit the pages name are the ones the code writes and supports."""
+    text = read("statistics.md")
+    assert f"## The object (schema {SCHEMA_VERSION})" in text and f"| `schema` | integer | `{SCHEMA_VERSION}`," in text
+    rows = re.findall(r"^\| (\d+) \| (.+?) \|", text[text.index("## Versions") :], flags=re.MULTILINE)
+    assert tuple(int(schema) for schema, _ in rows) == READABLE_SCHEMAS and rows[-1][0] == str(SCHEMA_VERSION)
+    assert f"mergekit-ram {__version__} " in rows[-1][1]
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as handle:
+        pages = {"README.md": handle.read(), **{page: read(page) for page in PAGES if page != "changelog.md"}}
+    pages["statistics.md"] = text[: text.index("## Versions")]  # the table names the versions of the past
+    for page, content in pages.items():
+        assert set(re.findall(r"mergekit-ram (\d+\.\d+\.\d+)", content)) <= {__version__}, page
+        if page in ("README.md", "troubleshooting.md", "publishing.md", "contributing.md"):
+            assert set(re.findall(r"\bmergekit (\d+\.\d+\.\d+)", content)) <= set(TESTED_MERGEKIT), page
+
+
 def test_check_merged_script(bf16_models: ModelSet, ram_plus_merge: Merged, tmp_path) -> None:
-    """docs/scripts/check_merged.py passes a finished merge and refuses an unfinished one."""
+    """docs/scripts/check_merged.py names what stops a merge from being shared, each with its fix (the
+    shared merge of local models, without a tokenizer or a licence), and passes once they are fixed."""
     out = shutil.copytree(ram_plus_merge.out, str(tmp_path / "out"))  # the shared merge, copied: changed below
     script = [sys.executable, os.path.join(DOCS, "scripts", "check_merged.py"), out]
-    notes = [
-        f"note: the card names local paths ({', '.join(sorted(bf16_models.agents))}): replace them with the "
-        "models' Hub ids",
-        "note: the card's front matter has no license: add the one the input models' licences allow",
+    models = sorted([bf16_models.base, *bf16_models.agents])
+    fix = "merge again with the models' Hub ids in the recipe, or replace the paths with them in README.md, "
+    fix += "mergekit_config.yml, ram_statistics.json alike"
+    refused = subprocess.run([*script, "--finite"], capture_output=True, text=True)
+    assert refused.returncode == 1
+    assert refused.stdout.splitlines() == [
+        "problem: no tokenizer (tokenizer.json, tokenizer.model or vocab.json): copy the base model's tokenizer "
+        "files (tokenizer_config.json and the others) into the folder",
+        "problem: the card's front matter has no license: add a `license:` line that the input models' licences "
+        "allow (an id such as apache-2.0, or other with license_name and license_link)",
+        f"problem: README.md names local paths ({', '.join(models)}): {fix}",
+        f"problem: mergekit_config.yml names local paths ({', '.join(models)}): {fix}",
+        f"problem: ram_statistics.json names local paths ({', '.join(sorted(bf16_models.agents))}): {fix}",
+        "5 problem(s): do not upload yet",
     ]
-    passed = subprocess.run([*script, "--finite"], capture_output=True, text=True)
-    assert passed.returncode == 0, passed.stdout
-    assert passed.stdout.splitlines() == [*notes, "ready to upload"]
+    for name in ("README.md", "mergekit_config.yml", "ram_statistics.json"):  # the fixes the lines name
+        with open(os.path.join(out, name), encoding="utf-8") as handle:
+            text = handle.read()
+        for path in models:
+            text = text.replace(path, f"org/{os.path.basename(path)}")
+        if name == "README.md":
+            text = text.replace("library_name:", "license: apache-2.0\nlibrary_name:", 1)
+        with open(os.path.join(out, name), "w", encoding="utf-8") as handle:
+            handle.write(text)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        with open(os.path.join(out, name), "w", encoding="utf-8") as handle:
+            handle.write("{}")
+    passed = subprocess.run(script, capture_output=True, text=True)
+    assert (passed.returncode, passed.stdout.splitlines()) == (0, ["ready to upload"])
     with open(os.path.join(out, "MERGE_INCOMPLETE"), "w", encoding="utf-8") as handle:
         handle.write("interrupted\n")
     refused = subprocess.run(script, capture_output=True, text=True)
     assert refused.returncode == 1
     assert refused.stdout.splitlines() == [
-        *notes,
         "problem: MERGE_INCOMPLETE is present: the merge did not finish (or is still running); run it again",
         "1 problem(s): do not upload yet",
     ]

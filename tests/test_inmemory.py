@@ -10,7 +10,7 @@ from mergekit.merge_methods import merge_state_dicts as mergekit_merge_state_dic
 
 from mergekit_ram import ParameterError, merge_state_dicts
 from tests import reference
-from tests.conftest import Merged, ModelSet, load_statistics, load_weights
+from tests.conftest import Merged, ModelSet, load_statistics, load_weights, merge_in_process
 
 
 @pytest.fixture(params=["ram", "ram_plus"])
@@ -176,3 +176,49 @@ def test_mismatched_inputs_name_model_and_tensor(bf16_models: ModelSet) -> None:
         merge_state_dicts({"base": base, "agent": poisoned, "other": base}, "ram_plus", base="base")
     with pytest.raises(ParameterError, match="`base` must name the base model"):
         merge_state_dicts({"base": base, "agent": base}, "ram")
+
+
+def test_a_pin_for_some_models(bf16_models: ModelSet) -> None:
+    """The documented pin of one model (the others' rho from the counts, as without the pin) through ours
+    and mergekit's own function alike."""
+    models = models_of(bf16_models)
+    coder, *others = bf16_models.agents
+    _, unpinned = merge_state_dicts(models, "ram_plus", base="base")
+    merged, statistics = merge_state_dicts(models, "ram_plus", base="base", parameters={"lambda": {coder: 1.1}})
+    assert [(m.lambda_, m.pinned) for m in statistics.models] == [
+        (1.1, "lambda"),
+        *((m.lambda_, None) for m in unpinned.models[1:]),
+    ]
+    theirs = mergekit_merge_state_dicts(models, "ram_plus", base="base", parameters={"lambda": {coder: 1.1}})
+    assert all(torch.equal(theirs[name], tensor) for name, tensor in merged.items())
+
+
+def test_strict_as_mergekit_has_it(bf16_models: ModelSet) -> None:
+    """``strict=False`` merges the tensors every model has, as mergekit's own function does; ``strict``
+    refuses the others, naming the model."""
+    models = models_of(bf16_models)
+    others = bf16_models.agents[1:]
+    pruned = {**models, others[0]: {k: v for k, v in models[others[0]].items() if k != "model.norm.weight"}}
+    with pytest.raises(ValueError, match=rf"^{others[0]}: tensors differ from the base's \(missing \['model.norm"):
+        merge_state_dicts(pruned, "ram_plus", base="base")
+    merged, statistics = merge_state_dicts(pruned, "ram_plus", base="base", strict=False)
+    theirs = mergekit_merge_state_dicts(pruned, "ram_plus", base="base", strict=False)
+    assert set(merged) == set(theirs) == set(models["base"]) - {"model.norm.weight"}
+    assert all(torch.equal(theirs[name], tensor) for name, tensor in merged.items())
+    assert "model.norm.weight" not in [tensor.name for tensor in statistics.tensors]
+
+
+def test_mixed_dtypes_give_the_promoted_dtype(bf16_models: ModelSet, fp32_models: ModelSet, tmp_path) -> None:
+    """A float32 fine-tune with a bfloat16 base and fine-tune, no ``dtype`` or ``out_dtype``: every merged
+    tensor is float32, the inputs' promoted dtype, as mergekit's own methods give (docs/publishing.md)."""
+    models = {"base": load_weights(bf16_models.base), "a": load_weights(fp32_models.agents[0])}
+    models["b"] = load_weights(bf16_models.agents[1])
+    merged, _ = merge_state_dicts(models, "ram_plus", base="base")
+    theirs = mergekit_merge_state_dicts(models, "task_arithmetic", base="base", parameters={"weight": 0.5})
+    assert (
+        {tensor.dtype for tensor in merged.values()} == {tensor.dtype for tensor in theirs.values()} == {torch.float32}
+    )
+    recipe = bf16_models.recipe("ram_plus")
+    recipe["models"][0] = {"model": fp32_models.agents[0]}
+    merge_in_process(recipe, str(tmp_path / "out"))
+    assert {tensor.dtype for tensor in load_weights(str(tmp_path / "out")).values()} == {torch.float32}

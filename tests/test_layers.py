@@ -100,12 +100,13 @@ IMPORT_FIRST = (
 
 CHECK_PATCHES = """
 import mergekit.merge, mergekit.plan, mergekit.scripts.run_yaml, mergekit.scripts.multimerge
-import mergekit.scripts.merge_raw_pytorch
+import mergekit.scripts.merge_raw_pytorch, mergekit.merge_methods
 from mergekit.merge_methods import registry
 from mergekit_ram.integration.methods import METHODS
 patched = [
     mergekit.merge.run_merge, mergekit.plan.MergePlanner.plan_to_disk, mergekit.plan.MergePlanner.plan_in_memory,
     mergekit.scripts.multimerge.load_config, mergekit.scripts.merge_raw_pytorch.plan_flat_merge,
+    mergekit.merge_methods.merge_state_dicts, mergekit.merge_methods.api.merge_state_dicts,
 ]
 scripts = (mergekit.scripts.run_yaml, mergekit.scripts.multimerge, mergekit.scripts.merge_raw_pytorch)
 print(

@@ -6,8 +6,10 @@ unimportable.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import re
 from typing import Optional
 
 import pytest
@@ -22,11 +24,13 @@ from mergekit_ram.checks import (
     check_listed_once,
     check_models,
     check_tensors,
+    close_method,
     planned_numel,
 )
-from mergekit_ram.errors import InputError
-from mergekit_ram.parameters import ParameterError
+from mergekit_ram.errors import DeviceError, InputError
+from mergekit_ram.parameters import METHOD_PARAMETERS, ParameterError
 from mergekit_ram.planned import ModelIdentity, PlannedTensor, TensorInput, TensorParameters
+from mergekit_ram.recipe_file import declared_methods
 from mergekit_ram.settings import Applied, merge_settings
 from mergekit_ram.stats import TensorCounts, counts_to_dict
 
@@ -118,6 +122,15 @@ def test_headers_are_read_once_and_tensors_checked(tmp_path) -> None:
     with pytest.raises(InputError, match=r"^tensor v has shape \[5\] in a but \[4\] in base$"):
         check_tensors([planned("v", TensorInput("base", base, "v"), TensorInput("a", agent, "v"))], headers)
     assert headers.files_read == 2  # each header once
+    # The vocabulary hint only where the shapes differ along the tensor's vocabulary axis (rows here).
+    rows = write(str(tmp_path / "rows.safetensors"), more_rows=torch.zeros(5, 3), wider=torch.zeros(2, 4))
+    for name, message in (
+        ("more_rows", "[5, 3] in a but [2, 3] in base (different vocabulary sizes: set `tokenizer_source`, e.g. base"),
+        ("wider", "[2, 4] in a but [2, 3] in base$"),
+    ):
+        tensor = planned(name, TensorInput("base", base, "w"), TensorInput("a", rows, name))
+        with pytest.raises(InputError, match=re.escape(message).replace(r"\$", "$")):
+            check_tensors([dataclasses.replace(tensor, vocabulary_axis=0)], headers)
     with pytest.raises(InputError, match="^a has no tensor for u, which base has; the models do not share"):
         check_tensors([planned("u", TensorInput("base", base, "w"), TensorInput("a", None, "u"))], headers)
     check_tensors([planned("u", TensorInput("base", base, "w"), TensorInput("a", None, "u"), optional=True)], headers)
@@ -247,3 +260,50 @@ def test_cache_key_follows_the_file_each_input_is_read_from(tmp_path) -> None:
         index.write_text(json.dumps({"weight_map": weight_map}), encoding="utf-8")
         keys.add(cache.cache_key([one]))
     assert len(keys) == 4
+
+
+def test_a_recipe_says_its_method_even_where_its_yaml_breaks_later() -> None:
+    """Whether a file is a RAM recipe comes from its parsed ``merge_method``: comments, nested keys and
+    other documents' lists do not count; a syntax error after the method does not hide it."""
+    assert declared_methods("merge_method: ram_plus\nbase_model: [x\nmodels: 3\n") == ["ram_plus"]
+    assert declared_methods("# merge_method: ram\nmerge_method: linear\nmodels: [{merge_method: ram}]\n") == ["linear"]
+    stages = 'name: a\nmerge_method: ram\n---\n{"merge_method": ram_pluss}\n---\n- merge_method: ram\n'
+    assert declared_methods(stages) == ["ram", "ram_pluss"]
+    assert declared_methods("merge_method:\n\tram_plus\n") == []  # nothing readable: mergekit's own error
+
+
+@pytest.mark.parametrize(
+    ("name", "meant"),
+    [
+        ("ram_pluss", "ram_plus"),
+        ("ramplus", "ram_plus"),
+        ("RAM+", "ram_plus"),
+        ("ram-plus", "ram_plus"),
+        ("rma", "ram"),
+    ],
+)
+def test_a_misspelt_method_name_is_recognised(name: str, meant: str) -> None:
+    assert close_method(name) == meant
+
+
+def test_method_names_come_from_the_parameter_table(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Names far from every method of ours, or ours exactly, have no suggestion; a method added to the
+    table is suggested at once."""
+    assert [close_method(name) for name in ("ram", "ram_plus", "ramplus_tl", "linear", "ties", "ram_tl")] == [None] * 6
+    monkeypatch.setitem(METHOD_PARAMETERS, "ram_unique", ())
+    assert close_method("ram_uniqe") == "ram_unique"
+
+
+def test_a_cuda_device_that_is_not_there_names_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mergekit_ram.device import check_device
+
+    check_device("cpu", "--device cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    check_device("cuda:1", "--device cuda:1")
+    with pytest.raises(DeviceError) as refused:
+        check_device("cuda:2", "--device cuda:2")
+    assert str(refused.value) == (
+        "--device cuda:2 was given but only 2 CUDA device(s) are visible (cuda:0 to cuda:1): "
+        "name one of those, or drop --device cuda:2 to run on the CPU"
+    )

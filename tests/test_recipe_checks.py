@@ -22,7 +22,7 @@ from mergekit.scripts.run_yaml import main as mergekit_yaml
 from mergekit_ram.errors import InputError
 from mergekit_ram.integration.registry import BUILTIN_RAM_VARIABLE, register_methods
 from mergekit_ram.parameters import RecipeError
-from mergekit_ram.published import with_card_tag
+from mergekit_ram.published import with_card_metadata, with_sorted_model_list
 from tests import reference
 from tests.conftest import (
     BUILTIN_RAM_BF16_WRONG_ELEMENTS,
@@ -271,11 +271,29 @@ def test_the_card_says_how_to_reproduce_a_ram_merge(upstream_ram_merge: Merged) 
 
 def test_card_tag_is_added_once_and_only_to_front_matter() -> None:
     card = "---\nbase_model: []\nlibrary_name: transformers\ntags:\n- mergekit\n- merge\n---\n# out\n\ntext\n"
-    tagged = with_card_tag(card, "mergekit-ram")
+    tagged = with_card_metadata(card, "mergekit-ram")
     assert tagged == card.replace("- merge\n", "- merge\n- mergekit-ram\n")
-    assert with_card_tag(tagged, "mergekit-ram") == tagged
-    assert with_card_tag("# no front matter\n", "mergekit-ram") == "# no front matter\n"
-    assert with_card_tag("---\nlibrary_name: x\n---\nbody\n", "t") == "---\nlibrary_name: x\ntags:\n- t\n---\nbody\n"
+    assert with_card_metadata(tagged, "mergekit-ram") == tagged
+    assert with_card_metadata("# no front matter\n", "mergekit-ram") == "# no front matter\n"
+    untagged = "---\nlibrary_name: x\n---\nbody\n"
+    assert with_card_metadata(untagged, "t") == "---\nlibrary_name: x\ntags:\n- t\n---\nbody\n"
+
+
+def test_card_lists_models_in_one_order_and_says_it_is_a_merge() -> None:
+    """mergekit builds both lists from a set (their order changed with the hash seed); the Hub reads
+    ``base_model_relation: merge`` for a model whose ``base_model`` lists the models merged."""
+    card = (
+        "---\nbase_model:\n- org/tool\n- org/base\n- org/code\n- org/base\nlibrary_name: transformers\n"
+        "tags:\n- mergekit\n---\n# out\n\n### Models Merged\n\nThe following models were included in the merge:\n"
+        "* [org/tool](https://huggingface.co/org/tool)\n* /local/b\n* [org/code](https://huggingface.co/org/code)\n"
+        "\n### Configuration\n\n* not a model\n* a\n"
+    )
+    assert with_card_metadata(with_sorted_model_list(card), "mergekit-ram") == (
+        "---\nbase_model:\n- org/base\n- org/code\n- org/tool\nbase_model_relation: merge\nlibrary_name: transformers\n"
+        "tags:\n- mergekit\n- mergekit-ram\n---\n# out\n\n### Models Merged\n\nThe following models were included in "
+        "the merge:\n* /local/b\n* [org/code](https://huggingface.co/org/code)\n* [org/tool](https://huggingface.co/org/tool)\n"
+        "\n### Configuration\n\n* not a model\n* a\n"
+    )
 
 
 def test_statistics_parameters_round_trip(upstream_ram_merge: Merged) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import glob
 import json
+import logging
 import os
 import re
 import shutil
@@ -26,9 +27,20 @@ import yaml
 from mergekit.scripts.merge_raw_pytorch import main as mergekit_pytorch
 from safetensors.torch import load_file, save_file
 
+from mergekit_ram import cli
+from mergekit_ram.errors import InputError
 from mergekit_ram.staging import MARKER_FILE, STAGING_DIR
-from mergekit_ram.synthetic import build_agents, tiny_config
-from tests.conftest import Merged, ModelSet, load_statistics, merge_in_process, run_script, script, write_recipe
+from mergekit_ram.synthetic import build_agents, build_base, tiny_config
+from tests.conftest import (
+    Merged,
+    ModelSet,
+    command_refusal,
+    load_statistics,
+    merge_in_process,
+    run_script,
+    script,
+    write_recipe,
+)
 
 DOC = os.path.join(os.path.dirname(__file__), os.pardir, "docs", "reliability.md")
 
@@ -80,6 +92,19 @@ def _vocabulary_mismatch(models: ModelSet, root: str) -> dict[str, Any]:
     recipe = models.recipe("ram_plus")
     recipe["models"][1] = {"model": agent}
     return recipe
+
+
+def _other_model(architecture: str = "llama", **sizes: int) -> Callable[[ModelSet, str], dict[str, Any]]:
+    """The tool agent replaced by a model of its own (not a fine-tune of the base) with these sizes."""
+
+    def make(models: ModelSet, root: str) -> dict[str, Any]:
+        shape = {"hidden_size": 32, "intermediate_size": 48, "num_layers": 2, "vocab_size": 64, **sizes}
+        build_base(os.path.join(root, "other-model"), tiny_config(architecture, **shape), seed=5)
+        recipe = models.recipe("ram_plus")
+        recipe["models"][1] = {"model": os.path.join(root, "other-model")}
+        return recipe
+
+    return make
 
 
 def _missing_tensor(models: ModelSet, root: str) -> dict[str, Any]:
@@ -192,6 +217,21 @@ CASES = [
         "a tensor's shape differs (vocabularies differ, no `tokenizer_source`)",
         _vocabulary_mismatch,
         "set `tokenizer_source`",
+    ),
+    Case(
+        "a model of another depth (3 layers, the base 2)",
+        _other_model(num_layers=3),
+        "<dir>/other-model has 3 layers but the base model <models>/base has 2 (`num_hidden_layers`",
+    ),
+    Case(
+        "a model of another architecture (Qwen2, the base Llama)",
+        _other_model("qwen2"),
+        "<dir>/other-model is a Qwen2ForCausalLM but the base model <models>/base is a LlamaForCausalLM",
+    ),
+    Case(
+        "a model of another width (hidden size 48, the base 32; vocabularies equal)",
+        _other_model(hidden_size=48),
+        "tensor lm_head.weight has shape [64, 48] in <dir>/other-model but [64, 32] in the base model <models>/base",
     ),
     Case("a tensor missing from one model", _missing_tensor, "has no tensor for model.layers.1.mlp.down_proj.weight"),
     Case("NaN in an input tensor (`ram_plus`: found by the pre-pass)", _poison("ram_plus", float("nan")), "NaN or Inf"),
@@ -313,6 +353,53 @@ def test_bad_input_is_refused_and_nothing_is_written(case: Case, bf16_models: Mo
     message, changed = _outcome(case.title, bf16_models, scratch_root)
     assert case.expected in message
     assert changed == [], f"the failed merge changed {changed} in the output folder"
+    if "vocabularies equal" in case.title:
+        assert message.endswith(case.expected)  # no hint about vocabulary sizes
+
+
+def test_models_that_do_not_fit_the_base_are_refused_by_the_probe_alike(
+    bf16_models: ModelSet, scratch_root: str, tmp_path
+) -> None:
+    """The probe gives the merge's line (the same check, before anything is read)."""
+    for case in CASES:
+        if case.title.startswith(("a model of another depth", "a model of another architecture")):
+            message, _ = _outcome(case.title, bf16_models, scratch_root)
+            recipe = write_recipe(str(tmp_path / "r.yml"), case.make(bf16_models, str(tmp_path)))
+            refused = command_refusal(cli.probe, recipe).replace(str(tmp_path), "<dir>")
+            assert refused.replace(os.path.dirname(bf16_models.base), "<models>") == message
+            shutil.rmtree(tmp_path / "other-model")
+
+
+def test_a_model_that_does_not_fit_is_refused_before_anything_is_written(
+    bf16_models: ModelSet, tmp_path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Before the output folder is made: no folder to remove afterwards, and no ERROR line before the
+    one-line error (a shape difference was found only once the merge was planned)."""
+    recipe = _other_model(hidden_size=48)(bf16_models, str(tmp_path))
+    with caplog.at_level(logging.INFO), pytest.raises(InputError, match="in the base model"):
+        merge_in_process(recipe, str(tmp_path / "new" / "out"))
+    assert not os.path.exists(tmp_path / "new")
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR or "removed" in r.getMessage()] == []
+
+
+def test_allow_crimes_keeps_mergekits_own_behaviour(bf16_models: ModelSet, tmp_path, capsys) -> None:
+    """A fine-tune whose config.json names an architecture mergekit defines apart (Mistral; its tensors
+    are Llama's): one line naming both, or, with --allow-crimes, what mergekit does (merge, probe)."""
+    renamed = _copy(bf16_models.agents[1], str(tmp_path), "renamed")
+    with open(os.path.join(renamed, "config.json"), encoding="utf-8") as handle:
+        config = json.load(handle)
+    with open(os.path.join(renamed, "config.json"), "w", encoding="utf-8") as handle:
+        json.dump({**config, "architectures": ["MistralForCausalLM"], "model_type": "mistral"}, handle)
+    recipe = bf16_models.recipe("ram_plus")
+    recipe["models"][1] = {"model": renamed}
+    path = write_recipe(str(tmp_path / "r.yml"), recipe)
+    with pytest.raises(InputError, match=f"^{renamed} is a MistralForCausalLM but the base model .* LlamaForCausalLM"):
+        merge_in_process(path, str(tmp_path / "out"))
+    assert not os.path.exists(tmp_path / "out")
+    merge_in_process(path, str(tmp_path / "out"), allow_crimes=True)
+    assert [m["model"] for m in load_statistics(str(tmp_path / "out"))["models"]][1] == renamed
+    cli.probe.main(args=[path, "--allow-crimes", "--json"], standalone_mode=False)
+    assert json.loads(capsys.readouterr().out)["models"][1]["model"] == renamed
 
 
 def _table(models: ModelSet, root: str) -> str:
@@ -431,6 +518,34 @@ def test_same_inputs_give_byte_identical_files(ram_plus_merge: Merged, tmp_path)
     whole = load_file(os.path.join(ram_plus_merge.out, "model.safetensors"))
     assert set(tensors) == set(whole)
     assert all(torch.equal(tensors[name], tensor) for name, tensor in whole.items())
+
+
+def _files(folder: str) -> dict[str, bytes]:
+    """Every file under ``folder`` (hidden ones included), by path relative to it."""
+    found = {}
+    for root, _, names in os.walk(folder):
+        for name in names:
+            with open(os.path.join(root, name), "rb") as handle:
+                found[os.path.relpath(os.path.join(root, name), folder)] = handle.read()
+    return found
+
+
+def test_the_folder_is_byte_identical_whatever_the_hash_seed(bf16_models: ModelSet, tmp_path) -> None:
+    """One recipe of six fine-tunes merged by mergekit-yaml under another PYTHONHASHSEED than this
+    process's, and in this process: every file equal, the card included (mergekit lists the models in
+    it from a set, 720 orders; each output folder is named ``out``, as the card's title is its name)."""
+    copies = [_copy(path, str(tmp_path), f"copy-{index}") for index, path in enumerate(bf16_models.agents)]
+    recipe = write_recipe(
+        str(tmp_path / "r.yml"),
+        {**bf16_models.recipe("ram_plus"), "models": [{"model": p} for p in [*bf16_models.agents, *copies]]},
+    )
+    seed = os.environ.get("PYTHONHASHSEED", "")
+    other = str(int(seed) + 1) if seed.isdigit() else "0"  # this process's is random unless the variable is set
+    run_script("mergekit-yaml", recipe, str(tmp_path / "a" / "out"), "--quiet", env={"PYTHONHASHSEED": other})
+    merge_in_process(recipe, str(tmp_path / "b" / "out"))
+    first, second = _files(str(tmp_path / "a" / "out")), _files(str(tmp_path / "b" / "out"))
+    assert sorted(first) == sorted(second) and "README.md" in first
+    assert [name for name in first if first[name] != second[name]] == []
 
 
 OTHER_METHODS = {

@@ -2,17 +2,21 @@
 
     python docs/scripts/check_merged.py OUT [--finite]
 
-Problems (exit status 1):
+Problems (exit status 1), each with its fix:
 - ``MERGE_INCOMPLETE`` or ``.mergekit-ram-partial/`` is present: the merge did not finish (or is
   still writing);
 - no weights, a weight file the index names is missing, or a safetensors header is unreadable;
 - no ``config.json`` (``mergekit-pytorch`` writes weights and statistics only);
+- no tokenizer (mergekit copies the base model's, and says "Failed to copy tokenizer" when it
+  cannot);
 - ``ram_statistics.json`` is missing or unreadable, or lists warnings (``--accept-warnings``
   to pass once they are understood);
+- no ``README.md`` card, or one without ``license`` in its front matter;
+- local paths in ``README.md``, ``mergekit_config.yml`` or ``ram_statistics.json`` (readers of
+  the model cannot find those models);
 - with ``--finite``: a tensor holding NaN or Inf (reads every tensor).
 
-Notes (printed, exit status 0): no "RAM statistics" section in ``README.md``, local paths in the
-card, no ``license`` in the card's front matter.
+Notes (printed, exit status 0): no "RAM statistics" section in ``README.md``.
 """
 
 from __future__ import annotations
@@ -22,10 +26,17 @@ import glob
 import json
 import os
 import sys
+from typing import Any, Iterator
+
+import yaml
 
 STATISTICS_FILE = "ram_statistics.json"
 MARKER_FILE = "MERGE_INCOMPLETE"
 STAGING_DIR = ".mergekit-ram-partial"
+#: Files that make a tokenizer transformers can load (with ``tokenizer_config.json``).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+#: The files that name the merged models, in the order they are reported.
+NAMING_FILES = ("README.md", "mergekit_config.yml", STATISTICS_FILE)
 
 
 def check(out: str, finite: bool = False, accept_warnings: bool = False) -> tuple[list[str], list[str]]:
@@ -61,6 +72,11 @@ def check(out: str, finite: bool = False, accept_warnings: bool = False) -> tupl
             problems.append(f"{os.path.basename(file)} cannot be read: {error}")
     if not os.path.exists(os.path.join(out, "config.json")):
         problems.append("no config.json: not loadable with transformers (merge with mergekit-yaml)")
+    if not any(os.path.exists(os.path.join(out, name)) for name in TOKENIZER_FILES):
+        problems.append(
+            "no tokenizer (tokenizer.json, tokenizer.model or vocab.json): copy the base model's tokenizer files "
+            "(tokenizer_config.json and the others) into the folder"
+        )
 
     statistics = None
     try:
@@ -72,21 +88,61 @@ def check(out: str, finite: bool = False, accept_warnings: bool = False) -> tupl
         for warning in statistics.get("warnings", []):
             (notes if accept_warnings else problems).append(f"statistics warning: {warning}")
 
-    card_path = os.path.join(out, "README.md")
-    if not os.path.exists(card_path):
-        notes.append("no README.md model card (merged with --no-write-model-card, or by mergekit-pytorch)")
-        return problems, notes
-    with open(card_path, encoding="utf-8") as handle:
-        card = handle.read()
-    if "## RAM statistics" not in card:
-        notes.append("README.md has no RAM statistics section")
-    local = sorted({m["model"] for m in (statistics or {}).get("models", []) if os.path.isabs(m["model"])})
-    if local and any(path in card for path in local):
-        notes.append(f"the card names local paths ({', '.join(local)}): replace them with the models' Hub ids")
-    front = card.split("---")[1] if card.startswith("---") else ""
-    if "license:" not in front:
-        notes.append("the card's front matter has no license: add the one the input models' licences allow")
+    card = read_text(os.path.join(out, "README.md"))
+    if card is None:
+        problems.append("no README.md model card: merge with mergekit-yaml (without --no-write-model-card)")
+    else:
+        if "## RAM statistics" not in card:
+            notes.append("README.md has no RAM statistics section")
+        front = yaml.safe_load(card[4 : card.find("\n---\n", 4)]) if card.startswith("---\n") else None
+        if not (isinstance(front, dict) and front.get("license")):
+            problems.append(
+                "the card's front matter has no license: add a `license:` line that the input models' licences "
+                "allow (an id such as apache-2.0, or other with license_name and license_link)"
+            )
+    local = sorted(set(local_models(read_text(os.path.join(out, "mergekit_config.yml")), statistics)))
+    for name in NAMING_FILES:
+        text = read_text(os.path.join(out, name)) or ""
+        paths = [path for path in local if path in text]
+        if paths:
+            problems.append(
+                f"{name} names local paths ({', '.join(paths)}): merge again with the models' Hub ids in the "
+                f"recipe, or replace the paths with them in {', '.join(NAMING_FILES)} alike"
+            )
     return problems, notes
+
+
+def read_text(path: str) -> str | None:
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return handle.read()
+    except OSError:
+        return None
+
+
+def local_models(recipe: str | None, statistics: Any) -> Iterator[str]:
+    """The models the recipe (``mergekit_config.yml``) and the statistics name by a local path: one that
+    starts with / ~ or ., has more than one /, or is a folder here (a Hub id is ``name`` or ``org/name``)."""
+    names = [model["model"] for model in (statistics or {}).get("models", []) if isinstance(model, dict)]
+    names += list(recipe_models(yaml.safe_load(recipe) if recipe else None))
+    for name in names:
+        for path in str(name).split("+"):  # a model and its LoRA
+            path = path.split("@")[0]
+            if path and (path[0] in "/~." or path.count("/") > 1 or os.path.isdir(path)):
+                yield path
+
+
+def recipe_models(node: Any) -> Iterator[str]:
+    """Every ``model`` and ``base_model`` a recipe names, at any depth (models, slices, modules)."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if key in ("model", "base_model") and isinstance(value, str):
+                yield value
+            else:
+                yield from recipe_models(value)
+    elif isinstance(node, list):
+        for item in node:
+            yield from recipe_models(item)
 
 
 def main() -> None:

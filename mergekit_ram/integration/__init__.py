@@ -8,7 +8,7 @@
 - ``output``: ``run_merge`` and the ``mergekit-pytorch`` command inside the output transaction;
 - ``scripts``: the console scripts (one-line errors, CUDA check, mergekit-multi's stages);
 - ``recipes``: recipe checks over mergekit's recipe classes, mergekit-multi's stages;
-- ``inmemory``: mergekit's ``merge_state_dicts`` for RAM, with the statistics.
+- ``inmemory``: mergekit's ``merge_state_dicts`` for RAM, with the statistics; pins for some models in mergekit's own.
 
 A new mergekit release means editing this subpackage only. Each patch is idempotent and
 checks that the internals it relies on are still there, failing with the mergekit version in
@@ -31,12 +31,14 @@ def register() -> None:
     import mergekit.scripts.multimerge
     import mergekit.scripts.run_yaml
 
+    from mergekit_ram.integration.inmemory import patch_merge_state_dicts
     from mergekit_ram.integration.output import patch_raw_pytorch, patch_run_merge
     from mergekit_ram.integration.planner import patch_planner
     from mergekit_ram.integration.registry import register_methods
     from mergekit_ram.integration.scripts import patch_multimerge, patch_script
 
     register_methods(mergekit.merge_methods)
+    patch_merge_state_dicts(mergekit.merge_methods)
     patch_planner(mergekit.plan)
     patch_run_merge(mergekit.merge)
     patch_raw_pytorch(mergekit.scripts.merge_raw_pytorch)

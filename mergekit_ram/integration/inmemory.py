@@ -12,18 +12,25 @@ group, which for ``ram_plus`` counts the global rho over them all first. This fu
 checks the arguments with the recipe's rules, then returns the merged tensors and the
 ``RamStatistics`` of that call. The 0.1 call shape ``merge_state_dicts(base, finetunes,
 method=..., epsilon=..., r=..., rho=..., lambda_=...)`` still works (deprecated).
+
+Both this function and mergekit's own (patched here) take ``rho`` / ``lambda`` pins for some
+models only; the others get their rho from the counts.
 """
 
 from __future__ import annotations
 
 import warnings
-from typing import Any, Hashable, Mapping, Optional, Sequence, Union
+from types import ModuleType
+from typing import Any, Callable, Hashable, Mapping, Optional, Sequence, Union
 
 import torch
+from mergekit import merge_methods
 from mergekit.merge_methods import merge_state_dicts as mergekit_merge_state_dicts
 from mergekit.merge_methods.base import BatchOptions, PerGroupValues
 
 from mergekit_ram.integration.methods import RamMergeMethod
+from mergekit_ram.integration.registry import is_ours, register_methods
+from mergekit_ram.integration.versions import require, wrap
 from mergekit_ram.parameters import METHOD_PARAMETERS, ParameterError, check_parameter
 from mergekit_ram.stats import RamStatistics
 
@@ -50,8 +57,9 @@ def merge_state_dicts(
     """mergekit's ``merge_state_dicts`` for ``ram`` / ``ram_plus``, and the call's statistics.
 
     ``base`` names the base among ``models`` (required). Per-model ``rho`` / ``lambda``
-    pins go in ``parameters`` keyed by model id, e.g. ``{"lambda": {"coder": 1.2}}``.
-    Unpinned ``ram_plus`` models get the rho counted over every tensor of the call.
+    pins go in ``parameters`` keyed by model id, e.g. ``{"lambda": {"coder": 1.2}}``, for
+    some models or all; unpinned ``ram_plus`` models get the rho counted over every tensor
+    of the call. ``strict=False`` merges the tensors every model has, as mergekit does.
     Arithmetic is float32 (float64 for float64 inputs); each result is rounded once, to
     ``out_dtype`` if given, else to the inputs' dtype. Inputs that require grad give
     results with autograd history (use ``torch.no_grad()`` to avoid it).
@@ -69,16 +77,15 @@ def merge_state_dicts(
     named: dict[Hashable, ModelLike] = dict(models) if isinstance(models, Mapping) else dict(enumerate(models))
     if base is None or base not in named:
         raise ParameterError(f"{method}: `base` must name the base model among {list(named)}; got {base!r}")
-    _check_parameters(method, parameters or {}, [key for key in named if key != base])
-    _check_inputs(named, base)
-    from mergekit_ram.integration import register
-
-    register()
+    finetunes = [key for key in named if key != base]
+    _check_parameters(method, parameters or {}, finetunes)
+    _check_inputs(named, base, strict)
+    register_methods(merge_methods)  # the methods mergekit knows, also where the start-up hook is off
     received: list[RamStatistics] = []
     merged = mergekit_merge_state_dicts(
         models,
         RamMergeMethod(method, statistics_sink=received.append),  # this call's own instance
-        parameters=parameters,
+        parameters=with_unpinned(method, parameters or {}, finetunes),
         base=base,
         strict=strict,
         dtype=dtype,
@@ -87,6 +94,41 @@ def merge_state_dicts(
     )
     (statistics,) = received
     return merged, statistics
+
+
+def with_unpinned(method: str, parameters: Mapping[str, Any], finetunes: Sequence[Hashable]) -> dict[str, Any]:
+    """``parameters`` with every fine-tuned model a per-model mapping leaves out set to None (unpinned):
+    mergekit binds a mapping only when it names every model, so a pin for some models needs the others."""
+    per_model = {info.name for info in METHOD_PARAMETERS[method] if info.per_model}
+
+    def complete(value: Any) -> Any:
+        if isinstance(value, PerGroupValues):
+            return PerGroupValues([complete(item) for item in value.values])
+        return {**dict.fromkeys(finetunes), **value} if isinstance(value, Mapping) else value
+
+    return {name: complete(value) if name in per_model else value for name, value in parameters.items()}
+
+
+def patch_merge_state_dicts(merge_methods: ModuleType) -> None:
+    """mergekit's ``merge_state_dicts`` with this plugin's ``ram`` / ``ram_plus`` (by name or method object)
+    takes rho / lambda pins for some models, as ``mergekit_ram.merge_state_dicts`` does."""
+
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        def merge_state_dicts(
+            models: Any, method: Any, *, parameters: Any = None, base: Any = None, **options: Any
+        ) -> Any:
+            name = method if isinstance(method, str) else str(getattr(getattr(method, "spec", None), "name", ""))
+            ours = name in METHOD_PARAMETERS and (isinstance(method, RamMergeMethod) or is_ours(name))
+            if parameters and ours:
+                ids = list(models) if isinstance(models, Mapping) else list(range(len(models)))
+                parameters = with_unpinned(name, parameters, [key for key in ids if key != base])
+            return original(models, method, parameters=parameters, base=base, **options)
+
+        return merge_state_dicts
+
+    api = require(merge_methods, "api")
+    wrap(api, "merge_state_dicts", make)
+    merge_methods.merge_state_dicts = api.merge_state_dicts  # type: ignore[attr-defined]  # its package name
 
 
 def _legacy_call(
@@ -148,19 +190,23 @@ def _check_parameters(method: str, parameters: Mapping[str, Any], finetunes: Seq
                 check_parameter(method, name, scalar, _WHERE)
 
 
-def _check_inputs(models: Mapping[Hashable, ModelLike], base: Hashable) -> None:
-    """Same tensor names and shapes everywhere; identical non-floating buffers; the model named."""
+def _check_inputs(models: Mapping[Hashable, ModelLike], base: Hashable, strict: bool) -> None:
+    """The same tensor names everywhere (``strict``; else the ones every model has are merged, as mergekit
+    does), with the same shapes; identical non-floating buffers; the model named."""
     states = {
         key: model.state_dict(keep_vars=True) if isinstance(model, torch.nn.Module) else model
         for key, model in models.items()
     }
     reference = states[base]
+    shared = set.intersection(*(set(state) for state in states.values()))
     for model, state in states.items():
         missing = sorted(set(reference) - set(state))
         extra = sorted(set(state) - set(reference))
-        if missing or extra:
+        if strict and (missing or extra):
             raise ValueError(f"{model}: tensors differ from the base's (missing {missing[:5]}, extra {extra[:5]})")
         for name, tensor in reference.items():
+            if name not in shared:
+                continue
             other = state[name]
             if other.shape != tensor.shape:
                 raise ValueError(

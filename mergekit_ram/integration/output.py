@@ -34,7 +34,9 @@ def patch_run_merge(merge: ModuleType) -> None:
                 return original(merge_config, out_path, options=options, config_source=config_source)
             staging.refuse_input_folder(out_path, _model_folders(merge_config))
             headers = HeaderCache()
-            check_config(merge_config.merge_method, merge_config, headers, config_source)
+            check_config(
+                merge_config.merge_method, merge_config, headers, config_source, allow_crimes=options.allow_crimes
+            )
             planned_options = checked_options(options, headers)
             with staging.output_transaction(out_path) as staged:
                 result = original(merge_config, staged, options=planned_options, config_source=config_source)

@@ -17,7 +17,7 @@ from typing import Any, Iterator, NamedTuple, Optional, Union, get_args, get_ori
 import yaml
 from pydantic import BaseModel
 
-from mergekit_ram.checks import HeaderCache, check_models
+from mergekit_ram.checks import BaseFit, HeaderCache, check_models, close_method
 from mergekit_ram.errors import RecipeError
 from mergekit_ram.integration.registry import declared_by_other_methods, is_ours
 from mergekit_ram.integration.versions import require
@@ -37,14 +37,64 @@ from mergekit_ram.recipe_file import Stage, read_documents, validate
 LOG = logging.getLogger(__name__)
 
 
-def check_config(method: str, config: Any, headers: HeaderCache, source: Optional[str] = None) -> None:
-    """Keys (when the recipe's YAML ``source`` is at hand), parameters, base model and model
-    paths of a RAM recipe, before anything is read; ``headers`` keeps what it read for the tensor checks."""
+def check_config(
+    method: str, config: Any, headers: HeaderCache, source: Optional[str] = None, *, allow_crimes: Optional[bool] = None
+) -> None:
+    """Keys (when the recipe's YAML ``source`` is at hand), parameters, base model, model paths, and
+    models that do not fit the base of a RAM recipe, before anything is read; ``headers`` keeps what it
+    read for the tensor checks. ``allow_crimes`` is mergekit's option: architectures are compared only
+    where it is False (None: the caller has no options, and mergekit compares them itself)."""
     if source is not None:
         check_recipe_keys(method, yaml.safe_load(source), type(config))
     check_recipe(method, config)
     base = getattr(config, "base_model", None)
-    check_models(method, None if base is None else model_identity(base), list(model_lists(config)), headers)
+    fit = BaseFit(
+        same_architecture=same_architecture if allow_crimes is False else None,
+        vocabulary_axes=vocabulary_axes,
+        vocabulary_aligned=bool(getattr(config, "tokenizer_source", None) or getattr(config, "tokenizer", None)),
+    )
+    check_models(method, None if base is None else model_identity(base), list(model_lists(config)), headers, fit)
+
+
+def _definitions(architecture: str) -> list[Any]:
+    """mergekit's definitions of an ``architectures`` name (none: it infers one from the tensors)."""
+    from mergekit.architecture import json_definitions
+
+    return list(require(json_definitions, "NAME_TO_ARCH").get(architecture, ()))
+
+
+def same_architecture(name: str, other: str) -> bool:
+    """Whether mergekit merges models of these two ``architectures`` without ``--allow-crimes``: one of its
+    definitions for both, or a name it has none for (it then infers the architecture from the tensors)."""
+    known, other_known = _definitions(name), _definitions(other)
+    return name == other or not known or not other_known or any(one in other_known for one in known)
+
+
+def vocabulary_axes(architecture: str) -> dict[str, int]:
+    """The tensors mergekit's definition of ``architecture`` gives a vocabulary axis (embeddings, output
+    head), by name and alias: the axis ``tokenizer_source`` aligns."""
+    axes = {}
+    for definition in _definitions(architecture):
+        for module in definition.modules.values():
+            layout = getattr(module.architecture, "definition", None)
+            for weight in [*getattr(layout, "pre_weights", ()), *getattr(layout, "post_weights", ())]:
+                if weight.vocabulary_axis is not None:
+                    axes.update(dict.fromkeys([weight.name, *(weight.aliases or ())], weight.vocabulary_axis))
+    return axes
+
+
+def check_method_name(method: str) -> None:
+    """A merge method mergekit does not know whose name misspells one of this plugin's: one line with the
+    right name (mergekit's own error is a traceback, without it). Other unknown names stay mergekit's."""
+    from mergekit import merge_methods
+
+    hint = close_method(method)
+    if hint is None:
+        return
+    try:
+        merge_methods.get(method)
+    except RuntimeError:
+        raise RecipeError(f"unknown merge method {method!r} (did you mean {hint!r}?)") from None
 
 
 def model_identity(model: Any) -> ModelIdentity:

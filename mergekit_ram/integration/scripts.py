@@ -12,11 +12,12 @@ from mergekit.options import MergeOptions
 
 from mergekit_ram.device import check_device
 from mergekit_ram.errors import RamError, exit_on_one_line
-from mergekit_ram.integration.recipes import check_raw_keys, read_stages
+from mergekit_ram.files import removed_if_failed
+from mergekit_ram.integration.recipes import check_method_name, check_raw_keys, read_stages
 from mergekit_ram.integration.registry import is_ours
 from mergekit_ram.integration.versions import require, wrap
 from mergekit_ram.published import report_summary
-from mergekit_ram.recipe_file import names_ram_method, read_single_document, read_text, validate
+from mergekit_ram.recipe_file import declared_methods, read_single_document, read_text, validate
 
 #: mergekit's console scripts: module -> (command name, the argument that names the recipe file)
 SCRIPTS = {
@@ -31,9 +32,11 @@ def patch_script(script: ModuleType) -> None:
     """The plugin's errors as one line (``Error: ...``, exit 1; the traceback with ``-v``).
 
     The plugin's own errors are told by type (``RamError``). A YAML or schema error and a
-    missing CUDA device are reported so only for a file that asks for ``ram``/``ram_plus``:
-    for every other recipe mergekit's output stays as it was. ``mergekit-pytorch`` (which
-    has no ``run_merge``) also shows the statistics table here.
+    missing CUDA device are reported so only for a file that asks for ``ram``/``ram_plus``, and a
+    misspelling of those names for any file: for every other recipe mergekit's output stays as
+    it was. ``mergekit-pytorch`` (which has no ``run_merge``) also shows the statistics table here.
+    A failed ``mergekit-multi`` run of a RAM recipe removes the ``-I`` folder it made, if empty
+    (the failed stage has removed its own folder).
     """
     name, recipe_argument = SCRIPTS[script.__name__]
 
@@ -41,7 +44,8 @@ def patch_script(script: ModuleType) -> None:
         def callback(*args: Any, **kwargs: Any) -> Any:
             try:
                 options = check_script_recipe(script, name, kwargs.get(recipe_argument), kwargs)
-                result = original(*args, **kwargs)
+                with removed_if_failed(kwargs.get("intermediate_dir") if options is not None else None):
+                    result = original(*args, **kwargs)  # mergekit-multi makes its -I folder itself
             except RamError as error:
                 exit_on_one_line(error, verbose=bool(kwargs.get("verbosity")))
             if options is not None and name == "mergekit-pytorch" and not options.quiet:
@@ -56,18 +60,20 @@ def patch_script(script: ModuleType) -> None:
 def check_script_recipe(
     script: ModuleType, name: str, path: Optional[str], arguments: dict[str, Any]
 ) -> Optional[MergeOptions]:
-    """For a recipe file that asks for a RAM method: read and validate it as ``name`` will,
-    check the device, and return the command's MergeOptions; None for any other file."""
+    """For a recipe file that asks for a RAM method (its ``merge_method``, or a misspelling of one, which is
+    refused here): read and validate it as ``name`` will, check the device, and return the command's
+    MergeOptions; None for any other file."""
     text = read_text(path) if path else None
-    if path is None or text is None or not names_ram_method(text):
+    methods = declared_methods(text) if path is not None and text is not None else []
+    for method in methods:
+        check_method_name(method)
+    if path is None or text is None or not any(is_ours(method) for method in methods):
         return None
     if name == "mergekit-multi":
-        configs = [stage.config for stage in read_stages(path, text, arguments.get("intermediate_dir") or "")]
+        read_stages(path, text, arguments.get("intermediate_dir") or "")
     else:
         schema = require(script, "RawPyTorchMergeConfig") if name == "mergekit-pytorch" else MergeConfiguration
-        configs = [validate(path, read_single_document(path, text, name), schema)]
-    if not any(is_ours(config.merge_method) for config in configs):
-        return None
+        validate(path, read_single_document(path, text, name), schema)
     options = merge_options(**{key: value for key, value in arguments.items() if key in MergeOptions.model_fields})
     check_options_device(options)
     return options
