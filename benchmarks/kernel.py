@@ -53,7 +53,7 @@ from benchmarks.common import (
 from benchmarks.memory import peak_allocated_bytes
 from benchmarks.models import PAPER_DENSITIES, AgentDraw, base_chunk, overlap_for
 from benchmarks.records import RESULTS_DIR, KernelRun, KernelTiming, StartupCost, save_record
-from mergekit_ram.stats import markdown_table
+from mergekit_ram.stats.render import markdown_table
 
 LOG = logging.getLogger(__name__)
 

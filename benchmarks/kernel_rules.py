@@ -36,7 +36,7 @@ from benchmarks.common import fmt_count, median, parse_size
 from benchmarks.kernel import EPSILON, LAMBDAS, kernel_inputs
 from benchmarks.memory import peak_allocated_bytes
 from mergekit_ram import kernel
-from mergekit_ram.stats import markdown_table
+from mergekit_ram.stats.render import markdown_table
 
 #: The denominators of the ratio column: the same call on the older kernel, or ram's merge.
 RAM = "ram, merge only"

@@ -58,7 +58,8 @@ from benchmarks.records import (
     save_record,
 )
 from mergekit_ram.cli import console_script
-from mergekit_ram.stats import markdown_table, read_ratio
+from mergekit_ram.stats.render import markdown_table
+from mergekit_ram.stats.schema import read_ratio
 
 LOG = logging.getLogger(__name__)
 

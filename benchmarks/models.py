@@ -36,7 +36,7 @@ import torch
 
 from benchmarks.common import CACHE_DIR, GIB, fmt_bytes, fmt_count, setup_logging
 from benchmarks.records import ModelSet, read_json, write_json
-from mergekit_ram.stats import markdown_table
+from mergekit_ram.stats.render import markdown_table
 from mergekit_ram.synthetic import PAPER_OVERLAP, Subset, independent_overlap, tiny_config
 
 LOG = logging.getLogger(__name__)

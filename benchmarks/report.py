@@ -47,7 +47,7 @@ from benchmarks.records import (
     load_record,
 )
 from benchmarks.scale import inmemory_table, limit_text, outofcore_table
-from mergekit_ram.stats import markdown_table
+from mergekit_ram.stats.render import markdown_table
 
 LOG = logging.getLogger(__name__)
 

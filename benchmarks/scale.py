@@ -63,7 +63,7 @@ from benchmarks.records import (
     read_json,
     save_record,
 )
-from mergekit_ram.stats import markdown_table
+from mergekit_ram.stats.render import markdown_table
 
 LOG = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ from mergekit_ram._version import __version__
 _LAZY = {
     "merge_state_dicts": "mergekit_ram.integration.inmemory",
     "RamStatistics": "mergekit_ram.stats",
-    "TensorCounts": "mergekit_ram.stats",
+    "TensorCounts": "mergekit_ram.stats.data",
     "ParameterError": "mergekit_ram.parameters",
 }
 

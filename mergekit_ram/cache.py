@@ -39,7 +39,9 @@ from mergekit_ram.checks import INDEX_SUFFIX, HeaderCache, mergekit_weights, pla
 from mergekit_ram.errors import SettingError
 from mergekit_ram.files import UnreadableFile, read_json, write_atomically
 from mergekit_ram.planned import PlannedTensor
-from mergekit_ram.stats import TensorCounts, counts_from_dict, counts_to_dict, package_versions
+from mergekit_ram.stats.arithmetic import package_versions
+from mergekit_ram.stats.data import TensorCounts
+from mergekit_ram.stats.schema import counts_from_dict, counts_to_dict
 
 LOG = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ def _print_versions(context: click.Context, _: click.Parameter, value: bool) -> 
         return
     import torch
 
-    from mergekit_ram.stats import package_versions
+    from mergekit_ram.stats.arithmetic import package_versions
 
     versions = package_versions()
     build = "CPU build" if torch.version.cuda is None else f"CUDA {torch.version.cuda} build"
@@ -104,7 +104,8 @@ def demo(out_dir: str, architecture: str, seed: int) -> None:
     """
     import yaml
 
-    from mergekit_ram.stats import STATISTICS_FILE, model_table, statistics_from_dict
+    from mergekit_ram.stats.render import model_table
+    from mergekit_ram.stats.schema import STATISTICS_FILE, statistics_from_dict
     from mergekit_ram.synthetic import PAPER_AGENTS, PAPER_OVERLAP, build_agents, tiny_config
 
     logging.basicConfig(level=logging.WARNING)
@@ -192,7 +193,7 @@ def probe(
     from mergekit_ram.integration.scripts import check_options_device, merge_options
     from mergekit_ram.plot import check_plot_extra, plot_statistics
     from mergekit_ram.probe import probe_config, probe_report_json, select_stages, stage_plot_path
-    from mergekit_ram.stats import histogram_table, model_table, module_table
+    from mergekit_ram.stats.render import histogram_table, model_table, module_table
 
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING)
     options = merge_options(

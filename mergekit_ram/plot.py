@@ -5,7 +5,8 @@ Needs matplotlib (``pip install matplotlib``, or the extra ``mergekit-ram[plot]`
 
 from __future__ import annotations
 
-from mergekit_ram.stats import RamStatistics, display_names
+from mergekit_ram.stats.data import RamStatistics
+from mergekit_ram.stats.render import display_names
 
 
 def check_plot_extra() -> None:

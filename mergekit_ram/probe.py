@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from mergekit_ram.recipe_file import Stage
-from mergekit_ram.stats import RamStatistics, statistics_to_dict
+from mergekit_ram.stats.data import RamStatistics
+from mergekit_ram.stats.schema import statistics_to_dict
 
 
 @dataclass(frozen=True)

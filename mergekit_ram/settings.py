@@ -15,7 +15,8 @@ from typing import Any, Iterable, NamedTuple, Optional, Sequence
 from mergekit_ram.parameters import METHOD_PARAMETERS, ParameterError
 from mergekit_ram.planned import TensorParameters
 from mergekit_ram.rescaling import Rescaling
-from mergekit_ram.stats import Pin, RamStatistics, Source, TensorCounts, build_statistics, model_lambda
+from mergekit_ram.stats.arithmetic import build_statistics, model_lambda
+from mergekit_ram.stats.data import Pin, RamStatistics, Source, TensorCounts
 
 
 class Applied(NamedTuple):

@@ -25,7 +25,7 @@ from safetensors.torch import load_file, save_file
 
 from mergekit_ram import cache
 from mergekit_ram.integration.planner import counted_prepass, plan_merge
-from mergekit_ram.stats import counts_to_dict
+from mergekit_ram.stats.schema import counts_to_dict
 from tests.conftest import ModelSet, load_statistics, merge_in_process, run_script, write_recipe
 
 OPTIONS = MergeOptions(quiet=True)

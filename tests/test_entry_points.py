@@ -10,7 +10,8 @@ import sys
 import torch
 import yaml
 
-from mergekit_ram.stats import display_names, format_rho, read_ratio, statistics_from_dict
+from mergekit_ram.stats.render import display_names, format_rho
+from mergekit_ram.stats.schema import read_ratio, statistics_from_dict
 from tests.conftest import Merged, ModelSet, load_statistics, load_weights, run_script, write_recipe
 
 OFF = {"MERGEKIT_RAM_AUTOLOAD": "0"}

@@ -42,12 +42,6 @@ def test_state_dicts_merge_like_mergekit_yaml(bf16_models: ModelSet, yaml_merge:
     # mergekit's own function: ram_plus counts the global rho over every group of the call
     theirs = mergekit_merge_state_dicts(models, method, base="base")
     assert all(torch.equal(theirs[name], tensor) for name, tensor in expected.items())
-    with pytest.warns(DeprecationWarning, match="use mergekit's argument shape"):
-        legacy, legacy_statistics = merge_state_dicts(
-            models["base"], {path: models[path] for path in bf16_models.agents}, method=method
-        )
-    assert all(torch.equal(legacy[name], tensor) for name, tensor in expected.items())
-    assert legacy_statistics == statistics
 
 
 def test_soft_rule_and_out_dtype_round_once(bf16_models: ModelSet) -> None:

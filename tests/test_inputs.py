@@ -20,8 +20,8 @@ from mergekit.scripts.merge_raw_pytorch import main as mergekit_pytorch
 from mergekit.scripts.run_yaml import main as mergekit_yaml
 from safetensors.torch import load_file, save_file
 
-from mergekit_ram.stats import statistics_from_dict
 from mergekit_ram.stats.render import compact_table
+from mergekit_ram.stats.schema import statistics_from_dict
 from tests.conftest import (
     Merged,
     ModelSet,

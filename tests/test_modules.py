@@ -19,7 +19,7 @@ from mergekit.options import MergeOptions
 from safetensors.torch import save_file
 
 from mergekit_ram.probe import probe_config
-from mergekit_ram.stats import module_table
+from mergekit_ram.stats.render import module_table
 from tests import reference
 from tests.conftest import load_statistics, load_weights, merge_in_process
 from tests.test_merge_exact import EPSILON, assert_same_weights

@@ -210,12 +210,13 @@ def test_pinned_statistics_skip_the_prepass_and_reproduce(
 
 def test_in_memory_api_refuses_bad_values(bf16_models: ModelSet) -> None:
     base = load_weights(bf16_models.base)
+    models = {"base": base, "coding": base}
     with pytest.raises(ParameterError, match="parameter 'alpha' in merge_state_dicts arguments must be"):
-        merge_state_dicts(base, [base], alpha=-1.0)
+        merge_state_dicts(models, "ram_plus", base="base", parameters={"alpha": -1.0})
     with pytest.raises(ParameterError, match="parameter 'r' in merge_state_dicts arguments must be .* got True"):
-        merge_state_dicts(base, [base], r=True)
-    with pytest.raises(ParameterError, match="rho pinned for unknown model 'coder'"):
-        merge_state_dicts(base, {"coding": base}, rho={"coder": 1.0})
+        merge_state_dicts(models, "ram_plus", base="base", parameters={"r": True})
+    with pytest.raises(ParameterError, match="rho set for unknown model 'coder'"):
+        merge_state_dicts(models, "ram_plus", base="base", parameters={"rho": {"coder": 1.0}})
 
 
 def test_pinned_lambda_applies_with_r_zero_on_every_path(bf16_models: ModelSet, tmp_path) -> None:
@@ -231,7 +232,7 @@ def test_pinned_lambda_applies_with_r_zero_on_every_path(bf16_models: ModelSet, 
     for name in ("model.layers.0.self_attn.q_proj.weight", "lm_head.weight"):
         expected = reference.merge(base[name], [ft[name] for ft in finetunes], 1e-5, [1.3, 1.0, 1.0])
         assert torch.equal(merged[name], expected.to(torch.bfloat16)), name
-    in_memory, _ = merge_state_dicts(
-        base, dict(zip(bf16_models.agents, finetunes)), r=0.0, lambda_={bf16_models.agents[0]: 1.3}
-    )
+    models = {"base": base, **dict(zip(bf16_models.agents, finetunes))}
+    parameters = {"r": 0.0, "lambda": {bf16_models.agents[0]: 1.3}}
+    in_memory, _ = merge_state_dicts(models, "ram_plus", base="base", parameters=parameters)
     assert all(torch.equal(in_memory[name], merged[name]) for name in merged)

@@ -32,7 +32,8 @@ from mergekit_ram.parameters import METHOD_PARAMETERS, ParameterError
 from mergekit_ram.planned import ModelIdentity, PlannedTensor, TensorInput, TensorParameters
 from mergekit_ram.recipe_file import declared_methods
 from mergekit_ram.settings import Applied, merge_settings
-from mergekit_ram.stats import TensorCounts, counts_to_dict
+from mergekit_ram.stats.data import TensorCounts
+from mergekit_ram.stats.schema import counts_to_dict
 
 
 def parameters(name: str, r: float = 0.1, alpha: float = 2.0, rule: str = "clip", **pins: tuple) -> TensorParameters:

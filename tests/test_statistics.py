@@ -22,17 +22,9 @@ from mergekit_ram.integration.planner import plan_merge
 from mergekit_ram.parameters import ParameterError
 from mergekit_ram.probe import probe_config, select_stages
 from mergekit_ram.rescaling import Rescaling
-from mergekit_ram.stats import (
-    SCHEMA_VERSION,
-    TensorCounts,
-    build_statistics,
-    by_module,
-    model_lambda,
-    module_of,
-    statistics_from_dict,
-    statistics_to_dict,
-    statistics_to_json,
-)
+from mergekit_ram.stats.arithmetic import build_statistics, by_module, model_lambda, module_of
+from mergekit_ram.stats.data import TensorCounts
+from mergekit_ram.stats.schema import SCHEMA_VERSION, statistics_from_dict, statistics_to_dict, statistics_to_json
 from mergekit_ram.synthetic import build_agents, independent_overlap, tiny_config
 from tests import reference
 from tests.conftest import Merged, ModelSet, load_statistics, load_weights, merge_in_process, run_script, write_recipe
@@ -299,7 +291,7 @@ def test_counts_by_module_keep_rho_local() -> None:
     ]
 
 
-def test_the_json_schema_round_trips_and_reads_schema_1() -> None:
+def test_the_json_schema_round_trips() -> None:
     statistics = build_statistics("ram_plus", HAND_COUNTS, rescaling=Rescaling(0.1, 2.0, "soft"))
     text = statistics_to_json(statistics)
     data = json.loads(text)
@@ -311,15 +303,7 @@ def test_the_json_schema_round_trips_and_reads_schema_1() -> None:
     probe = statistics_to_dict(statistics, with_modules=True)["by_module"]
     assert [row["local_rho"] for row in probe["mlp"]] == [5.0, "inf"]
 
-    # Schema 1 wrote null for infinity; such files still read as the same statistics.
-    old = copy.deepcopy(data)
-    old["schema"] = 1
-    for model in old["models"]:
-        model.update({key: None if value == "inf" else value for key, value in model.items() if "rho" in key})
-    assert old["models"][1]["rho"] is None
-    assert statistics_from_dict(old) == statistics
-
-    with pytest.raises(ValueError, match=r"ram_statistics.json has schema 3; this mergekit-ram reads schemas 1, 2"):
+    with pytest.raises(ValueError, match=r"ram_statistics.json has schema 3; this mergekit-ram reads schema 2"):
         statistics_from_dict({**data, "schema": 3})
     hand_edited = copy.deepcopy(data)
     hand_edited["models"][1]["rho"] = "Infinity"

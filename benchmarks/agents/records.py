@@ -19,7 +19,10 @@ from benchmarks.agents.config import ExperimentConfig
 from benchmarks.agents.merges import Setting, ram_plus_name
 from benchmarks.agents.tasks import TASKS
 from benchmarks.records import JSON, FlatRecord, json_text, read_json, write_json
-from mergekit_ram.stats import INFINITY, module_of
+from mergekit_ram.stats.arithmetic import module_of
+
+#: ``{split: {task: accuracy, ..., "avg": mean over tasks}}`` of one checkpoint.
+from mergekit_ram.stats.schema import INFINITY
 
 #: ``{split: {task: accuracy, ..., "avg": mean over tasks}}`` of one checkpoint.
 Scores = dict[str, dict[str, float]]

@@ -18,7 +18,8 @@ from benchmarks.agents.merges import FAMILIES, R_GRID, RULES, ram_plus_name
 from benchmarks.agents.plot import plot_results
 from benchmarks.agents.records import Binade, Results, agent_statistics, best_and_default, variant_steps
 from benchmarks.agents.tasks import TASKS
-from mergekit_ram.stats import MODULES, markdown_table
+from mergekit_ram.stats.arithmetic import MODULES
+from mergekit_ram.stats.render import markdown_table
 
 LOG = logging.getLogger(__name__)
 

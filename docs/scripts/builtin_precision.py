@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, os.pardir))
 
-from mergekit_ram.stats import markdown_table  # noqa: E402
+from mergekit_ram.stats.render import markdown_table  # noqa: E402
 from mergekit_ram.synthetic import PAPER_AGENTS, PAPER_OVERLAP, build_agents, tiny_config  # noqa: E402
 from tests import reference  # noqa: E402
 from tests.conftest import load_weights, run_script, write_recipe  # noqa: E402

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from mergekit_ram.kernel import count_overlaps, merge_tensors
-from mergekit_ram.stats import markdown_table
+from mergekit_ram.stats.render import markdown_table
 
 SEED = 0
 SIZE = 1 << 20

@@ -22,7 +22,7 @@ import argparse
 from typing import Callable
 
 from mergekit_ram.rescaling import Rescaling
-from mergekit_ram.stats import markdown_table
+from mergekit_ram.stats.render import markdown_table
 
 #: Share of each agent's changed parameters that no other agent changed (paper, Figure 2).
 PAPER_UNIQUE_SHARES = {"coding (CURE)": 0.063, "tool use (ToolRL)": 0.408, "memory (MemAgent)": 0.475}

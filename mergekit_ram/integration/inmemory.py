@@ -10,8 +10,7 @@ Same arguments as ``mergekit.merge_methods.merge_state_dicts`` (modules or state
 same code path: mergekit's function calls the registered method once with every tensor
 group, which for ``ram_plus`` counts the global rho over them all first. This function
 checks the arguments with the recipe's rules, then returns the merged tensors and the
-``RamStatistics`` of that call. The 0.1 call shape ``merge_state_dicts(base, finetunes,
-method=..., epsilon=..., r=..., rho=..., lambda_=...)`` still works (deprecated).
+``RamStatistics`` of that call.
 
 Both this function and mergekit's own (patched here) take ``rho`` / ``lambda`` pins for some
 models only; the others get their rho from the counts.
@@ -19,7 +18,6 @@ models only; the others get their rho from the counts.
 
 from __future__ import annotations
 
-import warnings
 from types import ModuleType
 from typing import Any, Callable, Hashable, Mapping, Optional, Sequence, Union
 
@@ -32,18 +30,17 @@ from mergekit_ram.integration.methods import RamMergeMethod
 from mergekit_ram.integration.registry import is_ours, register_methods
 from mergekit_ram.integration.versions import require, wrap
 from mergekit_ram.parameters import METHOD_PARAMETERS, ParameterError, check_parameter
-from mergekit_ram.stats import RamStatistics
+from mergekit_ram.stats.data import RamStatistics
 
 StateDict = Mapping[str, torch.Tensor]
 ModelLike = Union[StateDict, torch.nn.Module]
 
 _WHERE = "merge_state_dicts arguments"
-_LEGACY_OPTIONS = ("epsilon", "r", "alpha", "rule", "rho", "lambda_")
 
 
 def merge_state_dicts(
     models: Union[Mapping[Hashable, ModelLike], Sequence[ModelLike]],
-    method: Any = None,
+    method: Any,
     /,
     *,
     parameters: Optional[Mapping[str, Any]] = None,
@@ -52,7 +49,6 @@ def merge_state_dicts(
     dtype: Optional[torch.dtype] = None,
     out_dtype: Optional[torch.dtype] = None,
     batch_options: Optional[BatchOptions] = None,
-    **legacy: Any,
 ) -> tuple[dict[str, torch.Tensor], RamStatistics]:
     """mergekit's ``merge_state_dicts`` for ``ram`` / ``ram_plus``, and the call's statistics.
 
@@ -64,14 +60,7 @@ def merge_state_dicts(
     ``out_dtype`` if given, else to the inputs' dtype. Inputs that require grad give
     results with autograd history (use ``torch.no_grad()`` to avoid it).
     """
-    if isinstance(method, (Mapping, Sequence)) and not isinstance(method, str):
-        # the 0.1 shape: (base, finetunes, method=..., epsilon=..., ...)
-        return _legacy_call(models, method, out_dtype=out_dtype, **legacy)  # type: ignore[arg-type]
-    if method is None:
-        method = legacy.pop("method", "ram_plus")
     method = getattr(getattr(method, "spec", None), "name", method)
-    if legacy:
-        raise TypeError(f"merge_state_dicts got unexpected keyword arguments {sorted(legacy)}")
     if method not in METHOD_PARAMETERS:
         raise ParameterError(f"method must be one of {', '.join(METHOD_PARAMETERS)}; got {method!r}")
     named: dict[Hashable, ModelLike] = dict(models) if isinstance(models, Mapping) else dict(enumerate(models))
@@ -129,44 +118,6 @@ def patch_merge_state_dicts(merge_methods: ModuleType) -> None:
     api = require(merge_methods, "api")
     wrap(api, "merge_state_dicts", make)
     merge_methods.merge_state_dicts = api.merge_state_dicts  # type: ignore[attr-defined]  # its package name
-
-
-def _legacy_call(
-    base: StateDict,
-    finetunes: Union[Mapping[str, StateDict], Sequence[StateDict]],
-    *,
-    method: str = "ram_plus",
-    out_dtype: Optional[torch.dtype] = None,
-    **options: Any,
-) -> tuple[dict[str, torch.Tensor], RamStatistics]:
-    """``merge_state_dicts(base, finetunes, method=, epsilon=, r=, alpha=, rule=, rho=, lambda_=)``."""
-    unknown = sorted(set(options) - set(_LEGACY_OPTIONS))
-    if unknown:
-        raise TypeError(f"merge_state_dicts got unexpected keyword arguments {unknown}")
-    warnings.warn(
-        "merge_state_dicts(base, finetunes, ...) is deprecated: use mergekit's argument shape, "
-        "merge_state_dicts({'base': base, **finetunes}, method, base='base', parameters={...})",
-        DeprecationWarning,
-        stacklevel=3,
-    )
-    named: dict[str, StateDict] = (
-        dict(finetunes) if isinstance(finetunes, Mapping) else {f"model_{i}": sd for i, sd in enumerate(finetunes)}
-    )
-    base_id = "base" if "base" not in named else "__base__"
-    parameters: dict[str, Any] = {}
-    for name in ("epsilon", "r", "alpha", "rule"):
-        if name in options and (method == "ram_plus" or name == "epsilon"):
-            parameters[name] = options[name]
-    for kind, values in (("rho", options.get("rho")), ("lambda", options.get("lambda_"))):
-        if not values or method == "ram":
-            continue
-        for model in values:
-            if model not in named:
-                raise ParameterError(f"ram_plus: {kind} pinned for unknown model {model!r}; models: {', '.join(named)}")
-        parameters[kind] = {model: values.get(model) for model in named}
-    everything: dict[Hashable, ModelLike] = {base_id: base}
-    everything.update(named)
-    return merge_state_dicts(everything, method, parameters=parameters, base=base_id, out_dtype=out_dtype)
 
 
 def _check_parameters(method: str, parameters: Mapping[str, Any], finetunes: Sequence[Hashable]) -> None:

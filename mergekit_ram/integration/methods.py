@@ -31,7 +31,7 @@ from mergekit_ram.kernel import MergeOverflowError, NonFiniteInputError, count_o
 from mergekit_ram.parameters import METHOD_PARAMETERS, SHARED_RULES, ParameterError, parameter_scopes
 from mergekit_ram.planned import TensorParameters
 from mergekit_ram.settings import Applied, merge_settings
-from mergekit_ram.stats import RamStatistics, TensorCounts
+from mergekit_ram.stats.data import RamStatistics, TensorCounts
 
 REFERENCE_URL = "https://arxiv.org/abs/2601.13572"
 PRETTY_NAMES = {

@@ -45,7 +45,8 @@ from mergekit_ram.integration.tasks import (
 from mergekit_ram.integration.versions import require, wrap
 from mergekit_ram.planned import PlannedTensor
 from mergekit_ram.settings import MergeSettings, merge_settings
-from mergekit_ram.stats import RamStatistics, TensorCounts, log_statistics
+from mergekit_ram.stats.data import RamStatistics, TensorCounts
+from mergekit_ram.stats.render import log_statistics
 
 LOG = logging.getLogger(__name__)
 

@@ -27,7 +27,9 @@ from mergekit_ram.integration.methods import METHODS
 from mergekit_ram.parameters import parameter_scopes
 from mergekit_ram.planned import PlannedTensor, TensorInput, TensorParameters
 from mergekit_ram.settings import Applied, MergeSettings
-from mergekit_ram.stats import STATISTICS_FILE, RamStatistics, TensorCounts, log_statistics, statistics_to_json
+from mergekit_ram.stats.data import RamStatistics, TensorCounts
+from mergekit_ram.stats.render import log_statistics
+from mergekit_ram.stats.schema import STATISTICS_FILE, statistics_to_json
 
 ValueT = TypeVar("ValueT")
 

@@ -1,8 +1,7 @@
 """``ram_statistics.json``: the versioned JSON form of :class:`RamStatistics` (docs/statistics.md).
 
-Schema 2 writes an infinite rho as the string ``"inf"`` (``float("inf")`` reads it back;
-JSON has no infinity and ``Infinity`` is not standard JSON). Schema 1 wrote ``null`` there;
-files of either schema are read.
+An infinite rho is the string ``"inf"`` (``float("inf")`` reads it back; JSON has no infinity
+and ``Infinity`` is not standard JSON).
 """
 
 from __future__ import annotations
@@ -16,9 +15,7 @@ from mergekit_ram.stats.arithmetic import by_merged_module, by_module
 from mergekit_ram.stats.data import ModelStatistics, ModuleStatistics, OverlapCounts, RamStatistics, TensorCounts
 
 STATISTICS_FILE = "ram_statistics.json"
-#: 1: the first (rho null when infinite); 2: rho "inf" when infinite.
 SCHEMA_VERSION = 2
-READABLE_SCHEMAS = (1, 2)
 #: How schema 2 writes an infinite rho.
 INFINITY = "inf"
 
@@ -28,9 +25,9 @@ def write_ratio(value: float) -> Union[float, str]:
     return INFINITY if math.isinf(value) else value
 
 
-def read_ratio(value: Union[float, str, None]) -> float:
-    """A rho from the JSON file of either schema: a number, ``"inf"`` (2) or ``null`` (1) for infinity."""
-    if value is None or value == INFINITY:
+def read_ratio(value: Union[float, str]) -> float:
+    """A rho from the JSON file: a number, or ``"inf"``."""
+    if value == INFINITY:
         return math.inf
     if isinstance(value, str):
         raise ValueError(f"{STATISTICS_FILE}: a rho is {value!r}; expected a number or {INFINITY!r}")
@@ -115,12 +112,12 @@ def statistics_to_json(statistics: RamStatistics) -> str:
 
 
 def statistics_from_dict(data: Mapping[str, Any]) -> RamStatistics:
-    """Read a ``ram_statistics.json`` object of any schema in ``READABLE_SCHEMAS``."""
+    """Read a ``ram_statistics.json`` object (schema ``SCHEMA_VERSION``)."""
     schema = data.get("schema")
-    if schema not in READABLE_SCHEMAS:
+    if schema != SCHEMA_VERSION:
         raise ValueError(
-            f"{STATISTICS_FILE} has schema {schema!r}; this mergekit-ram reads schemas "
-            f"{', '.join(map(str, READABLE_SCHEMAS))} (a newer mergekit-ram wrote it?)"
+            f"{STATISTICS_FILE} has schema {schema!r}; this mergekit-ram reads schema {SCHEMA_VERSION} "
+            "(another mergekit-ram wrote it?)"
         )
     parameters = data["parameters"]
     epsilon = parameters["epsilon"]
