@@ -14,11 +14,7 @@ import click
 import yaml
 
 from mergekit_ram.stats.data import RamStatistics
-
-#: The Hub tag of every model merged with mergekit-ram's methods.
 from mergekit_ram.stats.render import card_markdown, compact_table
-
-#: The Hub tag of every model merged with mergekit-ram's methods.
 from mergekit_ram.stats.schema import STATISTICS_FILE, statistics_from_dict
 
 #: The Hub tag of every model merged with mergekit-ram's methods.

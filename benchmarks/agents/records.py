@@ -20,8 +20,6 @@ from benchmarks.agents.merges import Setting, ram_plus_name
 from benchmarks.agents.tasks import TASKS
 from benchmarks.records import JSON, FlatRecord, json_text, read_json, write_json
 from mergekit_ram.stats.arithmetic import module_of
-
-#: ``{split: {task: accuracy, ..., "avg": mean over tasks}}`` of one checkpoint.
 from mergekit_ram.stats.schema import INFINITY
 
 #: ``{split: {task: accuracy, ..., "avg": mean over tasks}}`` of one checkpoint.
