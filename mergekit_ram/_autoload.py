@@ -18,7 +18,7 @@ ENVIRONMENT_VARIABLE = "MERGEKIT_RAM_AUTOLOAD"
 # executed, in order. Each names its own submodule, so a hook that fires while another part of
 # the boundary is still importing needs only its own module.
 HOOKS = {
-    "mergekit.merge_methods": ("registry:register_methods", "inmemory:patch_merge_state_dicts"),
+    "mergekit.merge_methods": ("registry:register_methods",),
     "mergekit.plan": ("planner:patch_planner",),
     "mergekit.merge": ("output:patch_run_merge",),
     "mergekit.scripts.run_yaml": ("scripts:patch_script",),

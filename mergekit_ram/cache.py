@@ -21,9 +21,10 @@ skipped, each with a warning naming the path and ``MERGEKIT_RAM_CACHE=off``; the
 runs as if there were no cache. The checksum catches damage and careless edits, not a forger:
 whoever can write the cache folder can change the counts, and so the merge.
 
-Environment: ``MERGEKIT_RAM_CACHE`` = ``on`` (default), ``off``, or ``refresh`` (recompute
-and overwrite); ``MERGEKIT_RAM_CACHE_DIR`` (default ``$XDG_CACHE_HOME/mergekit-ram`` or
-``~/.cache/mergekit-ram``).
+``CacheSettings`` says where the cache is and how to use it; a command reads them from the
+environment once (``CacheSettings.from_environment``): ``MERGEKIT_RAM_CACHE`` = ``on``
+(default), ``off``, or ``refresh`` (recompute and overwrite); ``MERGEKIT_RAM_CACHE_DIR``
+(default ``$XDG_CACHE_HOME/mergekit-ram`` or ``~/.cache/mergekit-ram``).
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ import hashlib
 import json
 import logging
 import os
-from typing import Any, Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional, Sequence
 
 from mergekit_ram._version import __version__
 from mergekit_ram.checks import INDEX_SUFFIX, HeaderCache, mergekit_weights, planned_numel
@@ -55,18 +57,23 @@ _FORMAT = "entries aligned with merge tasks, with a checksum (3)"
 _ADVICE = f"{MODE_VARIABLE}=off skips the cache"
 
 
-def mode() -> str:
-    value = os.environ.get(MODE_VARIABLE, "on").strip().lower()
-    if value not in ("on", "off", "refresh"):
-        raise SettingError(f"{MODE_VARIABLE} must be on, off or refresh; got {value!r}")
-    return value
+@dataclass(frozen=True)
+class CacheSettings:
+    """How a merge uses the cache: ``mode`` on, off or refresh, and the folder it lives in."""
 
+    mode: str
+    directory: str
 
-def directory() -> str:
-    if os.environ.get(DIRECTORY_VARIABLE):
-        return os.environ[DIRECTORY_VARIABLE]
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(root, "mergekit-ram")
+    @classmethod
+    def from_environment(cls, environment: Mapping[str, str] = os.environ) -> CacheSettings:
+        mode = environment.get(MODE_VARIABLE, "on").strip().lower()
+        if mode not in ("on", "off", "refresh"):
+            raise SettingError(f"{MODE_VARIABLE} must be on, off or refresh; got {mode!r}")
+        root = environment.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        return cls(mode, environment.get(DIRECTORY_VARIABLE) or os.path.join(root, "mergekit-ram"))
+
+    def entry(self, key: str) -> str:
+        return os.path.join(self.directory, "prepass", f"{key}.json")
 
 
 def fingerprint(path: str) -> str:
@@ -109,15 +116,13 @@ def checksum(tensors: Any) -> str:
     return hashlib.sha256(json.dumps(tensors, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
-def _entry_path(key: str) -> str:
-    return os.path.join(directory(), "prepass", f"{key}.json")
-
-
-def load(key: str, planned: Sequence[PlannedTensor], headers: HeaderCache) -> Optional[list[Optional[TensorCounts]]]:
+def load(
+    settings: CacheSettings, key: str, planned: Sequence[PlannedTensor], headers: HeaderCache
+) -> Optional[list[Optional[TensorCounts]]]:
     """The cached counts for ``key`` (one per merge task), or None: missing, off, or unusable."""
-    if mode() != "on":
+    if settings.mode != "on":
         return None
-    path = _entry_path(key)
+    path = settings.entry(key)
     try:
         data = read_json(path, follow_symlinks=False)
     except FileNotFoundError:
@@ -167,11 +172,11 @@ def _matching_counts(data: Any, planned: Sequence[PlannedTensor], headers: Heade
     return counts
 
 
-def store(key: str, counts: Sequence[Optional[TensorCounts]]) -> None:
+def store(settings: CacheSettings, key: str, counts: Sequence[Optional[TensorCounts]]) -> None:
     """Write the entry atomically; a cache that cannot be written is skipped with a warning."""
-    if mode() == "off":
+    if settings.mode == "off":
         return
-    path = _entry_path(key)
+    path = settings.entry(key)
     tensors = [None if c is None else counts_to_dict(c) for c in counts]
     text = json.dumps({"tensors": tensors, "sha256": checksum(tensors)})
     try:

@@ -188,7 +188,6 @@ def probe(
     recipe's r / alpha / rule. A mergekit-multi file: every ram / ram_plus stage (or the
     one --stage names). Nothing is merged or written (but the cache and --plot).
     """
-    from mergekit_ram import cache
     from mergekit_ram.errors import RamError, exit_on_one_line
     from mergekit_ram.integration.scripts import check_options_device, merge_options
     from mergekit_ram.plot import check_plot_extra, plot_statistics
@@ -209,8 +208,6 @@ def probe(
         if plot_path is not None:
             check_plot_extra()  # before any work, and before the cache can answer
         check_options_device(options)
-        if refresh:
-            os.environ[cache.MODE_VARIABLE] = "refresh"
         if num_threads is not None:
             import torch
 
@@ -218,7 +215,7 @@ def probe(
         selection = select_stages(recipe, stage, intermediate_dir)
         for note in selection.not_probed:
             click.echo(f"note: {note}", err=True)
-        reports = [(chosen, probe_config(chosen.config, options)) for chosen in selection.stages]
+        reports = [(chosen, probe_config(chosen.config, options, refresh)) for chosen in selection.stages]
         if plot_path is not None:
             for chosen, statistics in reports:
                 plot_statistics(statistics, stage_plot_path(plot_path, chosen, selection))

@@ -8,7 +8,9 @@ imports mergekit.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
+
+from mergekit_ram.parameters import parameter_scopes
 
 
 @dataclass(frozen=True)
@@ -28,6 +30,22 @@ class TensorParameters:
     name: str
     shared: tuple[tuple[str, Any], ...]
     per_model: tuple[tuple[str, tuple[tuple[str, Any], ...]], ...] = ()
+
+    @classmethod
+    def of(
+        cls, method: str, name: str, values: Mapping[str, Any], models: Mapping[str, Mapping[str, Any]]
+    ) -> TensorParameters:
+        """From a tensor's resolved values (``values``: the whole merge's, by name, and others) and each
+        model's own (``models``): the parameters ``method`` declares."""
+        shared, per_model = parameter_scopes(method)
+        return cls(
+            name=name,
+            shared=tuple((parameter, values[parameter]) for parameter in shared if parameter in values),
+            per_model=tuple(
+                (model, tuple((parameter, own.get(parameter)) for parameter in per_model))
+                for model, own in models.items()
+            ),
+        )
 
     def value(self, parameter: str) -> Any:
         return dict(self.shared).get(parameter)

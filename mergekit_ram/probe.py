@@ -80,17 +80,19 @@ def select_stages(recipe_path: str, stage_name: Optional[str] = None, intermedia
     )
 
 
-def probe_config(config: Any, options: Any) -> RamStatistics:
-    """Run only the pre-pass of a ``ram`` / ``ram_plus`` MergeConfiguration; its statistics. The recipe
-    is checked as a merge checks it, ``--allow-crimes`` included (the planner's own check cannot see it)."""
-    from mergekit_ram.checks import HeaderCache
+def probe_config(config: Any, options: Any, refresh: bool = False) -> RamStatistics:
+    """Run only the pre-pass of a MergeConfiguration of these methods; its statistics. The recipe is
+    checked as a merge checks it; ``refresh`` recomputes counts the cache has."""
+    from dataclasses import replace
+
     from mergekit_ram.integration import register
-    from mergekit_ram.integration.planner import probe_statistics
-    from mergekit_ram.integration.recipes import check_config
+    from mergekit_ram.integration.planner import RamRun, probe_statistics
 
     register()
-    check_config(config.merge_method, config, HeaderCache(), allow_crimes=options.allow_crimes)
-    return probe_statistics(config, options)
+    run = RamRun.checked(config, options)
+    if refresh:
+        run.cache = replace(run.cache, mode="refresh")
+    return probe_statistics(config, options, run)
 
 
 def stage_plot_path(path: str, stage: Stage, selection: ProbeSelection) -> str:

@@ -1,21 +1,17 @@
-"""What a finished RAM merge tells its user: the card's section and the summary on the terminal.
-
-Plain files: reads the ``ram_statistics.json`` the merge wrote beside the card mergekit wrote.
-"""
+"""What a finished RAM merge tells its user: the card's section and the summary on the terminal,
+both from the merge's statistics."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
-from typing import Optional
 
 import click
 import yaml
 
 from mergekit_ram.stats.data import RamStatistics
 from mergekit_ram.stats.render import card_markdown, compact_table
-from mergekit_ram.stats.schema import STATISTICS_FILE, statistics_from_dict
+from mergekit_ram.stats.schema import STATISTICS_FILE
 
 #: The Hub tag of every model merged with mergekit-ram's methods.
 CARD_TAG = "mergekit-ram"
@@ -23,20 +19,10 @@ CARD_TAG = "mergekit-ram"
 _MODEL_LIST = re.compile(r"(^### Models Merged\n\n[^\n]*\n)((?:\* [^\n]*\n)+)", re.MULTILINE)
 
 
-def read_statistics(out_path: str) -> Optional[RamStatistics]:
-    """The statistics a merge wrote into ``out_path``, or None if it wrote none."""
-    path = os.path.join(out_path, STATISTICS_FILE)
-    if not os.path.exists(path):
-        return None
-    with open(path, encoding="utf-8") as handle:
-        return statistics_from_dict(json.load(handle))
-
-
-def append_card_section(out_path: str) -> None:
+def append_card_section(out_path: str, statistics: RamStatistics) -> None:
     """Make mergekit's card reproducible and tag it, then add how to reproduce the merge and its statistics."""
     card = os.path.join(out_path, "README.md")
-    statistics = read_statistics(out_path) if os.path.exists(card) else None
-    if statistics is None:
+    if not os.path.exists(card):
         return
     with open(card, encoding="utf-8") as handle:
         text = handle.read()
@@ -72,12 +58,9 @@ def with_card_metadata(card: str, tag: str) -> str:
     return "---\n" + yaml.dump(updated) + card[end + 1 :]
 
 
-def report_summary(out_path: str) -> None:
+def report_summary(out_path: str, statistics: RamStatistics) -> None:
     """After a RAM merge: model, density, rho and lambda on stderr, next to mergekit's own
     progress output (the caller leaves it out under ``--quiet``, as mergekit does its own)."""
-    statistics = read_statistics(out_path)
-    if statistics is None:
-        return
     settings = ", ".join(f"{key} = {value}" for key, value in statistics.parameters.items())
     click.echo(
         f"{statistics.method} merge written to {out_path} ({settings}); "

@@ -63,10 +63,11 @@ class MergeSettings:
             rho = 0.0  # r = 0: every rho gives lambda 1
         return model_lambda(0.0 if rho is None else rho, self.rescaling, pin)
 
-    def lambdas_without_counts(self, finetunes: Sequence[str]) -> Optional[dict[str, float]]:
-        """Each model's lambda when no count is needed (ram, r = 0, every model pinned); else None."""
-        if self.needs_counts(finetunes):
-            return None
+    def lambdas(self, finetunes: Sequence[str], statistics: Optional[RamStatistics]) -> dict[str, float]:
+        """Each model's lambda_t as the kernel applies it: from ``statistics`` where counts were needed,
+        else from the pins (1 for ``ram``, the scale for ``ram_unique``)."""
+        if statistics is not None:
+            return {stats.model: stats.lambda_ for stats in statistics.models}
         return {model: self.model_lambda(model, None) for model in finetunes}
 
     def applied(self, finetunes: Sequence[str], statistics: Optional[RamStatistics]) -> dict[str, Applied]:

@@ -24,18 +24,24 @@ from mergekit.options import MergeOptions
 from safetensors.torch import load_file, save_file
 
 from mergekit_ram import cache
-from mergekit_ram.integration.planner import counted_prepass, plan_merge
+from mergekit_ram.checks import HeaderCache
+from mergekit_ram.integration.planner import RamRun, counted_prepass, plan_merge
 from mergekit_ram.stats.schema import counts_to_dict
 from tests.conftest import ModelSet, load_statistics, merge_in_process, run_script, write_recipe
 
 OPTIONS = MergeOptions(quiet=True)
 
 
+def prepass(plan: Any) -> list[Any]:
+    """The pre-pass counts of ``plan``, with the cache settings of the environment as a command reads them."""
+    return counted_prepass(plan, OPTIONS, RamRun(HeaderCache(), cache.CacheSettings.from_environment()))
+
+
 @pytest.fixture(scope="module")
 def planned(bf16_models: ModelSet) -> tuple[Any, str, list[Any]]:
     """The merge tasks of a real ram_plus recipe, their cache key, and their uncached counts."""
     plan = plan_merge(MergeConfiguration.model_validate(bf16_models.recipe("ram_plus")), OPTIONS)
-    return plan, cache.cache_key(plan.tensors), counted_prepass(plan, OPTIONS)
+    return plan, cache.cache_key(plan.tensors), prepass(plan)
 
 
 @pytest.fixture
@@ -46,12 +52,12 @@ def cache_dir(tmp_path, monkeypatch: pytest.MonkeyPatch) -> str:
 
 
 def _entry(key: str) -> str:
-    return os.path.join(cache.directory(), "prepass", f"{key}.json")
+    return cache.CacheSettings.from_environment().entry(key)
 
 
 def _valid(planned: tuple[Any, str, list[Any]]) -> dict[str, Any]:
     plan, key, _ = planned
-    counted_prepass(plan, OPTIONS)  # writes the entry
+    prepass(plan)  # writes the entry
     with open(_entry(key), encoding="utf-8") as handle:
         return json.load(handle)
 
@@ -92,7 +98,7 @@ BROKEN = {
 
 def _elsewhere(entry: dict[str, Any]) -> pathlib.Path:
     """A valid entry outside the cache's entries, for a link at the entry's place."""
-    path = pathlib.Path(cache.directory()) / "elsewhere.json"
+    path = pathlib.Path(cache.CacheSettings.from_environment().directory) / "elsewhere.json"
     path.write_text(json.dumps(entry), encoding="utf-8")
     return path
 
@@ -110,14 +116,14 @@ def test_a_broken_entry_is_a_warning_and_a_fresh_prepass(
         with open(_entry(key), "w", encoding="utf-8") as handle:
             handle.write(broken if isinstance(broken, str) else json.dumps(broken))
     with caplog.at_level(logging.INFO):
-        counts = counted_prepass(plan, OPTIONS)
+        counts = prepass(plan)
     assert counts == fresh
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and _entry(key) in warnings[0] and "MERGEKIT_RAM_CACHE=off" in warnings[0], warnings
     assert any("pre-pass done" in r.getMessage() for r in caplog.records)
     caplog.clear()
     with caplog.at_level(logging.INFO):
-        assert counted_prepass(plan, OPTIONS) == fresh  # the entry was rewritten and is used again
+        assert prepass(plan) == fresh  # the entry was rewritten and is used again
     assert any("using cached counts" in r.getMessage() for r in caplog.records)
 
 
@@ -144,7 +150,7 @@ def test_an_unwritable_cache_is_a_warning_and_the_merge_goes_on(
     resource.setrlimit(resource.RLIMIT_FSIZE, (64, limits[1]))
     try:
         with caplog.at_level(logging.WARNING):
-            assert counted_prepass(plan, OPTIONS) == fresh
+            assert prepass(plan) == fresh
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, limits)
     assert any("File too large" in r.getMessage() and _entry(key) in r.getMessage() for r in caplog.records)

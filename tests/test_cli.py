@@ -99,16 +99,12 @@ def test_every_error_a_user_can_meet_is_a_ram_error() -> None:
         }
     from mergekit_ram import parameters
     from mergekit_ram.errors import InputError
-    from mergekit_ram.integration import methods
-    from mergekit_ram.integration.methods import MissingStatisticsError
-    from mergekit_ram.integration.versions import MergekitMovedError
+    from mergekit_ram.integration import internals, methods
+    from mergekit_ram.integration.internals import MergekitMovedError
     from mergekit_ram.parameters import ParameterError
     from mergekit_ram.staging import OutputBusyError, OutputFolderError
 
-    classes = {
-        cls.__name__: cls
-        for cls in (InputError, ParameterError, MergekitMovedError, MissingStatisticsError, OutputBusyError)
-    }
+    classes = {cls.__name__: cls for cls in (InputError, ParameterError, MergekitMovedError, OutputBusyError)}
     classes["OutputFolderError"] = OutputFolderError
     classes |= {name: getattr(errors, name) for name in dir(errors) if name.endswith("Error")}
     # ``raise make_error(...)``: functions that build an error; their return annotation must be a RamError
@@ -117,6 +113,7 @@ def test_every_error_a_user_can_meet_is_a_ram_error() -> None:
         "self._overflow_error": methods.RamMergeMethod._overflow_error,
         "unknown_parameter": parameters.unknown_parameter,
         "shape_error": checks.shape_error,
+        "_moved": internals._moved,
     }
     for name, factory in factories.items():
         classes[name] = typing.get_type_hints(factory)["return"]
@@ -125,7 +122,7 @@ def test_every_error_a_user_can_meet_is_a_ram_error() -> None:
     assert all(issubclass(cls, errors.RamError) for cls in classes.values())
     # Still the built-in classes callers catch today.
     assert issubclass(ParameterError, ValueError) and issubclass(InputError, ValueError)
-    assert issubclass(MergekitMovedError, RuntimeError) and issubclass(MissingStatisticsError, RuntimeError)
+    assert issubclass(MergekitMovedError, RuntimeError)
 
 
 def test_plugin_errors_are_one_line_in_every_script(bf16_models: ModelSet, tmp_path) -> None:

@@ -32,7 +32,7 @@ except ImportError:  # Python 3.10
     import tomli as tomllib
 
 from mergekit_ram import __version__
-from mergekit_ram.integration.versions import TESTED_MERGEKIT
+from mergekit_ram.integration.internals import TESTED_MERGEKIT
 from mergekit_ram.stats.schema import SCHEMA_VERSION, write_ratio
 from tests.conftest import Merged, ModelSet
 

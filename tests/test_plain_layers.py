@@ -58,10 +58,10 @@ def test_one_rescaling_per_merge_turns_rho_into_lambda() -> None:
 def test_pins_and_r_zero_need_no_counts() -> None:
     pinned = merge_settings("ram_plus", [parameters("w", a=(None, 1.3), b=(3.0, None))])
     assert not pinned.needs_counts(["a", "b"])
-    assert pinned.lambdas_without_counts(["a", "b"]) == {"a": 1.3, "b": 1.2}
+    assert pinned.lambdas(["a", "b"], None) == {"a": 1.3, "b": 1.2}
     assert pinned.applied(["a", "b"], None) == {"a": Applied(1.3, None), "b": Applied(1.2, 3.0)}
     zero = merge_settings("ram_plus", [parameters("w", r=0.0, a=(None, None))])
-    assert zero.lambdas_without_counts(["a"]) == {"a": 1.0}
+    assert zero.lambdas(["a"], None) == {"a": 1.0}
     ram = merge_settings("ram", [parameters("w")])
     assert ram.rescaling is None and ram.applied(["a"], None) == {}
     with pytest.raises(ParameterError, match="the pinned lambda of a must be one value for the whole merge"):
@@ -221,7 +221,7 @@ def test_a_header_is_read_bounded_and_never_waited_on(tmp_path) -> None:
         HeaderCache().read("m", str(pointer))
 
 
-def test_cache_key_follows_what_the_counts_depend_on(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cache_key_follows_what_the_counts_depend_on(tmp_path) -> None:
     base = write(str(tmp_path / "base.safetensors"), w=torch.zeros(2, 3))
     agent = write(str(tmp_path / "a.safetensors"), w=torch.ones(2, 3))
     tensor = planned("w", TensorInput("base", base, "w"), TensorInput("a", agent, "w"))
@@ -233,17 +233,16 @@ def test_cache_key_follows_what_the_counts_depend_on(tmp_path, monkeypatch: pyte
     other_r = PlannedTensor(**{**tensor.__dict__, "parameters": parameters("w", r=0.2)})
     assert cache.cache_key([other_r]) == key  # r, alpha and the rule turn counts into lambda afterwards
 
-    monkeypatch.setenv(cache.MODE_VARIABLE, "on")
-    monkeypatch.setenv(cache.DIRECTORY_VARIABLE, str(tmp_path / "cache"))
+    settings = cache.CacheSettings("on", str(tmp_path / "cache"))
     counts = TensorCounts(name="w", numel=6, epsilon=1e-5, models=("a",), histograms=((6,),))
-    cache.store(key, [counts])
+    cache.store(settings, key, [counts])
     headers = HeaderCache()
-    assert cache.load(key, [tensor], headers) == [counts]
+    assert cache.load(settings, key, [tensor], headers) == [counts]
     path = os.path.join(str(tmp_path / "cache"), "prepass", f"{key}.json")
     tensors = [{**counts_to_dict(counts), "numel": 7}]
     with open(path, "w", encoding="utf-8") as handle:
         json.dump({"tensors": tensors, "sha256": cache.checksum(tensors)}, handle)
-    assert cache.load(key, [tensor], headers) is None  # 7 elements where the header says 6
+    assert cache.load(settings, key, [tensor], headers) is None  # 7 elements where the header says 6
 
 
 def test_cache_key_follows_the_file_each_input_is_read_from(tmp_path) -> None:

@@ -1,47 +1,43 @@
 """The boundary: every use of mergekit's internals, and nothing else, lives in this subpackage.
 
-- ``versions``: the version guard (``require``, ``wrap``, ``MergekitMovedError``);
-- ``registry``: ``ram_plus`` registered, the built-in ``ram`` replaced (``MERGEKIT_RAM_BUILTIN_RAM``);
-- ``methods``: the ``ram`` and ``ram_plus`` methods on mergekit's method API;
-- ``tasks``: graph tasks (pre-pass count, merge-and-count, statistics file) and merge tasks as plain data;
-- ``planner``: ``MergePlanner`` and ``plan_flat_merge`` wrapped: checks, pre-pass, lambdas, statistics;
+- ``internals``: the one table of mergekit objects the plugin uses, each reached through the
+  version guard (``internal``, ``wrap``, ``check_internals``, ``MergekitMovedError``);
+- ``registry``: the methods registered, the built-in ``ram`` replaced (``MERGEKIT_RAM_BUILTIN_RAM``);
+- ``methods``: the four methods on mergekit's method API;
+- ``tasks``: merge tasks as plain data, asked to count; the statistics task;
+- ``planner``: ``MergePlanner`` wrapped: pre-pass, lambdas, statistics; the ``RamRun`` of a merge;
 - ``output``: ``run_merge`` and the ``mergekit-pytorch`` command inside the output transaction;
 - ``scripts``: the console scripts (one-line errors, CUDA check, mergekit-multi's stages);
 - ``recipes``: recipe checks over mergekit's recipe classes, mergekit-multi's stages;
-- ``inmemory``: mergekit's ``merge_state_dicts`` for RAM, with the statistics; pins for some models in mergekit's own.
+- ``inmemory``: mergekit's ``merge_state_dicts`` for these methods, with the statistics.
 
-A new mergekit release means editing this subpackage only. Each patch is idempotent and
-checks that the internals it relies on are still there, failing with the mergekit version in
-the message if they moved. ``mergekit_ram._autoload`` calls the patch functions below as
-each mergekit module finishes importing; ``register()`` calls them all. Importing this package
-imports no mergekit: each submodule does, when it is used.
+A new mergekit release means editing this subpackage only (``internals`` first). Each patch is
+idempotent. ``mergekit_ram._autoload`` calls the patch functions below as each mergekit module
+finishes importing; ``register()`` calls them all. Importing this package imports no mergekit:
+each submodule does, when it is used.
 """
 
 from __future__ import annotations
+
+import importlib
 
 __all__ = ["register"]
 
 
 def register() -> None:
-    """Register ``ram`` and ``ram_plus`` with mergekit and hook its planner; idempotent."""
-    import mergekit.merge
-    import mergekit.merge_methods
-    import mergekit.plan
-    import mergekit.scripts.merge_raw_pytorch
-    import mergekit.scripts.multimerge
-    import mergekit.scripts.run_yaml
-
-    from mergekit_ram.integration.inmemory import patch_merge_state_dicts
+    """Register the methods with mergekit and hook its planner, run_merge and scripts; idempotent."""
+    from mergekit_ram.integration.internals import check_internals
     from mergekit_ram.integration.output import patch_raw_pytorch, patch_run_merge
     from mergekit_ram.integration.planner import patch_planner
     from mergekit_ram.integration.registry import register_methods
     from mergekit_ram.integration.scripts import patch_multimerge, patch_script
 
-    register_methods(mergekit.merge_methods)
-    patch_merge_state_dicts(mergekit.merge_methods)
-    patch_planner(mergekit.plan)
-    patch_run_merge(mergekit.merge)
-    patch_raw_pytorch(mergekit.scripts.merge_raw_pytorch)
-    patch_multimerge(mergekit.scripts.multimerge)
-    for script in (mergekit.scripts.run_yaml, mergekit.scripts.multimerge, mergekit.scripts.merge_raw_pytorch):
-        patch_script(script)
+    check_internals()
+    module = importlib.import_module
+    register_methods(module("mergekit.merge_methods"))
+    patch_planner(module("mergekit.plan"))
+    patch_run_merge(module("mergekit.merge"))
+    patch_raw_pytorch(module("mergekit.scripts.merge_raw_pytorch"))
+    patch_multimerge(module("mergekit.scripts.multimerge"))
+    for name in ("mergekit.scripts.run_yaml", "mergekit.scripts.multimerge", "mergekit.scripts.merge_raw_pytorch"):
+        patch_script(module(name))

@@ -12,26 +12,25 @@ group, which for ``ram_plus`` counts the global rho over them all first. This fu
 checks the arguments with the recipe's rules, then returns the merged tensors and the
 ``RamStatistics`` of that call.
 
-Both this function and mergekit's own (patched here) take ``rho`` / ``lambda`` pins for some
-models only; the others get their rho from the counts.
+Both this function and mergekit's own take ``rho`` / ``lambda`` pins for some models only; the
+others get their rho from the counts (``RamMergeMethod._bind_per_input``).
 """
 
 from __future__ import annotations
 
-from types import ModuleType
-from typing import Any, Callable, Hashable, Mapping, Optional, Sequence, Union
+import importlib
+from typing import Any, Hashable, Mapping, Optional, Sequence, Union
 
 import torch
-from mergekit import merge_methods
-from mergekit.merge_methods import merge_state_dicts as mergekit_merge_state_dicts
-from mergekit.merge_methods.base import BatchOptions, PerGroupValues
 
+from mergekit_ram.integration.internals import check_internals, internal
 from mergekit_ram.integration.methods import RamMergeMethod
-from mergekit_ram.integration.registry import is_ours, register_methods
-from mergekit_ram.integration.versions import require, wrap
+from mergekit_ram.integration.registry import register_methods
 from mergekit_ram.parameters import METHOD_PARAMETERS, ParameterError, check_parameter
 from mergekit_ram.stats.data import RamStatistics
 
+PerGroupValues: Any = internal("mergekit.merge_methods.base", "PerGroupValues")
+mergekit_merge_state_dicts: Any = internal("mergekit.merge_methods", "merge_state_dicts")
 StateDict = Mapping[str, torch.Tensor]
 ModelLike = Union[StateDict, torch.nn.Module]
 
@@ -48,9 +47,9 @@ def merge_state_dicts(
     strict: bool = True,
     dtype: Optional[torch.dtype] = None,
     out_dtype: Optional[torch.dtype] = None,
-    batch_options: Optional[BatchOptions] = None,
+    batch_options: Any = None,
 ) -> tuple[dict[str, torch.Tensor], RamStatistics]:
-    """mergekit's ``merge_state_dicts`` for ``ram`` / ``ram_plus``, and the call's statistics.
+    """mergekit's ``merge_state_dicts`` for this plugin's methods, and the call's statistics.
 
     ``base`` names the base among ``models`` (required). Per-model ``rho`` / ``lambda``
     pins go in ``parameters`` keyed by model id, e.g. ``{"lambda": {"coder": 1.2}}``, for
@@ -69,12 +68,13 @@ def merge_state_dicts(
     finetunes = [key for key in named if key != base]
     _check_parameters(method, parameters or {}, finetunes)
     _check_inputs(named, base, strict)
-    register_methods(merge_methods)  # the methods mergekit knows, also where the start-up hook is off
+    check_internals()
+    register_methods(importlib.import_module("mergekit.merge_methods"))  # also where the start-up hook is off
     received: list[RamStatistics] = []
     merged = mergekit_merge_state_dicts(
         models,
         RamMergeMethod(method, statistics_sink=received.append),  # this call's own instance
-        parameters=with_unpinned(method, parameters or {}, finetunes),
+        parameters=parameters,
         base=base,
         strict=strict,
         dtype=dtype,
@@ -83,41 +83,6 @@ def merge_state_dicts(
     )
     (statistics,) = received
     return merged, statistics
-
-
-def with_unpinned(method: str, parameters: Mapping[str, Any], finetunes: Sequence[Hashable]) -> dict[str, Any]:
-    """``parameters`` with every fine-tuned model a per-model mapping leaves out set to None (unpinned):
-    mergekit binds a mapping only when it names every model, so a pin for some models needs the others."""
-    per_model = {info.name for info in METHOD_PARAMETERS[method] if info.per_model}
-
-    def complete(value: Any) -> Any:
-        if isinstance(value, PerGroupValues):
-            return PerGroupValues([complete(item) for item in value.values])
-        return {**dict.fromkeys(finetunes), **value} if isinstance(value, Mapping) else value
-
-    return {name: complete(value) if name in per_model else value for name, value in parameters.items()}
-
-
-def patch_merge_state_dicts(merge_methods: ModuleType) -> None:
-    """mergekit's ``merge_state_dicts`` with this plugin's ``ram`` / ``ram_plus`` (by name or method object)
-    takes rho / lambda pins for some models, as ``mergekit_ram.merge_state_dicts`` does."""
-
-    def make(original: Callable[..., Any]) -> Callable[..., Any]:
-        def merge_state_dicts(
-            models: Any, method: Any, *, parameters: Any = None, base: Any = None, **options: Any
-        ) -> Any:
-            name = method if isinstance(method, str) else str(getattr(getattr(method, "spec", None), "name", ""))
-            ours = name in METHOD_PARAMETERS and (isinstance(method, RamMergeMethod) or is_ours(name))
-            if parameters and ours:
-                ids = list(models) if isinstance(models, Mapping) else list(range(len(models)))
-                parameters = with_unpinned(name, parameters, [key for key in ids if key != base])
-            return original(models, method, parameters=parameters, base=base, **options)
-
-        return merge_state_dicts
-
-    api = require(merge_methods, "api")
-    wrap(api, "merge_state_dicts", make)
-    merge_methods.merge_state_dicts = api.merge_state_dicts  # type: ignore[attr-defined]  # its package name
 
 
 def _check_parameters(method: str, parameters: Mapping[str, Any], finetunes: Sequence[Hashable]) -> None:

@@ -19,8 +19,8 @@ from pydantic import BaseModel
 
 from mergekit_ram.checks import BaseFit, HeaderCache, check_models, close_method
 from mergekit_ram.errors import RecipeError
+from mergekit_ram.integration.internals import internal
 from mergekit_ram.integration.registry import declared_by_other_methods, is_ours
-from mergekit_ram.integration.versions import require
 from mergekit_ram.parameters import (
     METHOD_PARAMETERS,
     ParameterError,
@@ -58,9 +58,7 @@ def check_config(
 
 def _definitions(architecture: str) -> list[Any]:
     """mergekit's definitions of an ``architectures`` name (none: it infers one from the tensors)."""
-    from mergekit.architecture import json_definitions
-
-    return list(require(json_definitions, "NAME_TO_ARCH").get(architecture, ()))
+    return list(internal("mergekit.architecture.json_definitions", "NAME_TO_ARCH").get(architecture, ()))
 
 
 def same_architecture(name: str, other: str) -> bool:
@@ -86,13 +84,11 @@ def vocabulary_axes(architecture: str) -> dict[str, int]:
 def check_method_name(method: str) -> None:
     """A merge method mergekit does not know whose name misspells one of this plugin's: one line with the
     right name (mergekit's own error is a traceback, without it). Other unknown names stay mergekit's."""
-    from mergekit import merge_methods
-
     hint = close_method(method)
     if hint is None:
         return
     try:
-        merge_methods.get(method)
+        internal("mergekit.merge_methods.registry", "get")(method)
     except RuntimeError:
         raise RecipeError(f"unknown merge method {method!r} (did you mean {hint!r}?)") from None
 
@@ -347,10 +343,8 @@ def read_stages(path: str, text: str, intermediate_dir: str = "") -> list[Stage]
     A model named like another stage becomes ``intermediate_dir/<name>`` (mergekit's own
     ``patched_config``), and the stage records that it depends on that one.
     """
-    from mergekit.config import MergeConfiguration
-    from mergekit.scripts import multimerge
-
-    patched_config = require(multimerge, "patched_config")
+    MergeConfiguration = internal("mergekit.config", "MergeConfiguration")
+    patched_config = internal("mergekit.scripts.multimerge", "patched_config")
 
     stages: dict[Optional[str], Any] = {}
     for index, document in enumerate(read_documents(path, text)):

@@ -7,8 +7,8 @@ import os
 import warnings
 from types import ModuleType
 
+from mergekit_ram.integration.internals import TESTED_MERGEKIT, internal, mergekit_version
 from mergekit_ram.integration.methods import METHODS
-from mergekit_ram.integration.versions import TESTED_MERGEKIT, mergekit_version, require
 
 LOG = logging.getLogger(__name__)
 
@@ -32,9 +32,8 @@ def register_methods(merge_methods: ModuleType) -> None:
             "Its internals may have moved.",
             stacklevel=2,
         )
-    registry = require(merge_methods, "registry")
-    table = require(registry, "_METHODS")
-    builtin = require(merge_methods, "ram_merge")  # the built-in ``ram`` method object
+    table = internal("mergekit.merge_methods.registry", "_METHODS")
+    builtin = internal("mergekit.merge_methods", "ram_merge")  # the built-in ``ram`` method object
     for name, method in METHODS.items():
         current = table.get(name)
         if name == "ram" and keep_builtin_ram() and current in (method, builtin):
@@ -47,7 +46,7 @@ def register_methods(merge_methods: ModuleType) -> None:
         elif current is method:
             continue
         elif current is None:
-            require(registry, "register")(method)
+            internal("mergekit.merge_methods.registry", "register")(method)
         elif name == "ram" and current is builtin:
             table[name] = method
             LOG.info("mergekit-ram: replaced mergekit's built-in 'ram' (checkpoint-dtype arithmetic) with float32 RAM")
@@ -57,22 +56,18 @@ def register_methods(merge_methods: ModuleType) -> None:
 
 def is_ours(method_name: str) -> bool:
     """Whether mergekit would run mergekit-ram's method for ``method_name`` now."""
-    from mergekit import merge_methods
-
     if method_name not in METHODS:
         return False
     try:
-        return merge_methods.get(method_name) is METHODS[method_name]
+        return internal("mergekit.merge_methods.registry", "get")(method_name) is METHODS[method_name]
     except RuntimeError:
         return False
 
 
 def declared_by_other_methods(method: str) -> dict[str, list[str]]:
     """Parameter name -> the other registered mergekit methods that declare it, asked of the registry now."""
-    from mergekit.merge_methods import registry
-
     declared: dict[str, list[str]] = {}
-    for other in require(registry, "registered_methods")():
+    for other in internal("mergekit.merge_methods.registry", "registered_methods")():
         spec = getattr(other, "spec", None)
         if spec is None or spec.name == method:
             continue

@@ -7,16 +7,13 @@ from types import ModuleType
 from typing import Any, Callable, Optional
 
 import yaml
-from mergekit.config import MergeConfiguration
-from mergekit.options import MergeOptions
 
 from mergekit_ram.device import check_device
 from mergekit_ram.errors import RamError, exit_on_one_line
 from mergekit_ram.files import removed_if_failed
+from mergekit_ram.integration.internals import internal, wrap
 from mergekit_ram.integration.recipes import check_method_name, check_raw_keys, read_stages
 from mergekit_ram.integration.registry import is_ours
-from mergekit_ram.integration.versions import require, wrap
-from mergekit_ram.published import report_summary
 from mergekit_ram.recipe_file import declared_methods, read_single_document, read_text, validate
 
 #: mergekit's console scripts: module -> (command name, the argument that names the recipe file)
@@ -26,6 +23,8 @@ SCRIPTS = {
     "mergekit.scripts.merge_raw_pytorch": ("mergekit-pytorch", "config_path"),
 }
 _CLI_MARK = "__mergekit_ram_cli__"
+MergeConfiguration: Any = internal("mergekit.config", "MergeConfiguration")
+MergeOptions: Any = internal("mergekit.options", "MergeOptions")
 
 
 def patch_script(script: ModuleType) -> None:
@@ -48,13 +47,11 @@ def patch_script(script: ModuleType) -> None:
                     result = original(*args, **kwargs)  # mergekit-multi makes its -I folder itself
             except RamError as error:
                 exit_on_one_line(error, verbose=bool(kwargs.get("verbosity")))
-            if options is not None and name == "mergekit-pytorch" and not options.quiet:
-                report_summary(kwargs["out_path"])
             return result
 
         return callback
 
-    wrap(require(script, "main"), "callback", make, mark=_CLI_MARK)
+    wrap(script.__name__, "main.callback", make, mark=_CLI_MARK)
 
 
 def check_script_recipe(
@@ -72,7 +69,11 @@ def check_script_recipe(
     if name == "mergekit-multi":
         read_stages(path, text, arguments.get("intermediate_dir") or "")
     else:
-        schema = require(script, "RawPyTorchMergeConfig") if name == "mergekit-pytorch" else MergeConfiguration
+        schema = (
+            internal("mergekit.scripts.merge_raw_pytorch", "RawPyTorchMergeConfig")
+            if name == "mergekit-pytorch"
+            else MergeConfiguration
+        )
         validate(path, read_single_document(path, text, name), schema)
     options = merge_options(**{key: value for key, value in arguments.items() if key in MergeOptions.model_fields})
     check_options_device(options)
@@ -100,9 +101,9 @@ def patch_multimerge(multimerge: ModuleType) -> None:
             for document in yaml.safe_load_all(config_source):
                 if isinstance(document, dict):
                     stage = {key: value for key, value in document.items() if key != "name"}
-                    check_raw_keys(stage, require(multimerge, "MergeConfiguration"))
+                    check_raw_keys(stage, MergeConfiguration)
             return original(config_source, intermediate_dir)
 
         return load_config
 
-    wrap(multimerge, "load_config", make)
+    wrap("mergekit.scripts.multimerge", "load_config", make)

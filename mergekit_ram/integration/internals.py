@@ -1,0 +1,164 @@
+"""Every mergekit internal this plugin uses, in one table, each reached through the version guard.
+
+Boundary modules get mergekit's objects with ``internal(module, name)`` (at import, so at
+registration) and patch them with ``wrap``; nothing else in the plugin imports mergekit. A
+mergekit release that moves, renames or re-signs an entry fails ``internal`` with a
+``MergekitMovedError`` naming the version, before any merge starts; ``check_internals`` resolves
+them all (the console scripts and the probe call it first), and tests/test_internals.py checks
+the table against the installed mergekit and that the boundary uses nothing outside it.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.metadata
+import inspect
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from mergekit_ram.errors import RamError
+
+TESTED_MERGEKIT = ("0.1.5",)
+_MARK = "__mergekit_ram_wrapped__"
+
+
+class MergekitMovedError(RamError, RuntimeError):
+    """A mergekit internal this plugin relies on is not where mergekit 0.1.5 had it."""
+
+
+@dataclass(frozen=True)
+class Internal:
+    """One mergekit object the plugin uses: ``name`` in ``module`` (a dotted path for an attribute of a
+    class); ``parameters``, for a callable the plugin patches or overrides, the parameters it expects."""
+
+    module: str
+    name: str
+    parameters: Optional[tuple[str, ...]] = None
+
+
+#: What the plugin uses, and why (the boundary module in brackets).
+INTERNALS = (
+    # Registration (registry): the method registry's table, to replace only the built-in `ram`.
+    Internal("mergekit.merge_methods.registry", "_METHODS"),
+    Internal("mergekit.merge_methods.registry", "register"),
+    Internal("mergekit.merge_methods.registry", "registered_methods"),
+    Internal("mergekit.merge_methods.registry", "get"),
+    Internal("mergekit.merge_methods", "ram_merge"),
+    # The method API (methods): a group method, with mergekit's binding and dtype handling.
+    Internal("mergekit.merge_methods.base", "GroupMergeMethod"),
+    Internal(
+        "mergekit.merge_methods.base",
+        "GroupMergeMethod._execute",
+        ("self", "groups", "parameters", "options", "input_dtypes", "out_dtype"),
+    ),  # fmt: skip
+    Internal("mergekit.merge_methods.base", "MergeMethod._bind_per_input", ("self", "group", "parameter", "value")),
+    Internal("mergekit.merge_methods.base", "MergeMethodSpec"),
+    Internal("mergekit.merge_methods.base", "InputContract"),
+    Internal("mergekit.merge_methods.base", "BasePolicy"),
+    Internal("mergekit.merge_methods.base", "ParameterSpec"),
+    Internal("mergekit.merge_methods.base", "ParameterScope"),
+    Internal("mergekit.merge_methods.base", "BatchOptions"),
+    Internal("mergekit.merge_methods.base", "PerGroupValues"),
+    Internal("mergekit.merge_methods.dtype", "align_dtype"),
+    Internal("mergekit.merge_methods", "merge_state_dicts"),
+    # The planned graph (planner, tasks): the merge tasks, their inputs, the executors.
+    Internal("mergekit.plan", "MergePlanner"),
+    Internal("mergekit.plan", "MergePlanner.plan_to_disk", ("self", "out_path")),
+    Internal("mergekit.plan", "MergePlanner.plan_in_memory", ("self",)),
+    Internal("mergekit.merge_methods.task_adapter", "TensorDictWrapper"),
+    Internal("mergekit.io.tasks", "GatherTensors"),
+    Internal("mergekit.io.tasks", "LoaderCache"),
+    Internal("mergekit.io.tasks", "SaveTensor"),
+    Internal("mergekit.io.tasks", "ReturnTensor"),
+    Internal("mergekit.io.tasks", "FinalizeModel"),
+    Internal("mergekit.graph", "Task"),
+    Internal("mergekit.graph", "Executor"),
+    Internal("mergekit.multigpu_executor", "MultiGPUExecutor"),
+    Internal("mergekit.common", "ImmutableMap"),
+    Internal("mergekit.architecture", "ConfiguredModuleArchitecture"),
+    Internal("mergekit.architecture", "get_architecture_info"),
+    Internal("mergekit.architecture.json_definitions", "NAME_TO_ARCH"),
+    Internal("mergekit.merge", "_model_out_config", ("config", "arch_info", "trust_remote_code")),
+    # Recipes and options (recipes, scripts, output).
+    Internal("mergekit.config", "MergeConfiguration"),
+    Internal("mergekit.options", "MergeOptions"),
+    Internal("mergekit.scripts.multimerge", "patched_config"),
+    Internal("mergekit.scripts.merge_raw_pytorch", "RawPyTorchMergeConfig"),
+    Internal(
+        "mergekit.scripts.merge_raw_pytorch",
+        "plan_flat_merge",
+        ("config", "out_path", "tensor_union", "tensor_intersection", "options"),
+    ),  # fmt: skip
+    # Patched: run_merge (the output transaction), and the console scripts (one-line errors).
+    Internal("mergekit.merge", "run_merge", ("merge_config", "out_path", "options", "config_source")),
+    Internal("mergekit.scripts.run_yaml", "main"),
+    Internal("mergekit.scripts.run_yaml", "main.callback", ("merge_options", "config_file", "out_path")),
+    Internal("mergekit.scripts.multimerge", "main"),
+    Internal(
+        "mergekit.scripts.multimerge",
+        "main.callback",
+        ("config_file", "intermediate_dir", "out_path", "lazy", "merge_options"),
+    ),  # fmt: skip
+    Internal("mergekit.scripts.multimerge", "load_config", ("config_source", "intermediate_dir")),
+    Internal("mergekit.scripts.merge_raw_pytorch", "main"),
+    Internal(
+        "mergekit.scripts.merge_raw_pytorch",
+        "main.callback",
+        ("config_path", "out_path", "tensor_union", "tensor_intersection", "merge_options"),
+    ),  # fmt: skip
+)
+_ENTRIES = {(entry.module, entry.name): entry for entry in INTERNALS}
+
+
+def mergekit_version() -> str:
+    try:
+        return importlib.metadata.version("mergekit")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def _moved(what: str, detail: str = "") -> MergekitMovedError:
+    return MergekitMovedError(
+        f"mergekit-ram cannot find {what}{detail} in mergekit {mergekit_version()}; "
+        f"it supports mergekit {', '.join(TESTED_MERGEKIT)}"
+    )
+
+
+def internal(module: str, name: str) -> Any:
+    """The object ``name`` of mergekit's ``module`` (an entry of ``INTERNALS``), checked: it exists and,
+    for a patched or overridden callable, takes the parameters the plugin expects."""
+    entry = _ENTRIES[(module, name)]
+    importlib.import_module("mergekit")  # mergekit itself missing: its own ImportError, not "moved"
+    try:
+        value: Any = importlib.import_module(module)
+    except ImportError:
+        raise _moved(module) from None
+    for part in name.split("."):
+        if not hasattr(value, part):
+            raise _moved(f"{module}.{name}")
+        value = getattr(value, part)
+    if entry.parameters is not None:
+        found = tuple(inspect.signature(inspect.unwrap(value)).parameters)
+        if found != entry.parameters:
+            raise _moved(f"{module}.{name}", f" with the parameters {', '.join(entry.parameters)}")
+    return value
+
+
+def check_internals() -> None:
+    """Every entry of ``INTERNALS`` resolved: a moved one fails here, before any merge starts."""
+    for entry in INTERNALS:
+        internal(entry.module, entry.name)
+
+
+def wrap(module: str, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]], mark: str = _MARK) -> None:
+    """Replace the ``INTERNALS`` entry ``module.name`` by ``make(original)``, once (``mark`` tells this
+    patch's wrapper); ``name`` may be ``Class.method`` or ``command.callback``."""
+    owner_path, _, attribute = name.rpartition(".")
+    owner = internal(module, owner_path) if owner_path else importlib.import_module(module)
+    original = internal(module, name)
+    if getattr(original, mark, False):
+        return
+    wrapper = functools.wraps(original)(make(original))
+    setattr(wrapper, mark, True)
+    setattr(owner, attribute, wrapper)
