@@ -404,7 +404,7 @@ def generated_markdown(results: Results, plot: Optional[str]) -> str:
         "RAM whose shared region is merged as TIES merges (per tensor, each agent's shared updates trimmed "
         "to the top `density` by magnitude, signs elected, agreeing updates averaged); unique updates whole "
         "(r = 0). Beside it, `ties` at the same density with lambda 1, which trims and elects over all "
-        "of each task vector.",
+        "of each agent's updates, not only the shared ones.",
         "",
         ram_ties_section(results, main),
         "",
