@@ -48,10 +48,15 @@ def test_smoke_pipeline(tmp_path):
     assert ram_plus and set(ram_plus[0]["ram_statistics"]["models"]) == set(TASKS)
     for record in results["merges"]:
         assert set(record["scores"]["test"]) == {*TASKS, "avg"}
+    assert any(m["setting"]["method"] == "ram_ties" for m in results["merges"])
+    # Figure 3's arms: per-agent scales reach the plugin (its statistics report each scale as lambda)
+    (unique,) = [m for m in results["merges"] if m["setting"]["name"] == "unique-add-s1"]
+    lambdas = {task: c["lambda"] for task, c in unique["ram_statistics"]["models"].items()}
+    assert lambdas == dict(add=1.0, rev=0.0, tool=0.0)
     assert set(results["checkpoint_scores"]) == {"base", *(f"step{s}/{t}" for s in (2, 4) for t in TASKS)}
     assert (tmp_path / "img" / "agents_quality.png").exists()
     text = doc.read_text()
-    assert "ram_plus" in text and "python -m benchmarks.agents.run" in text
+    assert all(part in text for part in ("ram_plus", "ram_ties", "Figure 3", "python -m benchmarks.agents.run"))
     before = (out / "results.json").read_text()
     assert main(["--smoke", "--workers", "1", "--out", str(out), "--cache", str(cache)]) == 0  # served from the cache
     assert json.loads((out / "results.json").read_text())["merges"] == json.loads(before)["merges"]

@@ -9,6 +9,12 @@ Grids follow the paper's Table 11 for the baselines and the issue for RAM / RAM+
   (mergekit keeps the L1 norm), then the mean / TIES' disjoint mean; p in 0.1 ... 0.9.
 - ``ramplus_tl``: mergekit's built-in tensor-local RAM+ (alpha 0.2, its default); r grid.
 - ``ram``: one setting (epsilon 1e-5). ``ram_plus``: r in R_GRID x rule in (clip, soft).
+- ``ram_ties``: RAM with TIES on the shared region (trim each agent's shared updates to the
+  top ``density`` per tensor, elect signs, disjoint mean), unique updates whole; r 0 (the
+  authors' mode); density in RAM_TIES_DENSITIES.
+- Analysis only (not competing for "best"): ``ram_plus`` with lambda pinned for every agent,
+  and the paper's Figure 3, ``ram_unique``: one agent's unique updates at scale 1 or 1/N, the
+  other agents at 0 (they count for the overlap but add nothing).
 
 Every recipe computes and writes float32 (``dtype``, ``out_dtype``), so no method loses
 small merged updates to bfloat16 rounding of its output.
@@ -27,6 +33,7 @@ from typing import Any, Mapping
 
 import yaml
 
+from benchmarks.agents.tasks import TASKS
 from benchmarks.common import run_measured
 from benchmarks.records import FlatRecord
 from mergekit_ram.cli import console_script
@@ -40,7 +47,11 @@ R_GRID = (0.0, 0.05, 0.1, 0.15, 0.2)
 RULES = ("clip", "soft")
 #: lambda pinned for every agent in ``ram_plus``: how much the unique updates matter.
 PINNED_LAMBDAS = (0.0, 0.5, 1.5, 2.0, 3.0)
-FAMILIES = ("task_arithmetic", "ties", "dare_linear", "dare_ties", "ramplus_tl", "ram", "ram_plus")
+RAM_TIES_DENSITIES = (0.1, 0.2, 0.3, 0.5, 0.7, 1.0)
+#: The scales of one agent's unique region in the paper's Figure 3: whole, and diluted to 1/N.
+UNIQUE_SCALES = (1.0, 1 / 3)
+FIGURE3 = "ram_unique (Figure 3)"
+FAMILIES = ("task_arithmetic", "ties", "dare_linear", "dare_ties", "ramplus_tl", "ram", "ram_plus", "ram_ties")
 
 
 @dataclass(frozen=True)
@@ -49,6 +60,7 @@ class Setting(FlatRecord):
 
     ``family`` groups the settings among which the best is selected; ``default`` marks the
     setting a user would take untuned; ``tuned`` settings compete for "best".
+    ``model_parameters`` apply to every agent; a value given as ``{task: value}`` is per agent.
     """
 
     family: str
@@ -78,6 +90,14 @@ def ties_name(density: float, scale: float) -> str:
 
 def ram_plus_name(rule: str, r: float) -> str:
     return f"ramplus-{rule}-r{_num(r)}"
+
+
+def ram_ties_name(density: float) -> str:
+    return f"ramties-d{_num(density)}"
+
+
+def unique_name(task: str, scale: float) -> str:
+    return f"unique-{task}-s{scale:.3g}"
 
 
 def merge_grid(pinned_lambdas: bool = True) -> list[Setting]:
@@ -138,6 +158,30 @@ def merge_grid(pinned_lambdas: bool = True) -> list[Setting]:
                     default=rule == "clip" and r == 0.1,
                 )
             )
+    for density in RAM_TIES_DENSITIES:
+        settings.append(
+            Setting(
+                "ram_ties",
+                "ram_ties",
+                ram_ties_name(density),
+                f"density={_num(density)}",
+                {"density": density, "r": 0.0},
+                default=density == 0.1,
+            )
+        )
+    for task in TASKS:
+        for scale in UNIQUE_SCALES:
+            settings.append(
+                Setting(
+                    FIGURE3,
+                    "ram_unique",
+                    unique_name(task, scale),
+                    f"{task} unique region, scale={scale:.3g}",
+                    {},
+                    {"scale": {other: scale if other == task else 0.0 for other in TASKS}},
+                    tuned=False,
+                )
+            )
     if pinned_lambdas:
         for value in PINNED_LAMBDAS:
             settings.append(
@@ -157,10 +201,13 @@ def merge_grid(pinned_lambdas: bool = True) -> list[Setting]:
 def recipe(setting: Setting, base: str, agents: Mapping[str, str]) -> dict[str, Any]:
     """The mergekit YAML document for ``setting`` (absolute paths)."""
     models = []
-    for path in agents.values():
+    for task, path in agents.items():
         entry: dict[str, Any] = {"model": os.path.abspath(path)}
         if setting.model_parameters:
-            entry["parameters"] = dict(setting.model_parameters)
+            entry["parameters"] = {
+                name: value[task] if isinstance(value, dict) else value
+                for name, value in setting.model_parameters.items()
+            }
         models.append(entry)
     return {
         "merge_method": setting.method,

@@ -14,9 +14,26 @@ import sys
 from typing import Optional
 
 from benchmarks.agents.evaluate import standard_error
-from benchmarks.agents.merges import FAMILIES, R_GRID, RULES, ram_plus_name
+from benchmarks.agents.merges import (
+    FAMILIES,
+    R_GRID,
+    RAM_TIES_DENSITIES,
+    RULES,
+    UNIQUE_SCALES,
+    ram_plus_name,
+    ram_ties_name,
+    ties_name,
+    unique_name,
+)
 from benchmarks.agents.plot import plot_results
-from benchmarks.agents.records import Binade, Results, agent_statistics, best_and_default, variant_steps
+from benchmarks.agents.records import (
+    Binade,
+    MergeRecord,
+    Results,
+    agent_statistics,
+    best_and_default,
+    variant_steps,
+)
 from benchmarks.agents.tasks import TASKS
 from mergekit_ram.stats.arithmetic import MODULES
 from mergekit_ram.stats.render import markdown_table
@@ -37,6 +54,11 @@ def score_cells(scores: dict[str, float], sizes: dict[str, int]) -> list[str]:
     cells = [pct(scores[task]) for task in TASKS]
     se = standard_error({task: scores[task] for task in TASKS}, sizes)
     return cells + [f"**{pct(scores['avg'])}** ± {100 * se:.1f}"]
+
+
+def score_row(record: MergeRecord, sizes: dict[str, int]) -> list[str]:
+    """Validation average, then the test accuracy of every task and their average."""
+    return [pct(record.scores["val"]["avg"]), *score_cells(record.scores["test"], sizes)]
 
 
 # Sections -------------------------------------------------------------------------
@@ -216,8 +238,7 @@ def merge_section(results: Results, variant: str) -> str:
                     if kind == "best"
                     else f"{family} (default)",
                     setting.label,
-                    pct(record.scores["val"]["avg"]),
-                    *score_cells(record.scores["test"], sizes),
+                    *score_row(record, sizes),
                 ]
             )
     return markdown_table([["method", "setting", "val avg", *[TASK_NAMES[t] for t in TASKS], "test avg"], *rows], "llr")
@@ -234,19 +255,64 @@ def r_ablation_section(results: Results, variant: str) -> str:
             lambdas = ""
             if record.ram_statistics is not None:
                 lambdas = " / ".join(f"{record.ram_statistics.models[t].lambda_:.3f}" for t in TASKS)
-            rows.append(
-                [
-                    rule,
-                    f"{r:g}",
-                    lambdas,
-                    pct(record.scores["val"]["avg"]),
-                    *score_cells(record.scores["test"], sizes),
-                ]
-            )
+            rows.append([rule, f"{r:g}", lambdas, *score_row(record, sizes)])
     return markdown_table(
         [["rule", "r", "lambda (add / rev / tool)", "val avg", *[TASK_NAMES[t] for t in TASKS], "test avg"], *rows],
         "lrlr",
     )
+
+
+def ram_ties_section(results: Results, variant: str) -> str:
+    """ram_ties on its density grid, beside ties (lambda 1) at the same density, on every variant."""
+    sizes = results.test_size()
+    others = [v for v in results.variants if v != variant]
+    rows = []
+    for density in RAM_TIES_DENSITIES:
+        record = results.merge(variant, ram_ties_name(density))
+        if record is None:
+            continue
+        pairs = []
+        for v in (variant, *others):
+            ties = results.merge(v, ties_name(density, 1.0))
+            ram_ties = results.merge(v, ram_ties_name(density))
+            pairs.append([pct(m.scores["test"]["avg"]) if m else "-" for m in (ram_ties, ties)])
+        rows.append(
+            [
+                f"{density:g}" + (" (default)" if record.setting.default else ""),
+                *score_row(record, sizes),
+                pairs[0][1],
+                *(" / ".join(pair) for pair in pairs[1:]),
+            ]
+        )
+    header = ["density", "val avg", *[TASK_NAMES[t] for t in TASKS], "test avg", "ties, lambda 1: test avg"]
+    header += [f"{variant_steps(v)} RL steps: ram_ties / ties" for v in others]
+    return markdown_table([header, *rows])
+
+
+def figure3_section(results: Results) -> str:
+    """The paper's Figure 3: each agent's unique region alone on the base, at scale 1 and 1/N."""
+    base = results.base_scores()
+    rows = [["base", "", "", *[pct(base[t]) for t in TASKS], "0"]]
+    for variant in results.variants:
+        statistics = agent_statistics(results, variant)
+        for task in TASKS:
+            arms = [m for m in (results.merge(variant, unique_name(task, s)) for s in UNIQUE_SCALES) if m]
+            if statistics is None or len(arms) < len(UNIQUE_SCALES):
+                continue
+            m = statistics.counts.models[task]
+            region = f"{100 * m.unique / m.parameters:.1f}% ({100 * m.unique / max(m.changed, 1):.1f}%)"
+            agent = results.agent_scores(variant, task)
+            gain = agent[task] - base[task]
+            entries = [("agent (whole update)", agent)]
+            entries += [(f"unique region x {scale:.3g}", arm.scores["test"]) for scale, arm in zip(UNIQUE_SCALES, arms)]
+            for label, scores in entries:
+                cells = [pct(scores[t]) for t in TASKS]
+                cells[TASKS.index(task)] = f"**{cells[TASKS.index(task)]}**"
+                share = f"{100 * (scores[task] - base[task]) / gain:.0f}" if gain > 0 else "-"
+                rows.append([f"{TASK_NAMES[task]}, {variant_steps(variant)} steps", region, label, *cells, share])
+    header = ["agent, RL steps", "unique region: % of parameters (of its changes)", "model"]
+    header += [*[TASK_NAMES[t] for t in TASKS], "own-task gain (% of the agent's)"]
+    return markdown_table([header, *rows], "lllr")
 
 
 def pinned_section(results: Results, variant: str) -> str:
@@ -331,6 +397,25 @@ def generated_markdown(results: Results, plot: Optional[str]) -> str:
         "## RAM+ r ablation (the paper's Table 2), both rescaling rules",
         "",
         r_ablation_section(results, main),
+        "",
+    ]
+    sections += [
+        "## `ram_ties` on its density grid",
+        "",
+        "RAM whose shared region is merged as TIES merges (per tensor, each agent's shared updates trimmed "
+        "to the top `density` by magnitude, signs elected, agreeing updates averaged); unique updates whole "
+        "(r = 0). Beside it, `ties` at the same density with lambda 1, which trims and elects over all "
+        "of each agent's updates, not only the shared ones.",
+        "",
+        ram_ties_section(results, main),
+        "",
+        "## The paper's Figure 3: each agent's unique region alone (`ram_unique`, test accuracy, %)",
+        "",
+        "The base plus one agent's unique updates (the elements only that agent changed) at scale 1 and "
+        "at 1/N = 1/3, the other agents' updates left out; shared elements keep the base. Bold: the "
+        "agent's own task. The unique region's size is from the `ram` merge's statistics.",
+        "",
+        figure3_section(results),
         "",
     ]
     pinned = pinned_section(results, main)

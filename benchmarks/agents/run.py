@@ -29,7 +29,7 @@ from benchmarks.agents.analysis import dose_response, where_updates_land
 from benchmarks.agents.config import FULL, SMOKE, ExperimentConfig
 from benchmarks.agents.evaluate import EvalConfig, eval_sets, evaluate_path
 from benchmarks.agents.grpo import MAX_NEW_TOKENS, train_agent
-from benchmarks.agents.merges import Setting, file_digest, fingerprint, merge_grid, recipe, run_mergekit
+from benchmarks.agents.merges import FIGURE3, Setting, file_digest, fingerprint, merge_grid, recipe, run_mergekit
 from benchmarks.agents.model import load_model, save_model
 from benchmarks.agents.pretrain import pretrain
 from benchmarks.agents.records import (
@@ -338,9 +338,10 @@ def analyse(config: ExperimentConfig, cache: str, base: str) -> dict[str, Varian
 
 def merge_settings(config: ExperimentConfig, variant: str) -> list[Setting]:
     main = variant == variant_name(config.main_snapshot)
-    if config.smoke:  # one baseline and RAM+, on the last snapshot only
-        smoke = ("task_arithmetic", "ram_plus")
-        return [s for s in merge_grid(pinned_lambdas=False) if main and s.default and s.family in smoke]
+    if config.smoke:  # the defaults of a baseline, RAM+ and RAM-TIES, and Figure 3, on the last snapshot only
+        smoke = ("task_arithmetic", "ram_plus", "ram_ties")
+        grid = merge_grid(pinned_lambdas=False)
+        return [s for s in grid if main and (s.default and s.family in smoke or s.family == FIGURE3)]
     grid = merge_grid(pinned_lambdas=config.pinned_lambdas and main)
     return grid if main or config.full_grid_on_snapshots else [s for s in grid if s.default]
 
