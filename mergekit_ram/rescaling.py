@@ -82,20 +82,13 @@ def rule_choices() -> str:
 class Rescaling:
     """A merge's rescaling: lambda_t = rule(rho_t; r, alpha), one value per model (paper eq. 6).
 
-    The defaults are the paper's: r = 0.1, alpha = 2, clip.
+    The defaults are the paper's: r = 0.1, alpha = 2, clip. The values are checked where they
+    enter, against the parameter table (``mergekit_ram.parameters``), not here.
     """
 
     r: float = 0.1
     alpha: float = 2.0
     rule: str = next(iter(RULES))
-
-    def __post_init__(self) -> None:
-        if self.rule not in RULES:
-            raise ValueError(f"unknown rescaling rule {self.rule!r}; expected {rule_choices()}")
-        for name in ("r", "alpha"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
-                raise ValueError(f"rescaling {name} must be a finite number >= 0; got {value!r}")
 
     def lambda_(self, rho: float) -> float:
         """lambda_t for a model's rho_t (0 <= rho <= inf)."""

@@ -309,3 +309,25 @@ def test_the_json_schema_round_trips() -> None:
     hand_edited["models"][1]["rho"] = "Infinity"
     with pytest.raises(ValueError, match="a rho is 'Infinity'; expected a number or 'inf'"):
         statistics_from_dict(hand_edited)
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "message"),
+    [
+        ("rule", "tanh", "must be 'clip' (RAM+) or 'soft' (RAM+s); got 'tanh'"),
+        ("r", -0.1, "must be a finite number >= 0; got -0.1"),
+        ("r", math.nan, "must be a finite number >= 0; got nan"),
+        ("r", math.inf, "must be a finite number >= 0; got inf"),
+        ("r", True, "must be a finite number >= 0; got True (true/false is a boolean, not a number)"),
+        ("alpha", -2.0, "must be a finite number >= 0; got -2.0"),
+        ("alpha", None, "must be a finite number >= 0; got None"),
+    ],
+)
+def test_a_statistics_file_is_read_with_the_parameter_tables_rules(name: str, value: object, message: str) -> None:
+    """r, alpha and rule have one definition of validity, the parameter table: a statistics file's
+    values pass through it too (``Rescaling`` itself checks nothing)."""
+    data = statistics_to_dict(build_statistics("ram_plus", HAND_COUNTS, rescaling=Rescaling()))
+    data["parameters"][name] = value
+    with pytest.raises(ParameterError) as error:
+        statistics_from_dict(data)
+    assert str(error.value) == f"ram_plus: parameter {name!r} in ram_statistics.json {message}"

@@ -10,6 +10,7 @@ import json
 import math
 from typing import Any, Mapping, Optional, Union
 
+from mergekit_ram.parameters import METHOD_PARAMETERS, check_parameter
 from mergekit_ram.rescaling import Rescaling
 from mergekit_ram.stats.arithmetic import by_merged_module, by_module
 from mergekit_ram.stats.data import ModelStatistics, ModuleStatistics, OverlapCounts, RamStatistics, TensorCounts
@@ -138,7 +139,7 @@ def statistics_from_dict(data: Mapping[str, Any]) -> RamStatistics:
         method=data["method"],
         source=data["source"],
         epsilons=tuple(epsilon) if isinstance(epsilon, list) else (epsilon,),
-        rescaling=_rescaling(parameters),
+        rescaling=_rescaling(data["method"], parameters),
         models=models,
         tensors=tuple(counts_from_dict(entry) for entry in data["tensors"]),
         warnings=tuple(data.get("warnings", ())),
@@ -147,8 +148,15 @@ def statistics_from_dict(data: Mapping[str, Any]) -> RamStatistics:
     )
 
 
-def _rescaling(parameters: Mapping[str, Any]) -> Optional[Rescaling]:
-    """The file's r, alpha and rule (absent for ``ram``)."""
+def _rescaling(method: str, parameters: Mapping[str, Any]) -> Optional[Rescaling]:
+    """The file's r, alpha and rule (absent for ``ram``), checked against the parameter table."""
     if "r" not in parameters:
         return None
-    return Rescaling(r=parameters["r"], alpha=parameters["alpha"], rule=parameters["rule"])
+    if method not in METHOD_PARAMETERS:
+        raise ValueError(
+            f"{STATISTICS_FILE}: unknown method {method!r}; expected one of {', '.join(METHOD_PARAMETERS)}"
+        )
+    r, alpha, rule = (
+        check_parameter(method, name, parameters[name], STATISTICS_FILE) for name in ("r", "alpha", "rule")
+    )
+    return Rescaling(r, alpha, rule)
