@@ -97,10 +97,15 @@ def parameter_scopes(method: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
     return tuple(i.name for i in infos if not i.per_model), tuple(i.name for i in infos if i.per_model)
 
 
-def close_name(method: str, name: str) -> Optional[str]:
-    """The method's parameter ``name`` looks like a misspelling of (difflib's default cutoff), if any."""
-    hint = difflib.get_close_matches(name, [n for n in declared_names(method) if n != name], n=1)
+def close_match(name: str, candidates: Iterable[str]) -> Optional[str]:
+    """The other candidate ``name`` looks like a misspelling of (difflib's default cutoff), if any."""
+    hint = difflib.get_close_matches(name, [candidate for candidate in candidates if candidate != name], n=1)
     return hint[0] if hint else None
+
+
+def close_name(method: str, name: str) -> Optional[str]:
+    """The method's parameter ``name`` looks like a misspelling of, if any."""
+    return close_match(name, declared_names(method))
 
 
 def unknown_parameter(method: str, name: str, where: str) -> ParameterError:

@@ -8,7 +8,6 @@ plain ``ModelIdentity`` values for ``mergekit_ram.checks``.
 
 from __future__ import annotations
 
-import difflib
 import logging
 import os
 import types
@@ -26,6 +25,7 @@ from mergekit_ram.parameters import (
     ParameterError,
     check_lambda_range,
     check_parameter,
+    close_match,
     close_name,
     declared_names,
     parameter_info,
@@ -272,17 +272,12 @@ def check_recipe_keys(method: str, raw: Any, schema: type[BaseModel]) -> None:
             target = f"`{where}.parameters:`" if per_model else "the top-level `parameters:`"
             fix = f": {key!r} is a parameter of {method}; set it under {target}"
         else:
-            hint = close_key(key, valid)
+            hint = close_match(key, valid)
             fix = f" (did you mean {hint!r}?)" if hint else ""
         raise RecipeError(
             f"{method} recipe: unknown key {key!r} {place}, which mergekit would ignore{fix}; "
             f"valid keys there: {', '.join(valid)}"
         )
-
-
-def close_key(key: str, valid: tuple[str, ...]) -> Optional[str]:
-    hint = difflib.get_close_matches(key, valid, n=1)
-    return hint[0] if hint else None
 
 
 #: Recipe classes whose keys are checked; others (model references, tokenizer settings) are leaves.
