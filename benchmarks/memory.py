@@ -1,7 +1,7 @@
 """Peak CPU memory torch allocates while a function runs.
 
 Test and benchmark instrumentation, not part of the package (the wheel does not ship it): the
-scratch measurement behind the kernel tests, docs/comparison.md and the benchmarks. The torch
+scratch measurement behind the kernel tests, docs/method.md and the benchmarks. The torch
 profiler records every CPU allocation and free; the peak of their running sum is the answer.
 Inputs allocated before the call are not counted; the result is. Only the calling thread is
 seen, so call the plugin's kernel with ``workers=1`` (and measure with ``threads=1``): it then

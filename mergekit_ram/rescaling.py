@@ -2,7 +2,7 @@
 
 Plain numbers only (no torch, no mergekit). ``RULES`` is the one table of rescaling rules:
 their names, formulas and bounds live nowhere else, so a new rule is one entry here (and its
-line in docs/method.md). ``Rescaling`` holds a merge's ``r``, ``alpha`` and rule, checked once.
+line in docs/method.md and README.md). ``Rescaling`` holds a merge's ``r``, ``alpha`` and rule, checked once.
 """
 
 from __future__ import annotations

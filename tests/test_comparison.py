@@ -1,4 +1,4 @@
-"""The rows of docs/comparison.md: ``ram_plus`` against mergekit 0.1.5's ``ramplus_tl`` and built-in ``ram``.
+"""The rows of docs/method.md's comparison: ``ram_plus`` against mergekit 0.1.5's ``ramplus_tl`` and built-in ``ram``.
 
 Every test runs mergekit's own methods (through mergekit's run_merge, the real ``mergekit-yaml``
 where the plugin must be off, or the method objects mergekit registers) and compares them with
@@ -239,7 +239,7 @@ def markdown_rows(text: str) -> list[list[str]]:
     return rows
 
 
-#: docs/comparison.md section 2, as docs/scripts/lambda_rules.py prints it (r = 0.1).
+#: docs/method.md's lambda rules table, as docs/scripts/lambda_rules.py prints it (r = 0.1).
 LAMBDA_RULES_TABLE = [
     [
         "agent",
@@ -257,7 +257,7 @@ LAMBDA_RULES_TABLE = [
 
 
 def test_authors_rule_gives_the_papers_agents_one_lambda() -> None:
-    """docs/scripts/lambda_rules.py prints the plugin's rules on the paper's figures, as docs/comparison.md shows."""
+    """docs/scripts/lambda_rules.py prints the plugin's rules on the paper's figures, as docs/method.md shows."""
     printed = subprocess.run(
         [sys.executable, os.path.join(ROOT, "docs", "scripts", "lambda_rules.py")],
         capture_output=True,
@@ -266,9 +266,9 @@ def test_authors_rule_gives_the_papers_agents_one_lambda() -> None:
     ).stdout
     assert printed.startswith("r = 0.1\n")
     assert markdown_rows(printed) == LAMBDA_RULES_TABLE
-    with open(os.path.join(ROOT, "docs", "comparison.md"), encoding="utf-8") as handle:
+    with open(os.path.join(ROOT, "docs", "method.md"), encoding="utf-8") as handle:
         page = handle.read()
-    section = page[page.index("## 2. lambda rules") : page.index("## 3. ")]
+    section = page[page.index("### lambda rules") : page.index("### Arithmetic")]
     assert markdown_rows(section) == LAMBDA_RULES_TABLE
 
     # The plugin's own rule on the unrounded rho (u: the paper's unique shares, rho = (1 - u) / u).

@@ -1,14 +1,16 @@
 """The documentation cannot drift from the code it describes.
 
-- Every message the package can raise, warn or log (its fixed text) is quoted in
-  docs/troubleshooting.md: adding a ``raise`` without documenting it fails here; and every
+- Every message the package can raise, warn, log or build as an error (its fixed text) is quoted in
+  docs/reliability.md: adding a ``raise`` without documenting it fails here; and every
   message that page quotes as the plugin's is one the code gives (rewording one fails here).
 - The versions and the statistics schema the pages name, and how they say an infinite rho is
   written, are the code's.
+- README.md's parameters table lists each parameter with the methods that declare it and their defaults.
 - Every test, script and module a page names exists; every link into the repository resolves
-  (README.md's are absolute, for the package index, and mapped back to the checkout).
-- docs/contributing.md has a line for every module; docs/changelog.md an entry for the version.
-- docs/scripts/check_merged.py (docs/publishing.md) names what stops a merge from being shared.
+  (README.md's are absolute, for the package index, and mapped back to the checkout); every
+  ``docs/*.md`` page the code, scripts, tests and recipes name exists.
+- docs/contributing.md has a line for every module.
+- docs/scripts/check_merged.py (docs/reliability.md) names what stops a merge from being shared.
 """
 
 from __future__ import annotations
@@ -33,25 +35,19 @@ except ImportError:  # Python 3.10
 
 from mergekit_ram import __version__
 from mergekit_ram.integration.internals import TESTED_MERGEKIT
+from mergekit_ram.parameters import METHOD_PARAMETERS
+from mergekit_ram.rescaling import RULES
 from mergekit_ram.stats.schema import SCHEMA_VERSION, write_ratio
 from tests.conftest import Merged, ModelSet
 
 ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 PACKAGE = os.path.join(ROOT, "mergekit_ram")
 DOCS = os.path.join(ROOT, "docs")
-PAGES = (
-    "prepass.md",
-    "comparison.md",
-    "publishing.md",
-    "statistics.md",
-    "troubleshooting.md",
-    "changelog.md",
-    "contributing.md",
-    "performance.md",
-    "quality.md",
-)
+PAGES = ("method.md", "reliability.md", "contributing.md", "performance.md", "quality.md")
+#: The page that quotes every message of the package, with its cause and fix.
+MESSAGES_PAGE = "reliability.md"
 # Pages whose links are checked, relative to the repository root.
-LINKED_PAGES = ("README.md", *(f"docs/{page}" for page in PAGES))
+LINKED_PAGES = ("README.md", *(f"docs/{page}" for page in PAGES), "recipes/README.md")
 # README.md's links point here (absolute, so they work on the package index); mapped back to the checkout.
 REPOSITORY = "https://github.com/mergekit-ram/mergekit-ram"
 _LOGGING = {"warning", "error", "critical", "exception"}
@@ -102,6 +98,9 @@ def _message_call(node: ast.AST, function: str | None, klass: str | None) -> tup
     """(kind, call) when ``node`` produces a message a user can see."""
     if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call):
         return f"raise {ast.unparse(node.exc.func)}", node.exc
+    if isinstance(node, ast.Return) and isinstance(node.value, ast.Call):  # an error built for a raise elsewhere
+        name = ast.unparse(node.value.func)
+        return (f"return {name}", node.value) if name.endswith("Error") else None
     if not isinstance(node, ast.Call):
         return None
     name = ast.unparse(node.func)
@@ -160,11 +159,11 @@ def undocumented(messages: list[Message], doc: str) -> list[str]:
     return [f"{m.where} ({m.kind}): {fragment!r}" for m in messages for fragment in m.fragments if fragment not in doc]
 
 
-def test_every_message_of_the_package_is_in_troubleshooting() -> None:
+def test_every_message_of_the_package_is_documented() -> None:
     messages = package_messages()
     assert len([m for m in messages if m.fragments]) >= 40, "the collector finds too few messages"
-    missing = undocumented(messages, read("troubleshooting.md"))
-    assert not missing, "docs/troubleshooting.md does not quote:\n" + "\n".join(missing)
+    missing = undocumented(messages, read(MESSAGES_PAGE))
+    assert not missing, f"docs/{MESSAGES_PAGE} does not quote:\n" + "\n".join(missing)
 
 
 def test_a_new_undocumented_raise_is_caught() -> None:
@@ -173,12 +172,15 @@ def test_a_new_undocumented_raise_is_caught() -> None:
         "def f(x):\n"
         "    LOG.warning('mergekit-ram: %s looks odd today', x)\n"
         "    raise ValueError(f'a brand new failure {x} nobody wrote down')\n"
+        "def g(x):\n"
+        "    return InputError(f'{x} was built for a raise elsewhere')\n"
     )
-    missing = undocumented(collect_messages(source, "new.py"), read("troubleshooting.md"))
+    missing = undocumented(collect_messages(source, "new.py"), read(MESSAGES_PAGE))
     assert missing == [
         "new.py:4 (LOG.warning): 'looks odd today'",
         "new.py:5 (raise ValueError): 'a brand new failure'",
         "new.py:5 (raise ValueError): 'nobody wrote down'",
+        "new.py:7 (return InputError): 'was built for a raise elsewhere'",
     ]
 
 
@@ -219,12 +221,19 @@ _PLACEHOLDERS = re.compile(r"(?:<[^<>]*>|[\s.:;,()'\[\]])*")
 
 
 def quoted_messages(page: str) -> list[str]:
-    """The messages a table of ``page`` quotes as mergekit-ram's (the first column, without mergekit's
-    own and Python's), each whole: ``... rest`` after a message stands for its start, ``start ...``
-    for its end, and click's ``Error: `` is left out."""
+    """The messages the tables of ``page`` headed ``| message |`` quote as mergekit-ram's (the first
+    column, without mergekit's own and Python's), each whole: ``... rest`` after a message stands for
+    its start, ``start ...`` for its end, and click's ``Error: `` is left out."""
     quoted = []
+    header = ""
     for row in read(page).replace("\\|", "|").splitlines():
-        cell = row.split(" | ")[0][2:] if row.startswith("| ") else ""
+        if not row.startswith("|"):
+            header = ""
+            continue
+        if not header:
+            header = row
+            continue
+        cell = row.split(" | ")[0][2:] if row.startswith("| ") and header.startswith("| message |") else ""
         if "(mergekit's)" in cell or "(not a message)" in cell or re.match(r"`?[A-Z]\w+(Error|Warning):", cell):
             continue
         previous = ""
@@ -259,11 +268,11 @@ def unexplained(messages: list[str], templates: list[re.Pattern[str]]) -> list[s
     return [message for message in messages if not explained(message)]
 
 
-def test_every_message_troubleshooting_quotes_is_one_the_code_gives() -> None:
-    quoted = quoted_messages("troubleshooting.md")
+def test_every_quoted_message_is_one_the_code_gives() -> None:
+    quoted = quoted_messages(MESSAGES_PAGE)
     assert len(quoted) >= 100, "the reader finds too few quoted messages"
     missing = unexplained(quoted, code_templates())
-    assert not missing, "docs/troubleshooting.md quotes messages the code does not give:\n" + "\n".join(missing)
+    assert not missing, f"docs/{MESSAGES_PAGE} quotes messages the code does not give:\n" + "\n".join(missing)
 
 
 def test_a_reworded_message_is_caught() -> None:
@@ -385,20 +394,77 @@ def test_contributing_describes_every_module() -> None:
     assert not missing, f"docs/contributing.md has no line for {missing}"
 
 
-def test_changelog_has_an_entry_for_this_version() -> None:
-    assert re.search(rf"^## {re.escape(__version__)}\b", read("changelog.md"), flags=re.MULTILINE)
+#: Where the package, its scripts, tests and recipes may name a page of the documentation.
+NAMING_PAGES = ("mergekit_ram", "docs/scripts", "tests", "recipes", "benchmarks", "Makefile", "pyproject.toml")
+
+
+def named_pages(root: str = ROOT) -> dict[str, set[str]]:
+    """``docs/<page>.md`` named in the files under ``NAMING_PAGES`` -> the files that name it."""
+    named: dict[str, set[str]] = {}
+    for entry in NAMING_PAGES:
+        path = os.path.join(root, entry)
+        files = [path] if os.path.isfile(path) else glob.glob(os.path.join(path, "**", "*"), recursive=True)
+        for file in files:
+            if not file.endswith((".py", ".yaml", ".yml", ".md", ".toml", ".txt", "Makefile")):
+                continue
+            with open(file, encoding="utf-8") as handle:
+                for page in re.findall(r"\bdocs/[\w-]+\.md\b", handle.read()):
+                    named.setdefault(page, set()).add(os.path.relpath(file, root))
+    return named
+
+
+def test_pages_the_code_names_exist() -> None:
+    named = named_pages()
+    assert "docs/reliability.md" in named and "docs/method.md" in named, "the reader finds no page names"
+    missing = {page: sorted(files) for page, files in named.items() if not os.path.exists(os.path.join(ROOT, page))}
+    assert not missing, f"pages named but not in docs/: {missing}"
+
+
+def readme_parameters(text: str) -> dict[str, tuple[set[str], bool, dict[str, str]]]:
+    """README.md's parameters table: name -> (methods, per model, default by method as written)."""
+    section = text.split("\n## Methods and parameters\n", 1)[1].split("\n## ", 1)[0]
+    found = {}
+    for row in section.splitlines():
+        cells = [cell.strip() for cell in row.strip().strip("|").split("|")]
+        if not row.startswith("| `") or len(cells) != 5:
+            continue
+        name, methods, default = cells[0].strip("`"), cells[1], cells[2]
+        declared = set(METHOD_PARAMETERS) if methods.startswith("all four") else set(re.findall(r"`(ram\w*)`", methods))
+        values = {method: default.split(";")[0].strip().strip("`") for method in declared}
+        values.update(re.findall(r"`(ram\w*)`: `([^`]+)`", default))
+        found[name] = (declared, "per model" in methods, values)
+    return found
+
+
+def test_readme_parameters_are_the_codes() -> None:
+    """Each parameter row names exactly the methods that declare it, whether it is set per model, and
+    each method's default as ``parameters.py`` has it (``none`` for a pin)."""
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as handle:
+        table = readme_parameters(handle.read())
+    code: dict[str, tuple[set[str], bool, dict[str, str]]] = {}
+    for method, infos in METHOD_PARAMETERS.items():
+        for info in infos:
+            methods, per_model, defaults = code.setdefault(info.name, (set(), info.per_model, {}))
+            methods.add(method)
+            defaults[method] = "none" if info.default is None else str(info.default)
+    assert set(table) == set(code), "README.md's parameters table and parameters.py name different parameters"
+    for name, (methods, per_model, defaults) in code.items():
+        documented_methods, documented_per_model, documented = table[name]
+        assert (documented_methods, documented_per_model) == (methods, per_model), name
+        for method, default in defaults.items():
+            written = documented[method]
+            same = written == default if default in ("none", *RULES) else float(written) == float(default)
+            assert same, f"{name} for {method}: README.md says {written}, parameters.py {default}"
 
 
 #: Where a page says how ram_statistics.json writes an infinite rho: (page, pattern of the quoted value).
 INFINITE_RHO = (
-    ("statistics.md", r"\| `rho` \| number or `([^`]+)`"),
-    ("statistics.md", r"\| `measured_rho` \| number or `([^`]+)`"),
-    ("statistics.md", r"`local_rho` \(number or `([^`]+)`\)"),
-    ("statistics.md", r"writes the string `([^`]+)`"),
-    ("method.md", r"`ram_statistics.json` stores `([^`]+)`"),
-    ("reliability.md", r"written as `([^`]+)` in `ram_statistics.json`"),
-    ("prepass.md", r"`([^`]+)` in the JSON"),
-    ("troubleshooting.md", r"or `([^`]+)` for infinity"),
+    ("method.md", r"\| `rho` \| number or `([^`]+)`"),
+    ("method.md", r"\| `measured_rho` \| number or `([^`]+)`"),
+    ("method.md", r"`local_rho` \(number or `([^`]+)`\)"),
+    ("method.md", r"writes the string `([^`]+)`"),
+    ("method.md", r"`([^`]+)` in the JSON"),
+    ("reliability.md", r"or `([^`]+)` for infinity"),
 )
 
 
@@ -410,19 +476,22 @@ def test_the_documented_infinite_rho_is_what_the_json_holds() -> None:
 
 
 def test_documented_versions_are_the_codes() -> None:
-    """statistics.md's schema (heading, field, table of versions) and the versions of mergekit-ram and
-    mergekit the pages name are the ones the code writes and supports."""
-    text = read("statistics.md")
+    """method.md's statistics schema (heading, field, table of versions) and the versions of mergekit-ram
+    and mergekit the pages name are the ones the code writes and supports."""
+    text = read("method.md")
     assert f"## The object (schema {SCHEMA_VERSION})" in text and f"| `schema` | integer | `{SCHEMA_VERSION}`," in text
-    rows = re.findall(r"^\| (\d+) \| (.+?) \|", text[text.index("## Versions") :], flags=re.MULTILINE)
+    start = text.index("### Versions\n")
+    end = text.find("\n## ", start)
+    versions = text[start:] if end < 0 else text[start:end]
+    rows = re.findall(r"^\| (\d+) \| (.+?) \|", versions, flags=re.MULTILINE)
     assert tuple(int(schema) for schema, _ in rows) == (SCHEMA_VERSION,)
     assert f"mergekit-ram {__version__} " in rows[-1][1]
     with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as handle:
-        pages = {"README.md": handle.read(), **{page: read(page) for page in PAGES if page != "changelog.md"}}
-    pages["statistics.md"] = text[: text.index("## Versions")]  # the table names the versions of the past
+        pages = {"README.md": handle.read(), **{page: read(page) for page in PAGES}}
+    pages["method.md"] = text.replace(versions, "")  # the table names the versions of the past
     for page, content in pages.items():
         assert set(re.findall(r"mergekit-ram (\d+\.\d+\.\d+)", content)) <= {__version__}, page
-        if page in ("README.md", "troubleshooting.md", "publishing.md", "contributing.md"):
+        if page in ("README.md", "method.md", "reliability.md", "contributing.md"):
             assert set(re.findall(r"\bmergekit (\d+\.\d+\.\d+)", content)) <= set(TESTED_MERGEKIT), page
 
 

@@ -204,7 +204,7 @@ def test_strict_as_mergekit_has_it(bf16_models: ModelSet) -> None:
 
 def test_mixed_dtypes_give_the_promoted_dtype(bf16_models: ModelSet, fp32_models: ModelSet, tmp_path) -> None:
     """A float32 fine-tune with a bfloat16 base and fine-tune, no ``dtype`` or ``out_dtype``: every merged
-    tensor is float32, the inputs' promoted dtype, as mergekit's own methods give (docs/publishing.md)."""
+    tensor is float32, the inputs' promoted dtype, as mergekit's own methods give (docs/reliability.md)."""
     models = {"base": load_weights(bf16_models.base), "a": load_weights(fp32_models.agents[0])}
     models["b"] = load_weights(bf16_models.agents[1])
     merged, _ = merge_state_dicts(models, "ram_plus", base="base")

@@ -128,7 +128,7 @@ def test_metadata_names_licence_project_urls_and_authors(release: Release) -> No
         assert found.get_all("License-File") == ["COPYING", "COPYING.LESSER"]
         assert found["Author"] == "mergekit-ram developers"
         urls = dict(entry.split(", ", 1) for entry in found.get_all("Project-URL"))
-        assert set(urls) == {"Homepage", "Repository", "Documentation", "Issues", "Changelog"}
+        assert set(urls) == {"Homepage", "Repository", "Documentation", "Issues"}
         assert all(url.startswith(REPOSITORY) for url in urls.values())
         classifiers = found.get_all("Classifier")
         assert "Programming Language :: Python :: 3" in classifiers

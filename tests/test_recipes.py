@@ -269,11 +269,11 @@ def test_worked_example_matches_kernel() -> None:
 
 
 def test_epsilon_tables_match_script() -> None:
-    """Every table row printed by docs/scripts/epsilon_densities.py appears in docs/epsilon.md."""
+    """Every table row printed by docs/scripts/epsilon_densities.py appears in docs/method.md."""
     output = io.StringIO()
     with contextlib.redirect_stdout(output):
         runpy.run_path(str(DOCS / "scripts" / "epsilon_densities.py"), run_name="__main__")
-    page = (DOCS / "epsilon.md").read_text(encoding="utf-8")
+    page = (DOCS / "method.md").read_text(encoding="utf-8")
     rows = [line for line in output.getvalue().splitlines() if line.startswith("| ") and "%" in line]
     missing = [row for row in rows if row not in page]
-    assert rows and not missing, f"rows not in docs/epsilon.md: {missing}"
+    assert rows and not missing, f"rows not in docs/method.md: {missing}"

@@ -98,10 +98,12 @@ def test_rules_cannot_be_changed_at_run_time() -> None:
 
 
 def test_every_rule_is_documented() -> None:
-    """docs/method.md gives each rule's formula and names it in the parameters table."""
+    """docs/method.md gives each rule's formula, and README.md's parameters table names it."""
     with open(os.path.join(ROOT, "docs", "method.md"), encoding="utf-8") as handle:
         text = handle.read()
-    parameters = text.split("\n## Parameters\n", 1)[1].split("\n## ", 1)[0]
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as handle:
+        readme = handle.read()
+    parameters = readme.split("\n## Methods and parameters\n", 1)[1].split("\n## ", 1)[0]
     row = next(line for line in parameters.splitlines() if line.startswith("| `rule` |"))
     _, methods, default, allowed, meaning = (cell.strip() for cell in row.strip().strip("|").split("|"))
     assert default == f"`{next(iter(RULES))}`"

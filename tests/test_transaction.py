@@ -6,7 +6,7 @@ mergekit's writes, so a run takes tens of milliseconds); faults come from the se
 tests/faults/sitecustomize.py, which counts the file-system calls staging.py makes and acts after
 the N-th: a signal (every catchable signal whose default action ends a process, SIGINT, SIGKILL)
 or a failed call (ENOSPC). ``make test`` runs a subset (every operation with SIGINT, SIGTERM,
-SIGHUP, SIGKILL and ENOSPC; every signal at three operations; the recovery of three crash states);
+SIGHUP, SIGKILL and ENOSPC; every signal at three operations; the recovery of two crash states);
 the whole sweep (every signal at every operation of publishing and of each distinct recovery) is
 
     MERGEKIT_RAM_FULL_SWEEP=1 .venv/bin/python -m pytest tests/test_transaction.py -n 2

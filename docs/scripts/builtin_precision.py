@@ -2,7 +2,7 @@
 
     python docs/scripts/builtin_precision.py [--hidden 128 --layers 4 --vocab 1024]
 
-Backs the arithmetic rows of docs/comparison.md. Builds a bfloat16 base and three sparse
+Backs the arithmetic rows of docs/method.md. Builds a bfloat16 base and three sparse
 agents locally with the paper's densities and overlaps (``mergekit_ram.synthetic``, as
 ``mergekit-ram demo``), then runs the real ``mergekit-yaml`` four times:
 

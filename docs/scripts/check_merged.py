@@ -1,4 +1,4 @@
-"""Check a merged model folder before uploading it (docs/publishing.md).
+"""Check a merged model folder before uploading it (docs/reliability.md).
 
     python docs/scripts/check_merged.py OUT [--finite]
 

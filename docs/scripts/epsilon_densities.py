@@ -1,6 +1,6 @@
 """Measure the density RAM sees for one synthetic fine-tune, per checkpoint dtype and epsilon.
 
-Reproduces the tables in docs/epsilon.md:
+Reproduces the tables in docs/method.md:
 
     python docs/scripts/epsilon_densities.py
 

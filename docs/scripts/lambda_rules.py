@@ -2,7 +2,7 @@
 
     python docs/scripts/lambda_rules.py [--r 0.1]
 
-Backs the lambda rows of docs/comparison.md (``tests/test_comparison.py`` checks the same
+Backs the lambda rows of docs/method.md (``tests/test_comparison.py`` checks the same
 figures). rho comes from the paper's unique shares (section 3, Figure 2): an agent whose
 changed parameters are a share ``u`` unique has ``rho = shared / unique = (1 - u) / u``.
 
@@ -12,7 +12,7 @@ Rules, all with ``r = 0.1`` unless ``--r`` says otherwise:
 - mergekit 0.1.5 ``ramplus_tl`` with its default ``alpha = 0.2``: ``1 + r * clip(rho, 0, 0.2)``,
   evaluated here on the whole-model rho (``ramplus_tl`` itself uses each tensor's rho);
 - the authors' released script (published with the paper; it has no licence, so none of its
-  code is used or reproduced here; docs/comparison.md, row "lambda", describes it):
+  code is used or reproduced here; docs/method.md, row "lambda", describes it):
   ``1 + (R - 1) * min(1, rho)`` with ``R - 1 = r``: the clip bound is 1, not alpha.
 """
 
@@ -35,7 +35,7 @@ def rho_from_unique_share(unique_share: float) -> float:
 
 
 def authors_lambda(rho: float, r: float) -> float:
-    """The authors' rule as docs/comparison.md states it: 1 + (R - 1) * min(1, rho), R - 1 = r."""
+    """The authors' rule as docs/method.md states it: 1 + (R - 1) * min(1, rho), R - 1 = r."""
     return 1.0 + r * min(1.0, rho)
 
 

@@ -2,7 +2,7 @@
 
     python docs/scripts/scratch_memory.py
 
-Backs the memory row of docs/comparison.md. Same measurement as
+Backs the memory row of docs/method.md. Same measurement as
 ``tests/test_kernel.py::test_scratch_memory_is_bounded_and_independent_of_n``
 (``benchmarks.memory.peak_allocated_bytes``): the torch profiler records every CPU
 allocation and free while one group is merged; the peak of the

@@ -161,7 +161,7 @@ def _warnings(
         found.append(
             f"float16 checkpoints ({', '.join(half)}): a one-ulp change is below epsilon={max(epsilons):g} for "
             "|w| < about 0.016, so epsilon hides many real float16 updates; consider a smaller epsilon "
-            "(see docs/epsilon.md)"
+            "(see docs/method.md)"
         )
     mixed = {model: sorted(set(dtypes)) for model, dtypes in checkpoint_dtypes.items()}
     if len({tuple(dtypes) for dtypes in mixed.values()}) > 1:

@@ -1,4 +1,4 @@
-"""``ram_statistics.json``: the versioned JSON form of :class:`RamStatistics` (docs/statistics.md).
+"""``ram_statistics.json``: the versioned JSON form of :class:`RamStatistics` (docs/method.md).
 
 An infinite rho is the string ``"inf"`` (``float("inf")`` reads it back; JSON has no infinity
 and ``Infinity`` is not standard JSON).
