@@ -181,11 +181,11 @@ def probe(
     num_threads: int | None,
     verbose: bool,
 ) -> None:
-    """Run only the pre-pass of a ram / ram_plus RECIPE and report what RAM sees.
+    """Run only the pre-pass of a mergekit-ram RECIPE (ram, ram_plus, ram_ties, ram_unique) and report what RAM sees.
 
     Per model: parameters changed (count and density), shared and unique counts, the
     histogram by how many models changed each parameter, rho, and lambda under the
-    recipe's r / alpha / rule. A mergekit-multi file: every ram / ram_plus stage (or the
+    recipe's r / alpha / rule. A mergekit-multi file: every mergekit-ram stage (or the
     one --stage names). Nothing is merged or written (but the cache and --plot).
     """
     from mergekit_ram.errors import RamError, exit_on_one_line

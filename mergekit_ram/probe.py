@@ -55,7 +55,7 @@ def select_stages(recipe_path: str, stage_name: Optional[str] = None, intermedia
     if not ram_stages:
         methods = ", ".join(dict.fromkeys(stage.config.merge_method for stage in candidates))
         raise ParameterError(
-            f"probe reads ram and ram_plus recipes; this one says merge_method: {methods} "
+            f"probe reads mergekit-ram recipes ({', '.join(METHOD_PARAMETERS)}); this one says merge_method: {methods} "
             "(set merge_method: ram_plus to look at its task vectors)"
         )
     ready, not_probed = [], []

@@ -68,13 +68,14 @@ _LOADER_NAMES = (
 )
 _FOLDER = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 MARKER_TEXT = (
-    "A mergekit-ram merge (merge_method ram or ram_plus) was publishing into this folder and did not finish:\n"
-    "the process was killed (SIGKILL, out of memory, power loss), or a file operation failed, while it\n"
-    "moved its files in. Until it is cleared, this folder holds a mix of its earlier files and the new\n"
-    "merge's, without config.json, so no loader takes it for a model. The new merge's files were complete:\n"
-    "run any ram / ram_plus merge into this folder and it first completes the interrupted publish (from\n"
-    ".mergekit-ram-partial/), then removes this file. A merge with another method (linear, ties, ...)\n"
-    "does not. Deleting this file and .mergekit-ram-partial/ yourself leaves the mix as it is.\n"
+    "A mergekit-ram merge (merge_method ram, ram_plus, ram_ties or ram_unique) was publishing into this\n"
+    "folder and did not finish: the process was killed (SIGKILL, out of memory, power loss), or a file\n"
+    "operation failed, while it moved its files in. Until it is cleared, this folder holds a mix of its\n"
+    "earlier files and the new merge's, without config.json, so no loader takes it for a model. The new\n"
+    "merge's files were complete: run any mergekit-ram merge into this folder and it first completes the\n"
+    "interrupted publish (from .mergekit-ram-partial/), then removes this file. A merge with another\n"
+    "method (linear, ties, ...) does not. Deleting this file and .mergekit-ram-partial/ yourself leaves\n"
+    "the mix as it is.\n"
 )
 #: Signals that end a process by default and can be caught. SIGSEGV, SIGBUS, SIGFPE and SIGILL mean
 #: the process itself crashed: like SIGKILL, they leave the marker for the next merge.

@@ -82,7 +82,7 @@ def test_a_model_level_key_names_the_model_block(bf16_models: ModelSet, tmp_path
 
 
 def test_other_methods_keep_mergekits_leniency(bf16_models: ModelSet) -> None:
-    """Only ram / ram_plus recipes are checked: a ties recipe with a stray key loads as before."""
+    """Only mergekit-ram recipes are checked: a ties recipe with a stray key loads as before."""
     source = yaml.safe_dump(bf16_models.recipe("ties", paramaters={"density": 0.5}))
     configs, _ = load_config(source, "/tmp/unused")
     assert configs[None].merge_method == "ties"

@@ -84,7 +84,9 @@ def test_probe_text_output(bf16_models: ModelSet, tmp_path) -> None:
     assert "attention" in completed.stdout and "output head" in completed.stdout
     ties = write_recipe(str(tmp_path / "t.yml"), bf16_models.recipe("ties"))
     with pytest.raises(
-        ParameterError, match="^probe reads ram and ram_plus recipes; this one says merge_method: ties "
+        ParameterError,
+        match=r"^probe reads mergekit-ram recipes \(ram, ram_plus, ram_ties, ram_unique\); this one says "
+        "merge_method: ties ",
     ):
         select_stages(ties)  # the command's one-line errors: tests/test_cli.py
 

@@ -1,4 +1,5 @@
-"""mergekit's method registry: ``ram_plus`` added, the built-in ``ram`` replaced (or kept on request)."""
+"""mergekit's method registry: ``ram_plus``, ``ram_ties``, ``ram_unique`` added, the built-in ``ram``
+replaced (or kept on request)."""
 
 from __future__ import annotations
 
