@@ -25,7 +25,6 @@ import importlib.util
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable, Iterator, Optional, Sequence
@@ -33,7 +32,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import torch
 
 from benchmarks.common import fmt_count, median, parse_size
-from benchmarks.kernel import EPSILON, LAMBDAS, kernel_inputs
+from benchmarks.kernel import EPSILON, LAMBDAS, kernel_inputs, measure
 from benchmarks.memory import peak_allocated_bytes
 from mergekit_ram import kernel
 from mergekit_ram.stats.render import markdown_table
@@ -112,19 +111,6 @@ def calls(
         measured["ram_ties, density 1.0"] = merge(shared="ties", density=1.0)
         measured["ram_unique"] = merge(shared="base")
     return measured
-
-
-def measure(labelled: dict[str, Callable[[], Any]], repeats: int) -> dict[str, list[float]]:
-    """Seconds per call: one warm-up each, then ``repeats`` rounds of every call in turn."""
-    for function in labelled.values():
-        function()
-    times: dict[str, list[float]] = {label: [] for label in labelled}
-    for _ in range(repeats):
-        for label, function in labelled.items():
-            started = time.perf_counter()
-            function()
-            times[label].append(time.perf_counter() - started)
-    return times
 
 
 def scratch_per_chunk_element(function: Callable[[], Any], chunk: int) -> float:
