@@ -248,7 +248,7 @@ def machine_line(machine: Mapping[str, Any]) -> str:
     commit = (plugin.get("last_change") or plugin["commit"] or "?")[:10]
     return (
         f"{machine['cpu_count']} x {machine['cpu']}, {fmt_bytes(machine['memory_bytes'])}, Python {machine['python']}, "
-        f"torch {machine['torch']}, mergekit {machine['mergekit']}; {machine['time'][:16]}, load at start "
+        f"torch {machine['torch']}, mergekit {machine['mergekit']}; {machine['time']}, load at start "
         f"{machine['load_average'][0]:.2f}{threads}; mergekit_ram `{commit}`"
         + (" (modified)" if plugin["dirty"] else "")
     )

@@ -214,31 +214,20 @@ def summarise(runs: Mapping[str, Sequence[Mapping[str, Any]]]) -> dict[str, dict
     return summary
 
 
-def methods_table(result: Mapping[str, Any]) -> str:
+def methods_table(results: Sequence[Mapping[str, Any]]) -> str:
+    """Every method of every run: medians, and ratios to ``task_arithmetic`` ("x TA") in the same run."""
     rows = []
-    for method, entry in result["summary"].items():
-        prepass = entry.get("prepass_share")
-        cells = [f"`{method}`"]
-        for metric in METRICS:
-            value = entry[metric]
-            cells += [
-                fmt_bytes(value) if "bytes" in metric else fmt_seconds(value),
-                fmt_ratio(entry.get(f"{metric}_ratio")),
-            ]
-        rows.append([*cells, "" if prepass is None else f"{prepass:.0%} ({fmt_seconds(entry['prepass_s'])})"])
-    headers = [
-        "method",
-        "wall (median)",
-        "x TA",
-        "CPU",
-        "x TA",
-        "peak RSS",
-        "x TA",
-        "peak anon",
-        "x TA",
-        "pre-pass share",
-    ]
-    return markdown_table([headers, *rows], "l")
+    for result in results:
+        for method, entry in result["summary"].items():
+            prepass = entry.get("prepass_share")
+            cells = [f"`{result['size']}`", f"`{method}`"]
+            for metric in METRICS:
+                value = entry[metric]
+                cells += [fmt_bytes(value) if "bytes" in metric else fmt_seconds(value)]
+                cells += [fmt_ratio(entry.get(f"{metric}_ratio"))]
+            rows.append([*cells, "" if prepass is None else f"{prepass:.0%} ({fmt_seconds(entry['prepass_s'])})"])
+    headers = ["size", "method", "wall (median)", "x TA", "CPU", "x TA", "peak RSS", "x TA", "peak anon", "x TA"]
+    return markdown_table([[*headers, "pre-pass share"], *rows], "l")
 
 
 def target_ratio(summary: Mapping[str, Any], target: tuple, metric: str) -> Optional[float]:
@@ -280,11 +269,11 @@ def targets_table(results: Sequence[Mapping[str, Any]]) -> str:
 
 
 def heading(result: Mapping[str, Any]) -> str:
-    models, machine = result["models"], result["machine"]
+    models = result["models"]
     return (
-        f"size `{result['size']}`: {fmt_count(models['parameters'])} parameters per model, largest tensor "
+        f"`{result['size']}`: {fmt_count(models['parameters'])} parameters per model, largest tensor "
         f"{fmt_count(models['largest_tensor'])} elements; {result['options']['repeats']} rounds; "
-        + machine_line(machine)
+        + machine_line(result["machine"])
     )
 
 
@@ -316,7 +305,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         warmup=not args.no_warmup,
     )
     save_result(args.json or RESULTS_DIR / f"methods-{args.size}.json", "methods", result)
-    print(f"{heading(result)}\n\n{methods_table(result)}\n\n{targets_table([result])}")
+    print(f"{heading(result)}\n\n{methods_table([result])}\n\n{targets_table([result])}")
     return 0
 
 

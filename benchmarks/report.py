@@ -39,8 +39,10 @@ def load_results(results_dir: Path = RESULTS_DIR) -> Results:
 
 
 def methods_block(results: Results) -> str:
-    parts = [f"#### {heading(result)}\n\n{methods_table(result)}" for result in results["methods"]]
-    return "\n\n".join(parts) or "_Not measured yet: `python -m benchmarks.run --size 120m`._"
+    if not results["methods"]:
+        return "_Not measured yet: `python -m benchmarks.run --size 120m`._"
+    runs = "\n".join(f"- {heading(result)}" for result in results["methods"])
+    return f"{runs}\n\n{methods_table(results['methods'])}"
 
 
 def kernel_block(results: Results) -> str:
@@ -58,13 +60,14 @@ def scale_block(results: Results) -> str:
     parts = []
     for result in results["outofcore"]:
         parts.append(f"Out-of-core `ram_plus`; {machine_line(result['machine'])}:\n\n{outofcore_table(result)}")
-    for result in results["inmemory"]:
-        cap = result["options"].get("cap_bytes")
-        under = f", both under an RLIMIT_DATA cap of {fmt_bytes(cap)}" if cap else ""
-        parts.append(
-            f"Whole-model-in-memory float32 against ours, size `{result['size']}`{under}; "
-            f"{machine_line(result['machine'])}:\n\n{inmemory_table(result)}\n\n{limit_text(result)}"
-        )
+    if results["inmemory"]:
+        runs = []
+        for result in results["inmemory"]:
+            cap = result["options"].get("cap_bytes")
+            under = f", both under an RLIMIT_DATA cap of {fmt_bytes(cap)}" if cap else ""
+            runs.append(f"- `{result['size']}`{under}; {machine_line(result['machine'])}. {limit_text(result)}")
+        table = inmemory_table(results["inmemory"])
+        parts.append(f"Whole-model-in-memory float32 against ours:\n\n{table}\n\n" + "\n".join(runs))
     return "\n\n".join(parts) or "_Not measured yet: `python -m benchmarks.scale inmemory --size 120m`._"
 
 

@@ -247,21 +247,24 @@ def outofcore_table(result: dict[str, Any]) -> str:
     return markdown_table([[*headers, "peak anon"], row], "l")
 
 
-def inmemory_table(result: dict[str, Any]) -> str:
+def inmemory_table(results: Sequence[dict[str, Any]]) -> str:
     rows = []
-    for label, entry in result["summary"].items():
-        status = f"{entry['completed']} ok" + (f", {entry['failed']} failed" if entry["failed"] else "")
-        per_parameter = entry["peak_anon_bytes"] / result["models"]["parameters"]
-        rows.append(
-            [
-                label,
-                status,
-                fmt_seconds(entry["wall_s"]),
-                *(fmt_bytes(entry[key]) for key in ("max_rss_bytes", "peak_anon_bytes")),
-                f"{per_parameter:.1f}" if entry["completed"] else "n/a",
-            ]
-        )
-    return markdown_table([["approach", "runs", "wall", "peak RSS", "peak anon", "anon B / parameter"], *rows], "l")
+    for result in results:
+        for label, entry in result["summary"].items():
+            status = f"{entry['completed']} ok" + (f", {entry['failed']} failed" if entry["failed"] else "")
+            per_parameter = entry["peak_anon_bytes"] / result["models"]["parameters"]
+            rows.append(
+                [
+                    f"`{result['size']}`",
+                    label,
+                    status,
+                    fmt_seconds(entry["wall_s"]),
+                    *(fmt_bytes(entry[key]) for key in ("max_rss_bytes", "peak_anon_bytes")),
+                    f"{per_parameter:.1f}" if entry["completed"] else "n/a",
+                ]
+            )
+    headers = ["size", "approach", "runs", "wall", "peak RSS", "peak anon", "anon B / parameter"]
+    return markdown_table([headers, *rows], "l")
 
 
 def limit_text(result: dict[str, Any]) -> str:
@@ -293,7 +296,7 @@ def limit_text(result: dict[str, Any]) -> str:
             tail = failed[-1]["log_tail"].strip()
             reason = tail.splitlines()[-1] if tail else "no output"
             lines.append(f"{label} failed {len(failed)} of {len(measurements)} runs: `{reason[:160]}`")
-    return "\n".join(lines)
+    return " ".join(lines)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -326,7 +329,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     cap = int(args.cap_gib * GIB) if args.cap_gib else None
     inmemory = in_memory_vs_ours(models, **options, cap_bytes=cap, check=not args.no_check)
     save_result(path, "inmemory", inmemory)
-    print(f"{inmemory_table(inmemory)}\n{limit_text(inmemory)}")
+    print(f"{inmemory_table([inmemory])}\n{limit_text(inmemory)}")
     return 0
 
 
