@@ -173,20 +173,25 @@ def statistics_section(results: Results, variant: str) -> str:
         )
     headers = ["agent", "density", "changed", "unique share", "if independent", "changed by 1 / 2 / 3 agents (%)"]
     table = markdown_table([[*headers, "rho", "lambda RAM+", "lambda RAM+s"], *rows])
+    epsilon = statistics["parameters"].get("epsilon")
+    return f"{table}\n\nFrom the `ram_statistics.json` beside each merge (epsilon {epsilon}); r = 0.1, alpha = 2."
+
+
+def kind_section(results: Results, variant: str) -> str:
+    """Each agent's density by kind of weight, and the unique share of those changes."""
+    statistics = counts(results, variant)
+    if statistics is None:
+        return ""
     by_kind = statistics["by_kind"]
     present = [kind for kind in MODULES if any(kind in by_kind[task] for task in TASKS)]
-    kind_rows = []
+    rows = []
     for task in TASKS:
         cells = []
         for kind in present:
             k = by_kind[task].get(kind)
             cells.append(f"{100 * k['changed'] / k['parameters']:.1f}% ({100 * unique_share(k):.0f}%)" if k else "-")
-        kind_rows.append([f"{TASK_NAMES[task]} agent", *cells])
-    return (
-        f"{table}\n\nFrom the `ram_statistics.json` beside each merge (epsilon "
-        f"{statistics['parameters'].get('epsilon')}); lambda with r = 0.1, alpha = 2. Density by kind of weight "
-        f"(unique share of those changes):\n\n{markdown_table([['agent', *present], *kind_rows])}"
-    )
+        rows.append([f"{TASK_NAMES[task]} agent", *cells])
+    return markdown_table([["agent", *present], *rows])
 
 
 def merge_section(results: Results, variant: str) -> str:
@@ -294,15 +299,10 @@ def figure3_section(results: Results) -> str:
 def pinned_section(results: Results, variant: str) -> str:
     merges = merges_of(results, variant, "ram_plus lambda pinned") + merges_of(results, variant, "ram")
     merges.sort(key=lambda m: m["setting"]["model_parameters"].get("lambda", 1.0))
-    rows = [
-        [
-            f"{m['setting']['model_parameters'].get('lambda', 1.0):g}",
-            *[pct(m["scores"]["test"][t]) for t in TASKS],
-            average(results, m["scores"]["test"]),
-        ]
-        for m in merges
-    ]
-    return markdown_table([["lambda (unique updates)", *TASK_HEADERS, "test avg"], *rows]) if len(rows) > 1 else ""
+    if len(merges) < 2:
+        return ""
+    header = ["lambda (unique updates)", *(f"{m['setting']['model_parameters'].get('lambda', 1.0):g}" for m in merges)]
+    return markdown_table([header, ["test avg", *(average(results, m["scores"]["test"]) for m in merges)]])
 
 
 def variation_section(results: Results) -> str:
@@ -383,7 +383,10 @@ def grid_markdown(results: Results) -> str:
     ]
     title = "# Every merge: test accuracy per task (%), test and validation averages, merge seconds, by RL steps"
     parts = [title, markdown_table([headers, *rows], "llr")]
-    binades, doses = binade_section(results), dose_section(results)
+    main = results["main_variant"]
+    kinds, binades, doses = kind_section(results, main), binade_section(results), dose_section(results)
+    if kinds:
+        parts += [f"## Density by kind of weight after {steps(main)} RL steps (unique share of those changes)", kinds]
     if binades:
         parts += ["## Where the updates land: share of elements changed (%) by magnitude of the base weight", binades]
     if doses:
@@ -423,8 +426,8 @@ def generated_markdown(results: Results, plot: Optional[str]) -> str:
     if plot:
         parts.append(f"![merge quality]({plot})\n")
     parts.append(
-        "Every setting of every method, where the updates land by magnitude of the base weight, and own-task "
-        "accuracy against the dose of one agent's update: "
+        "Every setting of every method, the agents' density by kind of weight and by magnitude of the base "
+        "weight, and own-task accuracy against the dose of one agent's update: "
         "[`benchmarks/agents/results/grid.md`](../benchmarks/agents/results/grid.md).\n"
     )
     return "\n".join(parts)
