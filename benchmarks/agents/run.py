@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import logging
 import multiprocessing
 import os
@@ -70,12 +71,15 @@ def model_digest(path: str) -> str:
     return file_digest(os.path.join(path, "model.safetensors"))
 
 
-def read_cached(path: str, key: str) -> Optional[dict[str, Any]]:
-    """The JSON record at ``path`` if it was written for ``key``."""
-    if not os.path.exists(path):
-        return None
-    record = read_json(path)
-    return record if record.get("key") == key else None
+def cached(path: str, key: str, compute: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """The JSON record at ``path`` if it was written for ``key``; else ``compute()``'s, written there with ``key``."""
+    if os.path.exists(path):
+        record = read_json(path)
+        if record.get("key") == key:
+            return record
+    record = {"key": key, **compute()}
+    write_json(path, record, indent=INDENT)
+    return record
 
 
 class StageTimings:
@@ -178,23 +182,21 @@ def train_agent_job(job: AgentJob) -> dict[str, Any]:
 
     Returns its training: the mean sampled reward of every step, and its wall time.
     """
-    meta_path = os.path.join(job.directory, "meta.json")
-    cached = read_cached(meta_path, job.key)
-    if cached is not None:
-        return {"reward_curve": cached["reward_curve"], "seconds": cached["seconds"]}
-    start = time.perf_counter()
-    model = load_model(job.base)  # float32 copy of the bfloat16 base: exact
-    seed = job.config.grpo.seed + TASKS.index(job.task)
-    curve = train_agent(
-        model,
-        job.task,
-        replace(job.config.grpo, seed=seed),
-        lambda step, trained: save_model(trained, agent_dir(job.directory, step), torch.bfloat16),
-        job.config.snapshots,
-    )
-    run = {"reward_curve": curve, "seconds": time.perf_counter() - start}
-    write_json(meta_path, {"key": job.key, "task": job.task, **run}, indent=INDENT)
-    return run
+
+    def train() -> dict[str, Any]:
+        start = time.perf_counter()
+        model = load_model(job.base)  # float32 copy of the bfloat16 base: exact
+        curve = train_agent(
+            model,
+            job.task,
+            replace(job.config.grpo, seed=job.config.grpo.seed + TASKS.index(job.task)),
+            lambda step, trained: save_model(trained, agent_dir(job.directory, step), torch.bfloat16),
+            job.config.snapshots,
+        )
+        return {"task": job.task, "reward_curve": curve, "seconds": time.perf_counter() - start}
+
+    run = cached(os.path.join(job.directory, "meta.json"), job.key, train)
+    return {"reward_curve": run["reward_curve"], "seconds": run["seconds"]}
 
 
 @dataclass(frozen=True)
@@ -205,13 +207,10 @@ class EvalJob:
 
 
 def evaluate_job(job: EvalJob) -> Scores:
-    record_path = os.path.join(job.path, "eval.json")
-    cached = read_cached(record_path, job.key)
-    if cached is not None:
-        return cached["scores"]
-    scores = evaluate_path(job.path, eval_sets(job.evaluation), job.evaluation.batch_size)
-    write_json(record_path, {"key": job.key, "scores": scores}, indent=INDENT)
-    return scores
+    def evaluate() -> dict[str, Any]:
+        return {"scores": evaluate_path(job.path, eval_sets(job.evaluation), job.evaluation.batch_size)}
+
+    return cached(os.path.join(job.path, "eval.json"), job.key, evaluate)["scores"]
 
 
 @dataclass(frozen=True)
@@ -224,32 +223,26 @@ class MergeJob:
     evaluation: EvalConfig
     seed: int
     key: str
-    keep_weights: bool = False
 
 
 def merge_job(job: MergeJob) -> dict[str, Any]:
     """Merge with ``mergekit-yaml``, evaluate, keep the RAM statistics; drop the weights."""
-    result_path = os.path.join(job.directory, "result.json")
-    cached = read_cached(result_path, job.key)
-    if cached is not None:
-        return cached
-    document = recipe(job.setting, job.base, job.agents)
-    seconds = run_mergekit(document, job.directory, job.seed)
-    model_dir = os.path.join(job.directory, "model")
-    scores = evaluate_path(model_dir, eval_sets(job.evaluation), job.evaluation.batch_size)
-    statistics = ram_statistics(model_dir, {path: task for task, path in job.agents.items()})
-    if not job.keep_weights:
+
+    def merge() -> dict[str, Any]:
+        seconds = run_mergekit(recipe(job.setting, job.base, job.agents), job.directory, job.seed)
+        model_dir = os.path.join(job.directory, "model")
+        scores = evaluate_path(model_dir, eval_sets(job.evaluation), job.evaluation.batch_size)
+        statistics = ram_statistics(model_dir, {path: task for task, path in job.agents.items()})
         shutil.rmtree(model_dir)
-    record = {
-        "key": job.key,
-        "variant": job.variant,
-        "setting": asdict(job.setting),
-        "merge_seconds": seconds,
-        "scores": scores,
-        "ram_statistics": statistics,
-    }
-    write_json(result_path, record, indent=INDENT)
-    return record
+        return {
+            "variant": job.variant,
+            "setting": asdict(job.setting),
+            "merge_seconds": seconds,
+            "scores": scores,
+            "ram_statistics": statistics,
+        }
+
+    return cached(os.path.join(job.directory, "result.json"), job.key, merge)
 
 
 # Stages ----------------------------------------------------------------------------
@@ -259,20 +252,16 @@ def build_base(config: ExperimentConfig, cache: str) -> str:
     """Pretrain the base (or reuse the cached one) and save it in bfloat16."""
     path = os.path.join(cache, "base")
     key = fingerprint("base", config.size, config.pretrain, config.pretrain_threads, code_version(BASE_CODE))
-    if read_cached(os.path.join(path, "meta.json"), key) is not None:
-        LOG.info("base: cached at %s", path)
-        return path
-    shutil.rmtree(path, ignore_errors=True)
-    start = time.perf_counter()
-    with torch_threads(config.pretrain_threads):
-        model = pretrain(config.size, config.pretrain)
-    save_model(model, path, torch.bfloat16)
-    parameters = sum(p.numel() for p in model.parameters())
-    write_json(
-        os.path.join(path, "meta.json"),
-        {"key": key, "seconds": time.perf_counter() - start, "parameters": parameters},
-        indent=INDENT,
-    )
+
+    def train() -> dict[str, Any]:
+        shutil.rmtree(path, ignore_errors=True)
+        start = time.perf_counter()
+        with torch_threads(config.pretrain_threads):
+            model = pretrain(config.size, config.pretrain)
+        save_model(model, path, torch.bfloat16)
+        return {"seconds": time.perf_counter() - start, "parameters": sum(p.numel() for p in model.parameters())}
+
+    cached(os.path.join(path, "meta.json"), key, train)
     return path
 
 
@@ -311,6 +300,14 @@ def evaluate_checkpoints(paths: dict[str, str], config: ExperimentConfig, worker
     return dict(zip(paths, workers.map(evaluate_job, jobs)))
 
 
+def variant_analysis(base: str, agents: dict[str, str], evaluation: EvalConfig) -> dict[str, Any]:
+    sets = eval_sets(evaluation)
+    return {
+        "updates": where_updates_land(base, agents),
+        "dose_response": dose_response(base, agents, sets, evaluation.batch_size),
+    }
+
+
 def analyse(config: ExperimentConfig, cache: str, base: str) -> dict[str, dict[str, Any]]:
     """Per variant: where the agents' updates land, and each agent's dose-response (cached)."""
     result = {}
@@ -323,16 +320,8 @@ def analyse(config: ExperimentConfig, cache: str, base: str) -> dict[str, dict[s
             config.evaluation,
             code_version(ANALYSIS_CODE),
         )
-        path = os.path.join(cache, "analysis", f"{variant}.json")
-        analysis = read_cached(path, key)
-        if analysis is None:
-            sets = eval_sets(config.evaluation)
-            analysis = {
-                "key": key,
-                "updates": where_updates_land(base, agents),
-                "dose_response": dose_response(base, agents, sets, config.evaluation.batch_size),
-            }
-            write_json(path, analysis, indent=INDENT)
+        measure = functools.partial(variant_analysis, base, agents, config.evaluation)
+        analysis = cached(os.path.join(cache, "analysis", f"{variant}.json"), key, measure)
         result[variant] = {"updates": analysis["updates"], "dose_response": analysis["dose_response"]}
     return result
 
