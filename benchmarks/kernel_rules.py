@@ -27,7 +27,8 @@ import sys
 import tempfile
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
+from unittest import mock
 
 import torch
 
@@ -48,29 +49,6 @@ ALTERNATIVES: dict[str, dict[str, Any]] = {
     "torch.set_num_threads (no ctypes)": {"_omp_set_num_threads": lambda: None},
     "workers on torch's threads (no setting)": {"_one_intra_op_thread": contextlib.nullcontext},
 }
-
-
-@contextlib.contextmanager
-def replaced(module: ModuleType, attributes: dict[str, Any]) -> Iterator[None]:
-    """``module``'s ``attributes`` replaced meanwhile."""
-    saved = {name: getattr(module, name) for name in attributes}
-    for name, value in attributes.items():
-        setattr(module, name, value)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            setattr(module, name, value)
-
-
-def with_alternative(function: Callable[[], Any], attributes: dict[str, Any]) -> Callable[[], Any]:
-    """``function`` run with the kernel's ``attributes`` replaced."""
-
-    def call() -> Any:
-        with replaced(kernel, attributes):
-            return function()
-
-    return call
 
 
 def kernel_at(revision: str) -> ModuleType:
@@ -139,7 +117,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         measured |= {f"{name} (new)": (ours[name], f"{name} (before)") for name in before}
     if args.alternatives:
         measured |= {
-            f"{COUNTING_RAM} ({name})": (with_alternative(ours[COUNTING_RAM], attributes), f"{COUNTING_RAM} (new)")
+            f"{COUNTING_RAM} ({name})": (
+                mock.patch.multiple(kernel, **attributes)(ours[COUNTING_RAM]),
+                f"{COUNTING_RAM} (new)",
+            )
             for name, attributes in ALTERNATIVES.items()
         }
     times = measure({label: function for label, (function, _) in measured.items()}, args.repeats)
