@@ -1,18 +1,11 @@
 """Scale: an out-of-core merge, and ours against the whole-model-in-memory float32 approach.
 
-``outofcore``: one ``ram_plus`` merge through the real ``mergekit-yaml`` of a size whose base
-and fine-tunes together exceed the machine's memory (``--size scale``: four 3.4B-parameter
-bfloat16 models, 25.3 GiB on disk), with its time, peak RSS, peak anonymous memory and
-pre-pass share. Check it first on a small size (``--size 20m``).
-
-``inmemory``: at a size where both fit, ``ram_plus`` (``mergekit-yaml``) and the in-memory
-baseline (:mod:`benchmarks.inmemory`), in turns, each a measured child; their outputs are
-compared element for element and their rho values side by side. From the baseline's
-measured bytes per parameter (its peak anonymous memory less the interpreter's, over the
-parameter count) follows the largest model it can merge in this machine's memory, and the
-first named size only ours can merge. ``--cap-gib X`` runs both under an RLIMIT_DATA of X GiB
-to demonstrate it without pushing a shared machine into the OOM killer: the baseline then
-fails with an allocation error where ours completes.
+``outofcore``: ``ram_plus`` through the real ``mergekit-yaml`` on a size whose inputs exceed the
+machine's memory (``--size scale``; check it first on ``--size 20m``). ``inmemory``: ``ram_plus``
+and the in-memory baseline (:mod:`benchmarks.inmemory`) in turns, outputs compared element for
+element; the baseline's bytes per parameter (its peak anonymous memory less the interpreter's)
+give the largest model it can merge here. ``--cap-gib X`` runs both under an RLIMIT_DATA of X
+GiB, so the baseline fails with an allocation error instead of calling the OOM killer.
 
     python -m benchmarks.scale outofcore --size scale
     python -m benchmarks.scale inmemory --size 120m --repeats 2

@@ -88,6 +88,17 @@ def lambdas(results: Results, variant: str, name: str) -> dict[str, float]:
     return {task: entry["lambda"] for task, entry in statistics["models"].items()} if statistics else {}
 
 
+def pinned(results: Results, variant: str) -> list[Merge]:
+    """``ram_plus`` with lambda pinned for every agent, and ``ram`` (lambda 1), by lambda."""
+    merges = merges_of(results, variant, "ram_plus lambda pinned") + merges_of(results, variant, "ram")
+    return sorted(merges, key=lambda m: m["setting"]["model_parameters"].get("lambda", 1.0))
+
+
+def own_task(results: Results, variant: str) -> float:
+    """The agents' mean accuracy, each on its own task."""
+    return sum(results["checkpoint_scores"][f"{variant}/{t}"]["test"][t] for t in TASKS) / len(TASKS)
+
+
 def unique_share(entry: dict[str, Any]) -> float:
     return entry["unique"] / max(entry["changed"], 1)
 
@@ -297,8 +308,7 @@ def figure3_section(results: Results) -> str:
 
 
 def pinned_section(results: Results, variant: str) -> str:
-    merges = merges_of(results, variant, "ram_plus lambda pinned") + merges_of(results, variant, "ram")
-    merges.sort(key=lambda m: m["setting"]["model_parameters"].get("lambda", 1.0))
+    merges = pinned(results, variant)
     if len(merges) < 2:
         return ""
     header = ["lambda (unique updates)", *(f"{m['setting']['model_parameters'].get('lambda', 1.0):g}" for m in merges)]
@@ -316,7 +326,7 @@ def variation_section(results: Results) -> str:
             alone = "" if independent is None else f" ({100 * independent:.1f}%)"
             rho = "inf" if m["rho"] is None else f"{m['rho']:.2f}"
             described.append(f"{t}: {100 * m['density']:.1f}% / {100 * unique_share(m):.1f}%{alone} / {rho}")
-        own = sum(results["checkpoint_scores"][f"{variant}/{t}"]["test"][t] for t in TASKS) / len(TASKS)
+        own = own_task(results, variant)
         cells = []
         for family in FAMILIES:
             chosen = best_and_default(merges_of(results, variant, family))
@@ -453,7 +463,7 @@ def plot_results(results: Results, path: str) -> None:
             chosen = [best_and_default(merges_of(results, variant, family))[kind] for family in FAMILIES]
             heights = [100 * m["scores"]["test"]["avg"] if m else 0.0 for m in chosen]
             axis.bar([i + offset for i in range(len(FAMILIES))], heights, 0.4, label=label)
-        own = sum(results["checkpoint_scores"][f"{variant}/{t}"]["test"][t] for t in TASKS) / len(TASKS)
+        own = own_task(results, variant)
         axis.axhline(100 * base["avg"], color="grey", linestyle=":", label="base")
         axis.axhline(100 * own, color="black", linestyle="--", label="each agent on its own task")
         axis.set_ylim(100 * base["avg"] - 10, 100 * own + 8)
@@ -472,13 +482,10 @@ def plot_results(results: Results, path: str) -> None:
             axis.plot(
                 list(found), [100 * a for a in found.values()], styles[variant], marker="o", color=color, label=label
             )
-    pinned = sorted(
-        merges_of(results, main, "ram_plus lambda pinned") + merges_of(results, main, "ram"),
-        key=lambda m: m["setting"]["model_parameters"].get("lambda", 1.0),
-    )
-    if len(pinned) > 1:
-        xs = [m["setting"]["model_parameters"].get("lambda", 1.0) for m in pinned]
-        ys = [100 * m["scores"]["test"]["avg"] for m in pinned]
+    swept = pinned(results, main)
+    if len(swept) > 1:
+        xs = [m["setting"]["model_parameters"].get("lambda", 1.0) for m in swept]
+        ys = [100 * m["scores"]["test"]["avg"] for m in swept]
         axis.plot(
             xs, ys, marker="s", color="tab:green", label=f"RAM, lambda on unique updates only, {steps(main)} steps"
         )
