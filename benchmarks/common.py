@@ -9,6 +9,7 @@ files, which the kernel can drop at any time; anonymous memory is what a merge n
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import platform
@@ -19,27 +20,25 @@ import subprocess
 import sys
 import threading
 import time
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Iterable, Mapping, Optional, Sequence
+from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import psutil
 
-from benchmarks.records import GitState, Machine, Measurement
+from mergekit_ram.stats.schema import INFINITY
 
 LOG = logging.getLogger(__name__)
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
 CACHE_DIR = BENCH_DIR / ".cache"
-DOC_PATH = REPO_ROOT / "docs" / "performance.md"
+GIB = 1024**3
+MIB = 1024**2
 
 #: Environment variables that change how torch's OpenMP threads behave; recorded with every result.
 #: ``OMP_WAIT_POLICY=PASSIVE`` matters on a loaded machine: see docs/performance.md.
 THREAD_ENV_PREFIXES = ("OMP_", "GOMP_", "KMP_", "MKL_")
-
-GIB = 1024**3
-MIB = 1024**2
-
 #: Nothing may come from the Hugging Face Hub: mergekit's model card code otherwise asks it
 #: whether a local path is a repository.
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
@@ -48,30 +47,23 @@ OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_
 def child_env(plugin: Optional[Path] = None, extra: Optional[Mapping[str, str]] = None) -> dict[str, str]:
     """The environment of every measured child: offline, plugin from ``plugin``, no pre-pass cache.
 
-    ``plugin`` is a checkout whose ``mergekit_ram`` the children import (it goes first on
-    PYTHONPATH, ahead of the editable install); by default the checkout holding these
-    benchmarks, so a figure always belongs to the code next to it. mergekit-ram's pre-pass
-    cache is switched off: a cached pre-pass would make every ram_plus run after the first
-    skip the pre-pass the benchmark is meant to measure.
+    ``plugin`` is a checkout whose ``mergekit_ram`` the children import (first on PYTHONPATH,
+    ahead of the editable install); by default the checkout holding these benchmarks. The
+    pre-pass cache is off: a cached pre-pass would skip the work being measured.
     """
-    env = dict(os.environ)
-    env.update(OFFLINE_ENV)
-    paths = [str(plugin or REPO_ROOT), str(REPO_ROOT)]
-    if env.get("PYTHONPATH"):
-        paths.append(env["PYTHONPATH"])
+    env = {**os.environ, **OFFLINE_ENV}
+    paths = [str(plugin or REPO_ROOT), str(REPO_ROOT), *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     env["MERGEKIT_RAM_CACHE"] = "off"
     env["MERGEKIT_RAM_CACHE_DIR"] = str(CACHE_DIR / "prepass-cache")
-    env.update(extra or {})
-    return env
+    return {**env, **(extra or {})}
 
 
 def use_plugin(module: str, plugin: Optional[Path], argv: Sequence[str]) -> None:
     """Re-execute ``python -m module argv`` under :func:`child_env` unless this process already uses ``plugin``.
 
     The start-up hook imports ``mergekit_ram`` before ``python -m`` puts the current directory
-    on ``sys.path``, so an in-process measurement would otherwise time the installed checkout
-    rather than the one next to the benchmarks (or the one asked for).
+    on ``sys.path``, so an in-process measurement would otherwise time the installed checkout.
     """
     import mergekit_ram
 
@@ -93,111 +85,87 @@ def parse_size(text: str) -> int:
     return int(text)
 
 
-class _AnonPoller(threading.Thread):
-    """Polls the anonymous resident memory of a process and its children (the kernel keeps no peak of it)."""
-
-    def __init__(self, pid: int, interval_s: float):
-        super().__init__(daemon=True)
-        self.pid = pid
-        self.interval_s = interval_s
-        self.peak = 0
-        self.stopped = threading.Event()
-
-    def run(self) -> None:
-        try:
-            root = psutil.Process(self.pid)
-        except psutil.Error:
-            return
-        while not self.stopped.is_set():
+def _poll_anon(pid: int, interval_s: float, stopped: threading.Event, peak: list[int]) -> None:
+    """Keep in ``peak[0]`` the largest anonymous resident memory of ``pid`` and its children (no kernel peak)."""
+    try:
+        root = psutil.Process(pid)
+        while not stopped.is_set():
             total = 0
-            try:
-                processes = [root] + root.children(recursive=True)
-            except psutil.Error:
-                return
-            for process in processes:
+            for process in [root, *root.children(recursive=True)]:
                 try:
                     info = process.memory_info()
                 except psutil.Error:
                     continue
                 total += max(0, info.rss - info.shared)  # shared = RssFile + RssShmem on Linux
-            self.peak = max(self.peak, total)
-            self.stopped.wait(self.interval_s)
+            peak[0] = max(peak[0], total)
+            stopped.wait(interval_s)
+    except psutil.Error:
+        return
 
 
 def run_measured(
     argv: Sequence[str],
     *,
     env: Optional[Mapping[str, str]] = None,
-    cwd: Optional[Path] = None,
     log_path: Optional[Path] = None,
-    poll_s: float = 0.05,
     data_limit_bytes: Optional[int] = None,
-    timeout_s: Optional[float] = None,
-) -> Measurement:
+) -> dict[str, Any]:
     """Run ``argv`` to completion and measure it; stdout and stderr go to ``log_path``.
 
-    ``data_limit_bytes`` sets RLIMIT_DATA in the child (private writable memory, i.e. what
-    the heap and anonymous mappings may take; read-only file mappings are not counted), so
-    a run that needs more fails with an allocation error instead of pushing a shared
-    machine into the OOM killer.
+    ``data_limit_bytes`` sets RLIMIT_DATA in the child (private writable memory), so a run
+    that needs more fails with an allocation error instead of calling the OOM killer.
+    The measurement's ``extra`` holds what the caller reads from the run's output.
     """
 
-    def limit() -> None:
-        if data_limit_bytes is not None:
-            resource.setrlimit(resource.RLIMIT_DATA, (data_limit_bytes, data_limit_bytes))
-
-    if log_path is None:
-        log_path = CACHE_DIR / "logs" / f"run-{os.getpid()}-{time.time_ns()}.log"
+    cap = data_limit_bytes
+    log_path = log_path or CACHE_DIR / "logs" / f"run-{os.getpid()}-{time.time_ns()}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     load_before = os.getloadavg()[0]
+    peak, stopped = [0], threading.Event()
     with open(log_path, "wb") as log:
         started = time.perf_counter()
         process = subprocess.Popen(
             list(argv),
             env=dict(env) if env is not None else None,
-            cwd=cwd,
             stdout=log,
             stderr=subprocess.STDOUT,
-            preexec_fn=limit if data_limit_bytes is not None else None,
+            preexec_fn=None if cap is None else functools.partial(resource.setrlimit, resource.RLIMIT_DATA, (cap, cap)),
         )
-        poller = _AnonPoller(process.pid, poll_s)
+        poller = threading.Thread(target=_poll_anon, args=(process.pid, 0.05, stopped, peak), daemon=True)
         poller.start()
-        timer = None
-        if timeout_s is not None:
-            timer = threading.Timer(timeout_s, process.kill)
-            timer.start()
         _, status, usage = os.wait4(process.pid, 0)
         wall = time.perf_counter() - started
-        if timer is not None:
-            timer.cancel()
         process.returncode = os.waitstatus_to_exitcode(status)
-        poller.stopped.set()
+        stopped.set()
         poller.join()
-    measurement = Measurement(
-        argv=list(argv),
-        returncode=process.returncode,
-        wall_s=wall,
-        user_s=usage.ru_utime,
-        sys_s=usage.ru_stime,
-        max_rss_bytes=usage.ru_maxrss * 1024,  # KiB on Linux
-        peak_anon_bytes=poller.peak,
-        load_before=load_before,
-        load_after=os.getloadavg()[0],
-        log_path=str(log_path),
-        log_tail=tail(log_path),
-    )
-    if not measurement.ok:
-        LOG.warning("%s exited with %d; log: %s", argv[0], measurement.returncode, log_path)
-    return measurement
+    with open(log_path, "rb") as handle:
+        handle.seek(max(0, log_path.stat().st_size - 2000))
+        log_tail = handle.read().decode("utf-8", errors="replace")
+    if process.returncode:
+        LOG.warning("%s exited with %d; log: %s", argv[0], process.returncode, log_path)
+    return {
+        "argv": list(argv),
+        "returncode": process.returncode,
+        "wall_s": wall,
+        "user_s": usage.ru_utime,
+        "sys_s": usage.ru_stime,
+        "max_rss_bytes": usage.ru_maxrss * 1024,  # KiB on Linux; counts mapped file pages
+        "peak_anon_bytes": peak[0],
+        "load_before": load_before,
+        "load_after": os.getloadavg()[0],
+        "log_path": str(log_path),
+        "log_tail": log_tail,
+        "extra": {},
+    }
 
 
-def tail(path: Path, characters: int = 2000) -> str:
-    """The end of a log file (for results files and error messages)."""
-    with open(path, "rb") as handle:
-        handle.seek(0, os.SEEK_END)
-        size = handle.tell()
-        handle.seek(max(0, size - characters))
-        return handle.read().decode("utf-8", errors="replace")
+def ratio_or_none(value: Any) -> Optional[float]:
+    """A rho of a ``ram_statistics.json`` (infinite: ``null`` in schema 1, ``"inf"`` in 2), None if infinite."""
+    return None if value is None or value == INFINITY else float(value)
+
+
+def cpu_s(measurement: Mapping[str, Any]) -> float:
+    return measurement["user_s"] + measurement["sys_s"]
 
 
 def median(values: Iterable[float]) -> float:
@@ -205,52 +173,24 @@ def median(values: Iterable[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
-def linear_fit(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
-    """Least-squares intercept and slope of y over x (used to extrapolate time and memory by size)."""
-    if len(points) < 2:
-        raise ValueError("a fit needs at least two points")
-    xs, ys = zip(*points)
-    mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
-    sxx = sum((x - mean_x) ** 2 for x in xs)
-    if sxx == 0:
-        raise ValueError("a fit needs two distinct x values")
-    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / sxx
-    return mean_y - slope * mean_x, slope
-
-
-def git_state(checkout: Path, pathspec: str = ".") -> GitState:
-    """Commit of ``checkout``, and whether ``pathspec`` in it has uncommitted changes: which code a figure is of."""
+def git_state(checkout: Path, pathspec: str = ".") -> dict[str, Any]:
+    """Commit of ``checkout``, the last to change ``pathspec``, and whether that had uncommitted changes."""
 
     def git(*args: str) -> str:
-        return subprocess.run(
-            ["git", "-C", str(checkout), *args], capture_output=True, text=True, check=False
-        ).stdout.strip()
+        result = subprocess.run(["git", "-C", str(checkout), *args], capture_output=True, text=True, check=False)
+        return result.stdout.strip()
 
     commit = git("rev-parse", "HEAD")
-    return GitState(
-        path=str(checkout),
-        commit=commit or None,
-        branch=git("rev-parse", "--abbrev-ref", "HEAD") or None,
-        last_change=git("log", "-1", "--format=%H", "--", pathspec) or None,
-        dirty=bool(git("status", "--porcelain", "--untracked-files=all", "--", pathspec)) if commit else None,
-    )
-
-
-def plugin_location(env: Mapping[str, str]) -> Path:
-    """Where children started with ``env`` import ``mergekit_ram`` from (asked outside any checkout)."""
-    result = subprocess.run(
-        [sys.executable, "-c", "import os, mergekit_ram as m; print(os.path.dirname(os.path.dirname(m.__file__)))"],
-        capture_output=True,
-        text=True,
-        check=True,
-        cwd="/",
-        env=dict(env),
-    )
-    return Path(result.stdout.strip())
+    return {
+        "path": str(checkout),
+        "commit": commit or None,
+        "branch": git("rev-parse", "--abbrev-ref", "HEAD") or None,
+        "last_change": git("log", "-1", "--format=%H", "--", pathspec) or None,
+        "dirty": bool(git("status", "--porcelain", "--untracked-files=all", "--", pathspec)) if commit else None,
+    }
 
 
 def cpu_model() -> str:
-    """The processor's model name (from /proc/cpuinfo where there is one)."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as handle:
             for line in handle:
@@ -261,48 +201,63 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def machine_info(env: Optional[Mapping[str, str]] = None) -> Machine:
-    """The facts a reader needs to compare figures between machines and runs."""
-    import mergekit
-    import torch
-
-    plugin = plugin_location(env or child_env())
-    return Machine(
-        hostname=platform.node(),
-        cpu=cpu_model(),
-        cpu_count=os.cpu_count() or 1,
-        affinity=len(os.sched_getaffinity(0)),
-        memory_bytes=psutil.virtual_memory().total,
-        memory_available_bytes=psutil.virtual_memory().available,
-        disk_free_bytes=shutil.disk_usage(BENCH_DIR).free,
-        load_average=os.getloadavg(),
-        python=platform.python_version(),
-        torch=torch.__version__,
-        torch_threads=torch.get_num_threads(),
-        mergekit=_version("mergekit", getattr(mergekit, "__version__", None)),
-        mergekit_ram=_version("mergekit-ram", None),
-        thread_env={key: value for key, value in os.environ.items() if key.startswith(THREAD_ENV_PREFIXES)},
-        plugin=git_state(plugin, "mergekit_ram"),
-        benchmarks=git_state(REPO_ROOT, "benchmarks"),
-        time=time.strftime("%Y-%m-%d %H:%M:%S %z"),
-    )
-
-
-def _version(distribution: str, fallback: Optional[str]) -> Optional[str]:
-    from importlib.metadata import PackageNotFoundError, version
-
+def _version(distribution: str) -> Optional[str]:
     try:
         return version(distribution)
     except PackageNotFoundError:
-        return fallback
+        return None
+
+
+def machine_info(env: Optional[Mapping[str, str]] = None) -> dict[str, Any]:
+    """The facts a reader needs to compare figures between machines and runs, and which code they are of."""
+    import torch
+
+    plugin = subprocess.run(  # where children started with ``env`` import mergekit_ram from
+        [sys.executable, "-c", "import os, mergekit_ram as m; print(os.path.dirname(os.path.dirname(m.__file__)))"],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd="/",
+        env=dict(env or child_env()),
+    ).stdout.strip()
+    return {
+        "hostname": platform.node(),
+        "cpu": cpu_model(),
+        "cpu_count": os.cpu_count() or 1,
+        "affinity": len(os.sched_getaffinity(0)),
+        "memory_bytes": psutil.virtual_memory().total,
+        "memory_available_bytes": psutil.virtual_memory().available,
+        "disk_free_bytes": shutil.disk_usage(BENCH_DIR).free,
+        "load_average": list(os.getloadavg()),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "mergekit": _version("mergekit"),
+        "mergekit_ram": _version("mergekit-ram"),
+        "thread_env": {key: value for key, value in os.environ.items() if key.startswith(THREAD_ENV_PREFIXES)},
+        "plugin": git_state(Path(plugin), "mergekit_ram"),
+        "benchmarks": git_state(REPO_ROOT, "benchmarks"),
+        "time": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+    }
+
+
+def machine_line(machine: Mapping[str, Any]) -> str:
+    """Where and when a run was measured, and the plugin's code (its last commit to ``mergekit_ram/``), in a line."""
+    threads = "".join(f", {key}={value}" for key, value in (machine.get("thread_env") or {}).items())
+    plugin = machine["plugin"]
+    commit = (plugin.get("last_change") or plugin["commit"] or "?")[:10]
+    return (
+        f"{machine['cpu_count']} x {machine['cpu']}, {fmt_bytes(machine['memory_bytes'])}, Python {machine['python']}, "
+        f"torch {machine['torch']}, mergekit {machine['mergekit']}; {machine['time']}, load at start "
+        f"{machine['load_average'][0]:.2f}{threads}; mergekit_ram `{commit}`"
+        + (" (modified)" if plugin["dirty"] else "")
+    )
 
 
 def fmt_bytes(value: Optional[float]) -> str:
     if value is None or value != value:
         return "n/a"
-    if value >= GIB:
-        return f"{value / GIB:.2f} GiB"
-    return f"{value / MIB:.0f} MiB"
+    return f"{value / GIB:.2f} GiB" if value >= GIB else f"{value / MIB:.0f} MiB"
 
 
 def fmt_seconds(value: Optional[float]) -> str:
@@ -319,9 +274,7 @@ def fmt_count(value: float) -> str:
     """Parameters or elements: 123.4M, 3.40B."""
     if value >= 1e9:
         return f"{value / 1e9:.2f}B"
-    if value >= 1e6:
-        return f"{value / 1e6:.1f}M"
-    return f"{value:,.0f}"
+    return f"{value / 1e6:.1f}M" if value >= 1e6 else f"{value:,.0f}"
 
 
 def setup_logging(verbose: bool) -> None:

@@ -29,12 +29,12 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from benchmarks.common import setup_logging
-from benchmarks.records import BaselineFigures, read_json, write_json
+from benchmarks.records import read_json, write_json
 
 LOG = logging.getLogger(__name__)
 
 State = dict[str, torch.Tensor]
-#: The baseline's report of its own merge (:class:`benchmarks.records.BaselineFigures`), beside the output.
+#: The baseline's report of its own merge (rho, lambda, merge_s, total_s), beside the output.
 BASELINE_FIGURES_FILE = "inmemory_statistics.json"
 
 
@@ -135,8 +135,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     merged, rhos, lambdas = merge_in_memory(args.base, args.agents, epsilon=args.epsilon, r=args.r, alpha=args.alpha)
     merged_s = time.perf_counter() - started
     save_sharded(merged, args.out, stored_dtype(args.base), args.base)
-    figures = BaselineFigures(rho=rhos, lambda_=lambdas, merge_s=merged_s, total_s=time.perf_counter() - started)
-    write_json(args.out / BASELINE_FIGURES_FILE, figures.to_dict())
+    figures = {"rho": rhos, "lambda": lambdas, "merge_s": merged_s, "total_s": time.perf_counter() - started}
+    write_json(args.out / BASELINE_FIGURES_FILE, figures)
     return 0
 
 

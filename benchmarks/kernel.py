@@ -1,25 +1,14 @@
 """The kernel alone: time and scratch bytes per element, ours against mergekit's built-in RAM.
 
 For N = 2, 3, 5 fine-tunes of one bfloat16 tensor (16M elements by default; agents drawn as
-in the synthetic models, densities 3.2%, 46.2%, 54.3%, then 25% and 40%):
-
-- ours: ``mergekit_ram.kernel.merge_tensors`` merging only (RAM, and RAM+ with lambdas != 1)
-  and merging and counting (what ``ram`` runs, it takes its statistics during the merge), and
-  ``mergekit_ram.kernel.count_overlaps`` (the ``ram_plus`` pre-pass), each on torch's thread
-  count as the merge methods call them;
-- mergekit 0.1.5's built-ins through ``mergekit.merge_methods.api.merge_tensors``: ``ram`` and
-  ``ramplus_tl`` in the input dtype, and ``ram`` with ``dtype=float32`` (what a recipe needs
-  for exact results). The objects come from ``mergekit.merge_methods.ram`` directly: the
-  plugin replaces the registry's ``ram``.
-
-Scratch is the peak of torch's CPU allocations during a call made with one thread (profiler
-memory events, allocations minus frees in order; the profiler sees the calling thread only),
-output included, inputs not; each further worker thread of the plugin's kernel adds one more
-set of chunk buffers. A kernel that works through
-a tensor in fixed-size chunks has a bounded scratch, so its bytes per element fall as the
-tensor grows: the absolute figure is reported too. Time is the median of
-several calls after one warm-up, with torch's default thread count; the speed-up against the
-built-in is taken on the fastest call, the least disturbed by other load on a shared machine.
+in the synthetic models, densities 3.2%, 46.2%, 54.3%, then 25% and 40%): ours
+(``mergekit_ram.kernel.merge_tensors``, merging only for RAM and RAM+, merging and counting as
+``ram`` runs it, and ``count_overlaps``, the ``ram_plus`` pre-pass, on torch's thread count as
+the merge methods call them), and mergekit 0.1.5's built-in ``ram`` and ``ramplus_tl`` through
+``mergekit.merge_methods.api.merge_tensors`` (taken from ``mergekit.merge_methods.ram``: the
+plugin replaces the registry's ``ram``). Time: the median of several rounds of all calls in
+turns, after a warm-up; the speed-up is taken on the fastest call, the least disturbed. Scratch:
+:func:`benchmarks.memory.peak_allocated_bytes` of a call on one thread, output included.
 
 Also the start-up hook: ``python -X importtime -c pass`` cumulative microseconds of the
 ``mergekit_ram`` modules the ``.pth`` line imports, median of several interpreters.
@@ -40,19 +29,10 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from benchmarks.common import (
-    child_env,
-    fmt_bytes,
-    fmt_count,
-    machine_info,
-    median,
-    parse_size,
-    setup_logging,
-    use_plugin,
-)
+from benchmarks.common import child_env, fmt_count, machine_info, median, parse_size, setup_logging, use_plugin
 from benchmarks.memory import peak_allocated_bytes
 from benchmarks.models import PAPER_DENSITIES, AgentDraw, base_chunk, overlap_for
-from benchmarks.records import RESULTS_DIR, KernelRun, KernelTiming, StartupCost, save_record
+from benchmarks.records import RESULTS_DIR, save_result
 from mergekit_ram.stats.render import markdown_table
 
 LOG = logging.getLogger(__name__)
@@ -74,15 +54,17 @@ def kernel_inputs(numel: int, n: int, seed: int = 0) -> tuple[torch.Tensor, list
     return base, finetunes
 
 
-def median_seconds(function: Callable[[], Any], repeats: int) -> tuple[float, list[float]]:
-    """Median wall time of ``repeats`` calls after one untimed warm-up call."""
-    function()
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
+def measure(labelled: dict[str, Callable[[], Any]], repeats: int) -> dict[str, list[float]]:
+    """Seconds per call: one warm-up each, then ``repeats`` rounds of every call in turn (all see the same load)."""
+    for function in labelled.values():
         function()
-        times.append(time.perf_counter() - started)
-    return median(times), times
+    times: dict[str, list[float]] = {label: [] for label in labelled}
+    for _ in range(repeats):
+        for label, function in labelled.items():
+            started = time.perf_counter()
+            function()
+            times[label].append(time.perf_counter() - started)
+    return times
 
 
 def variants(base: torch.Tensor, finetunes: list[torch.Tensor]) -> dict[str, Callable[[], Any]]:
@@ -111,25 +93,26 @@ def variants(base: torch.Tensor, finetunes: list[torch.Tensor]) -> dict[str, Cal
     }
 
 
-def benchmark_kernel(numel: int, ns: Sequence[int] = (2, 3, 5), repeats: int = 5) -> list[KernelTiming]:
+def benchmark_kernel(numel: int, ns: Sequence[int] = (2, 3, 5), repeats: int = 5) -> list[dict[str, Any]]:
     rows = []
     for n in ns:
         base, finetunes = kernel_inputs(numel, n)
-        for label, function in variants(base, finetunes).items():
-            seconds, times = median_seconds(function, repeats)
-            scratch, _ = peak_allocated_bytes(function, threads=1)
+        calls = variants(base, finetunes)
+        for label, times in measure(calls, repeats).items():
+            seconds = median(times)
+            scratch, _ = peak_allocated_bytes(calls[label], threads=1)
             rows.append(
-                KernelTiming(
-                    n=n,
-                    variant=label,
-                    numel=numel,
-                    seconds=seconds,
-                    min_seconds=min(times),
-                    times=times,
-                    ns_per_element=seconds / numel * 1e9,
-                    scratch_bytes=scratch,
-                    scratch_bytes_per_element=scratch / numel,
-                )
+                {
+                    "n": n,
+                    "variant": label,
+                    "numel": numel,
+                    "seconds": seconds,
+                    "min_seconds": min(times),
+                    "times": times,
+                    "ns_per_element": seconds / numel * 1e9,
+                    "scratch_bytes": scratch,
+                    "scratch_bytes_per_element": scratch / numel,
+                }
             )
             LOG.info("N=%d %-30s %8.1f ms  %5.1f B/element", n, label, seconds * 1e3, scratch / numel)
         del base, finetunes
@@ -139,69 +122,60 @@ def benchmark_kernel(numel: int, ns: Sequence[int] = (2, 3, 5), repeats: int = 5
 IMPORTTIME_LINE = re.compile(r"import time:\s*(\d+)\s*\|\s*(\d+)\s*\|\s*(.+)$")
 
 
-def startup_cost(repeats: int = 20, env: Optional[dict[str, str]] = None) -> StartupCost:
+def startup_cost(repeats: int = 20, env: Optional[dict[str, str]] = None) -> dict[str, Any]:
     """Cumulative import microseconds of the hook's modules at interpreter start, medians over interpreters."""
-    env = env or child_env()
     samples: dict[str, list[int]] = {module: [] for module in HOOK_MODULES}
     walls = []
     for _ in range(repeats):
         started = time.perf_counter()
-        result = subprocess.run(
-            [sys.executable, "-X", "importtime", "-c", "pass"], capture_output=True, text=True, env=env, cwd="/"
-        )
+        command = [sys.executable, "-X", "importtime", "-c", "pass"]
+        result = subprocess.run(command, capture_output=True, text=True, env=env or child_env(), cwd="/")
         walls.append(time.perf_counter() - started)
         for line in result.stderr.splitlines():
             match = IMPORTTIME_LINE.match(line)
             if match and match.group(3).strip() in samples:
                 samples[match.group(3).strip()].append(int(match.group(2)))
-    return StartupCost(
-        repeats=repeats,
-        cumulative_us={module: median(values) if values else None for module, values in samples.items()},
-        interpreter_wall_s=median(walls),
-    )
+    return {
+        "repeats": repeats,
+        "cumulative_us": {module: median(values) if values else None for module, values in samples.items()},
+        "interpreter_wall_s": median(walls),
+    }
 
 
-def kernel_table(rows: Sequence[KernelTiming]) -> str:
-    reference = {row.n: row for row in rows if row.variant == BUILTIN_REFERENCE}
-    table_rows = []
+def kernel_table(rows: Sequence[dict[str, Any]]) -> str:
+    """A row per kernel, for each N: ns per element (median), speed-up on the built-in ram (fastest calls),
+    scratch bytes per element."""
+    ns = sorted({row["n"] for row in rows})
+    builtin = {row["n"]: row["min_seconds"] for row in rows if row["variant"] == BUILTIN_REFERENCE}
+    by_variant: dict[str, dict[int, dict[str, Any]]] = {}
     for row in rows:
-        builtin = reference.get(row.n)
-        speed = f"{builtin.min_seconds / row.min_seconds:.2f}x" if builtin else ""
-        table_rows.append(
-            [
-                row.n,
-                row.variant,
-                f"{row.seconds * 1e3:.0f} ms",
-                f"{row.min_seconds * 1e3:.0f} ms",
-                f"{row.ns_per_element:.2f}",
-                speed,
-                f"{row.scratch_bytes_per_element:.1f}",
-                fmt_bytes(row.scratch_bytes),
-            ]
-        )
-    headers = [
-        "N",
-        "kernel",
-        "time (median)",
-        "time (min)",
-        "ns / element",
-        "vs built-in ram",
-        "scratch B / element",
-        "scratch",
+        by_variant.setdefault(row["variant"], {})[row["n"]] = row
+    table = []
+    for variant, by_n in by_variant.items():
+        cells = [variant]
+        for n in ns:
+            if n not in by_n:
+                cells += ["", "", ""]
+                continue
+            row = by_n[n]
+            speed = f"{builtin[n] / row['min_seconds']:.2f}x" if n in builtin else ""
+            cells += [f"{row['ns_per_element']:.2f}", speed, f"{row['scratch_bytes_per_element']:.1f}"]
+        table.append(cells)
+    headers = ["kernel"] + [
+        f"N = {n}: {what}" for n in ns for what in ("ns / element", "x built-in", "scratch B / el.")
     ]
-    return markdown_table([headers, *table_rows], "l")
+    return markdown_table([headers, *table], "l")
 
 
-def startup_table(startup: StartupCost) -> str:
-    rows = []
-    for module, us in startup.cumulative_us.items():
-        rows.append([f"`{module}`", "not imported" if us is None else f"{us / 1000:.2f} ms"])
-    rows.append(["whole interpreter (`python -c pass`, wall)", f"{startup.interpreter_wall_s * 1000:.0f} ms"])
-    return markdown_table([[f"start-up, median of {startup.repeats}", "cumulative import time"], *rows], "l")
-
-
-def results_path() -> Path:
-    return RESULTS_DIR / "kernel.json"
+def startup_line(startup: dict[str, Any]) -> str:
+    modules = ", ".join(
+        f"`{module}` " + ("not imported" if us is None else f"{us / 1000:.2f} ms")
+        for module, us in startup["cumulative_us"].items()
+    )
+    return (
+        f"Start-up hook, cumulative import time (median of {startup['repeats']} interpreters): {modules}; "
+        f"a whole `python -c pass` takes {startup['interpreter_wall_s'] * 1000:.0f} ms."
+    )
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -217,22 +191,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     setup_logging(args.verbose)
     use_plugin(__spec__.name, args.plugin, sys.argv[1:] if argv is None else argv)
     numel = parse_size(args.numel)
-    ns = [int(n) for n in args.n.split(",")]
     env = child_env(args.plugin)
     import mergekit_ram
 
-    result = KernelRun(
-        machine=machine_info(env),
-        kernel_module=str(Path(mergekit_ram.__file__).parent),
-        numel=numel,
-        kernel=benchmark_kernel(numel, ns, args.repeats),
-        startup=startup_cost(args.startup_repeats, env),
-    )
-    save_record(args.json or results_path(), result)
+    result: dict[str, Any] = {
+        "machine": machine_info(env),
+        "kernel_module": str(Path(mergekit_ram.__file__).parent),
+        "numel": numel,
+        "kernel": benchmark_kernel(numel, [int(n) for n in args.n.split(",")], args.repeats),
+        "startup": startup_cost(args.startup_repeats, env),
+    }
+    save_result(args.json or RESULTS_DIR / "kernel.json", "kernel", result)
     print(f"kernel alone, {fmt_count(numel)} bfloat16 elements, torch threads {torch.get_num_threads()}")
-    print(kernel_table(result.kernel))
-    print()
-    print(startup_table(result.startup))
+    print(f"{kernel_table(result['kernel'])}\n\n{startup_line(result['startup'])}")
     return 0
 
 

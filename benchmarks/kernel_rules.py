@@ -25,15 +25,15 @@ import importlib.util
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
+from unittest import mock
 
 import torch
 
 from benchmarks.common import fmt_count, median, parse_size
-from benchmarks.kernel import EPSILON, LAMBDAS, kernel_inputs
+from benchmarks.kernel import EPSILON, LAMBDAS, kernel_inputs, measure
 from benchmarks.memory import peak_allocated_bytes
 from mergekit_ram import kernel
 from mergekit_ram.stats.render import markdown_table
@@ -49,29 +49,6 @@ ALTERNATIVES: dict[str, dict[str, Any]] = {
     "torch.set_num_threads (no ctypes)": {"_omp_set_num_threads": lambda: None},
     "workers on torch's threads (no setting)": {"_one_intra_op_thread": contextlib.nullcontext},
 }
-
-
-@contextlib.contextmanager
-def replaced(module: ModuleType, attributes: dict[str, Any]) -> Iterator[None]:
-    """``module``'s ``attributes`` replaced meanwhile."""
-    saved = {name: getattr(module, name) for name in attributes}
-    for name, value in attributes.items():
-        setattr(module, name, value)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            setattr(module, name, value)
-
-
-def with_alternative(function: Callable[[], Any], attributes: dict[str, Any]) -> Callable[[], Any]:
-    """``function`` run with the kernel's ``attributes`` replaced."""
-
-    def call() -> Any:
-        with replaced(kernel, attributes):
-            return function()
-
-    return call
 
 
 def kernel_at(revision: str) -> ModuleType:
@@ -114,19 +91,6 @@ def calls(
     return measured
 
 
-def measure(labelled: dict[str, Callable[[], Any]], repeats: int) -> dict[str, list[float]]:
-    """Seconds per call: one warm-up each, then ``repeats`` rounds of every call in turn."""
-    for function in labelled.values():
-        function()
-    times: dict[str, list[float]] = {label: [] for label in labelled}
-    for _ in range(repeats):
-        for label, function in labelled.items():
-            started = time.perf_counter()
-            function()
-            times[label].append(time.perf_counter() - started)
-    return times
-
-
 def scratch_per_chunk_element(function: Callable[[], Any], chunk: int) -> float:
     """Peak torch allocations of one call on one thread, minus its output, per chunk element."""
     peak, result = peak_allocated_bytes(function, threads=1)
@@ -153,7 +117,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         measured |= {f"{name} (new)": (ours[name], f"{name} (before)") for name in before}
     if args.alternatives:
         measured |= {
-            f"{COUNTING_RAM} ({name})": (with_alternative(ours[COUNTING_RAM], attributes), f"{COUNTING_RAM} (new)")
+            f"{COUNTING_RAM} ({name})": (
+                mock.patch.multiple(kernel, **attributes)(ours[COUNTING_RAM]),
+                f"{COUNTING_RAM} (new)",
+            )
             for name, attributes in ALTERNATIVES.items()
         }
     times = measure({label: function for label, (function, _) in measured.items()}, args.repeats)

@@ -30,12 +30,12 @@ import time
 import zlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import IO, Mapping, Optional, Sequence
+from typing import IO, Any, Mapping, Optional, Sequence
 
 import torch
 
 from benchmarks.common import CACHE_DIR, GIB, fmt_bytes, fmt_count, setup_logging
-from benchmarks.records import ModelSet, read_json, write_json
+from benchmarks.records import read_json, write_json
 from mergekit_ram.stats.render import markdown_table
 from mergekit_ram.synthetic import PAPER_OVERLAP, Subset, independent_overlap, tiny_config
 
@@ -228,6 +228,13 @@ def generation_spec(size: ModelSize, overlap: str, seed: int, shard_bytes: int, 
     }
 
 
+def load_model_set(root: Path) -> dict[str, Any]:
+    """The set described by ``root/complete.json``, its paths under ``root`` wherever the cache now lives."""
+    found = read_json(root / "complete.json")["set"]
+    agents = [str(root / Path(agent).name) for agent in found["agents"]]
+    return {**found, "root": str(root), "base": str(root / Path(found["base"]).name), "agents": agents}
+
+
 def ensure_models(
     size_name: str,
     *,
@@ -236,8 +243,9 @@ def ensure_models(
     shard_bytes: int = DEFAULT_SHARD_BYTES,
     chunk: int = DEFAULT_CHUNK,
     cache_dir: Path = CACHE_DIR,
-) -> ModelSet:
-    """The cached model set for ``size_name``, generated first if missing or stale."""
+) -> dict[str, Any]:
+    """The cached model set for ``size_name`` (base, agents, parameters, measured profile), generated first
+    if missing or stale."""
     size = SIZES[size_name]
     root = model_set_root(size_name, overlap, seed, cache_dir)
     spec = generation_spec(size, overlap, seed, shard_bytes, chunk)
@@ -245,7 +253,7 @@ def ensure_models(
     if marker.exists():
         if read_json(marker)["spec"] == spec:
             LOG.info("using cached models %s", root)
-            return ModelSet.load(root)
+            return load_model_set(root)
         LOG.info("cached models %s were generated differently; regenerating", root)
     return generate(size, root, spec, overlap_for(overlap), seed=seed, shard_bytes=shard_bytes, chunk=chunk)
 
@@ -259,7 +267,7 @@ def generate(
     seed: int,
     shard_bytes: int,
     chunk: int,
-) -> ModelSet:
+) -> dict[str, Any]:
     """Write base and agents into ``root`` (through a temporary directory, so a cache is never half written)."""
     draw = AgentDraw(overlap)
     names = ["base"] + [AGENT_NAMES[i] if i < len(AGENT_NAMES) else f"agent-{i}" for i in range(draw.n_agents)]
@@ -306,19 +314,19 @@ def generate(
 
     densities, unique_shares = measured_profile(histogram, draw.n_agents, parameters)
     disk = sum(file.stat().st_size for file in partial.rglob("*") if file.is_file())
-    model_set = ModelSet(
-        size=size.name,
-        root=str(root),
-        base=str(root / "base"),
-        agents=tuple(str(root / name) for name in names[1:]),
-        parameters=parameters,
-        largest_tensor=max(math.prod(shape) for _, shape in tensors),
-        disk_bytes=disk,
-        generation_s=elapsed,
-        densities=densities,
-        unique_shares=unique_shares,
-    )
-    write_json(partial / "complete.json", {"spec": spec, "set": model_set.to_dict()})
+    model_set = {
+        "size": size.name,
+        "root": str(root),
+        "base": str(root / "base"),
+        "agents": [str(root / name) for name in names[1:]],
+        "parameters": parameters,
+        "largest_tensor": max(math.prod(shape) for _, shape in tensors),
+        "disk_bytes": disk,
+        "generation_s": elapsed,
+        "densities": densities,  # measured share of elements each agent changed
+        "unique_shares": unique_shares,  # measured share of each agent's changes no other agent made
+    }
+    write_json(partial / "complete.json", {"spec": spec, "set": model_set})
     partial.rename(root)
     LOG.info("generated %s in %.0f s, %s on disk", size.name, elapsed, fmt_bytes(disk))
     return model_set
@@ -340,7 +348,7 @@ def write_tensor(
     return histogram
 
 
-def measured_profile(histogram: torch.Tensor, n_agents: int, parameters: int) -> tuple[tuple, tuple]:
+def measured_profile(histogram: torch.Tensor, n_agents: int, parameters: int) -> tuple[list, list]:
     """Each agent's density and the share of its changes that are unique, from the pattern histogram."""
     densities, unique = [], []
     for agent in range(n_agents):
@@ -348,26 +356,24 @@ def measured_profile(histogram: torch.Tensor, n_agents: int, parameters: int) ->
         alone = int(histogram[1 << agent])
         densities.append(round(active / parameters, 6))
         unique.append(round(alone / active, 6) if active else 0.0)
-    return tuple(densities), tuple(unique)
+    return densities, unique
 
 
-def size_table(names: Optional[Sequence[str]] = None) -> str:
+def size_table() -> str:
     rows = []
-    for name in names or SIZES:
-        size = SIZES[name]
+    for name, size in SIZES.items():
         parameters = size.parameters()
         rows.append(
             [
                 name,
                 size.note,
                 f"{size.hidden}/{size.intermediate}/{size.layers}/{size.vocab}",
-                "yes" if size.tied else "no",
                 fmt_count(parameters),
                 fmt_count(size.largest_tensor()),
                 fmt_bytes(4 * parameters * BYTES_PER_PARAMETER),
             ]
         )
-    headers = ["size", "shape", "hidden/intermediate/layers/vocab", "tied", "parameters", "largest tensor", "4 models"]
+    headers = ["size", "shape", "hidden/intermediate/layers/vocab", "parameters", "largest tensor", "4 models"]
     return markdown_table([headers, *rows], "l")
 
 
@@ -383,23 +389,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     setup_logging(args.verbose)
     if args.list or not args.size:
         print(size_table())
-        return 0
-    rows = []
-    for name in args.size:
+    for name in args.size or ():
         models = ensure_models(name, overlap=args.overlap, seed=args.seed, shard_bytes=args.shard_bytes)
-        rows.append(
-            [
-                name,
-                fmt_count(models.parameters),
-                fmt_bytes(models.disk_bytes),
-                f"{models.generation_s:.0f} s",
-                " / ".join(f"{d:.1%}" for d in models.densities),
-                " / ".join(f"{u:.1%}" for u in models.unique_shares),
-                models.root,
-            ]
+        densities = " / ".join(f"{d:.1%}" for d in models["densities"])
+        unique = " / ".join(f"{u:.1%}" for u in models["unique_shares"])
+        print(
+            f"{name}: {fmt_bytes(models['disk_bytes'])} in {models['generation_s']:.0f} s, densities {densities}, "
+            f"unique shares {unique}: {models['root']}"
         )
-    headers = ["size", "parameters", "disk (4 models)", "generation", "densities", "unique shares", "path"]
-    print(markdown_table([headers, *rows], "l"))
     return 0
 
 

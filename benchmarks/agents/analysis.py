@@ -16,13 +16,12 @@ Two measurements on the checkpoints themselves (no merging):
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
 from benchmarks.agents.evaluate import EvalSets, accuracy
 from benchmarks.agents.model import load_model
-from benchmarks.agents.records import AgentUpdates, Binade, UpdateAnalysis
 
 DOSES = (0.1, 0.2, 1 / 3, 0.5, 1.0)
 #: Binades reported; smaller weights (and zeros) are pooled in the first, larger ones in the last.
@@ -35,8 +34,12 @@ def _states(paths: Mapping[str, str]) -> dict[str, dict[str, torch.Tensor]]:
     }
 
 
-def where_updates_land(base: str, agents: Mapping[str, str], epsilon: float = 1e-5) -> UpdateAnalysis:
-    """Density per binade of |w_base| for each agent, and overlap against independence."""
+def where_updates_land(base: str, agents: Mapping[str, str], epsilon: float = 1e-5) -> dict[str, Any]:
+    """Density per binade of |w_base| for each agent (None: no weight there), and overlap against independence.
+
+    ``binades``: each binade's exponent, share of all weights and half a bfloat16 step there;
+    ``agents``: each agent's density, by binade too, unique share, and unique share if independent.
+    """
     states = _states({"base": base, **agents})
     base_state = states.pop("base")
     names = [name for name in base_state if base_state[name].is_floating_point()]
@@ -49,7 +52,7 @@ def where_updates_land(base: str, agents: Mapping[str, str], epsilon: float = 1e
     count = torch.stack(list(masks.values())).sum(0)
     densities = {task: mask.float().mean().item() for task, mask in masks.items()}
     binades = [
-        Binade(exponent=k, share_of_weights=(exponent == k).float().mean().item(), half_step=2.0 ** (k - 8))
+        {"exponent": k, "share_of_weights": (exponent == k).float().mean().item(), "half_step": 2.0 ** (k - 8)}
         for k in BINADES
     ]
     updates = {}
@@ -58,15 +61,15 @@ def where_updates_land(base: str, agents: Mapping[str, str], epsilon: float = 1e
         for other, density in densities.items():
             if other != task:
                 independent *= 1.0 - density
-        updates[task] = AgentUpdates(
-            density=densities[task],
-            density_by_binade=[
+        updates[task] = {
+            "density": densities[task],
+            "density_by_binade": [
                 mask[exponent == k].float().mean().item() if (exponent == k).any() else None for k in BINADES
             ],
-            unique_share=(mask & (count == 1)).sum().item() / max(int(mask.sum()), 1),
-            unique_share_if_independent=independent,
-        )
-    return UpdateAnalysis(binades=binades, agents=updates)
+            "unique_share": (mask & (count == 1)).sum().item() / max(int(mask.sum()), 1),
+            "unique_share_if_independent": independent,
+        }
+    return {"binades": binades, "agents": updates}
 
 
 def dose_response(

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Mapping
+from dataclasses import dataclass, field, replace
 
 from benchmarks.agents.evaluate import EvalConfig
 from benchmarks.agents.grpo import GrpoConfig
@@ -27,28 +26,6 @@ class ExperimentConfig:
     #: One: two threads are slower than one as soon as another process wants a core.
     pretrain_threads: int = 1
     smoke: bool = False
-
-    @property
-    def main_snapshot(self) -> int:
-        return self.snapshots[-1]
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> ExperimentConfig:
-        """The settings as ``to_dict`` stored them (lists back to tuples)."""
-        return cls(
-            size=ModelSize(**data["size"]),
-            pretrain=PretrainConfig(**{**data["pretrain"], "mixture": tuple(data["pretrain"]["mixture"])}),
-            grpo=GrpoConfig(**data["grpo"]),
-            snapshots=tuple(data["snapshots"]),
-            evaluation=EvalConfig(**data["evaluation"]),
-            full_grid_on_snapshots=data["full_grid_on_snapshots"],
-            pinned_lambdas=data["pinned_lambdas"],
-            pretrain_threads=data["pretrain_threads"],
-            smoke=data["smoke"],
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 FULL = ExperimentConfig()

@@ -29,14 +29,15 @@ import os
 import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 import yaml
 
 from benchmarks.agents.tasks import TASKS
-from benchmarks.common import run_measured
-from benchmarks.records import FlatRecord
+from benchmarks.common import ratio_or_none, run_measured
+from benchmarks.records import read_json
 from mergekit_ram.cli import console_script
+from mergekit_ram.stats.arithmetic import module_of
 
 LOG = logging.getLogger(__name__)
 
@@ -55,7 +56,7 @@ FAMILIES = ("task_arithmetic", "ties", "dare_linear", "dare_ties", "ramplus_tl",
 
 
 @dataclass(frozen=True)
-class Setting(FlatRecord):
+class Setting:
     """One merge: a mergekit method with its parameters.
 
     ``family`` groups the settings among which the best is selected; ``default`` marks the
@@ -249,9 +250,46 @@ def run_mergekit(recipe_document: Mapping[str, Any], out_dir: str, seed: int) ->
         str(seed),
     ]
     measurement = run_measured(command, env=environment, log_path=Path(out_dir) / "mergekit-yaml.log")
-    if not measurement.ok:
-        raise RuntimeError(f"mergekit-yaml failed on {recipe_path}:\n{measurement.log_tail}")
-    return measurement.wall_s
+    if measurement["returncode"]:
+        raise RuntimeError(f"mergekit-yaml failed on {recipe_path}:\n{measurement['log_tail']}")
+    return measurement["wall_s"]
+
+
+def ram_statistics(model_dir: str, names: Mapping[str, str]) -> Optional[dict[str, Any]]:
+    """The ``ram_statistics.json`` mergekit-ram wrote into ``model_dir`` (None: not a RAM merge), by agent.
+
+    ``names`` maps the model ids in the file (paths) to the agents' tasks. Per agent: its counts,
+    overlap histogram, rho (None: infinite) and lambda, and in ``by_kind`` the per-tensor
+    histograms summed into changed and unique counts per kind of weight.
+    """
+    path = os.path.join(model_dir, "ram_statistics.json")
+    if not os.path.exists(path):
+        return None
+    data = read_json(path)
+
+    def short(model: str) -> str:
+        return names.get(model, names.get(os.path.abspath(model), model))
+
+    kinds: dict[str, dict[str, dict[str, int]]] = {}
+    for tensor in data["tensors"]:
+        for model, histogram in zip(tensor["models"], tensor["histograms"]):
+            counts = kinds.setdefault(short(model), {}).setdefault(
+                module_of(tensor["name"]), {"parameters": 0, "changed": 0, "unique": 0}
+            )
+            counts["parameters"] += tensor["numel"]
+            counts["changed"] += sum(histogram)
+            counts["unique"] += histogram[0] if histogram else 0
+    fields = ("parameters", "changed", "density", "unique", "shared", "overlap_histogram")
+    models = {
+        short(entry["model"]): {
+            **{name: entry[name] for name in fields},
+            "rho": ratio_or_none(entry["rho"]),
+            "measured_rho": ratio_or_none(entry["measured_rho"]),
+            "lambda": entry["lambda"],
+        }
+        for entry in data["models"]
+    }
+    return {"parameters": data["parameters"], "models": models, "by_kind": kinds}
 
 
 def fingerprint(*parts: Any) -> str:

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import logging
 import multiprocessing
 import os
 import shutil
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Callable, Iterable, Iterator, Optional, TypeVar
 
 import torch
@@ -29,25 +30,21 @@ from benchmarks.agents.analysis import dose_response, where_updates_land
 from benchmarks.agents.config import FULL, SMOKE, ExperimentConfig
 from benchmarks.agents.evaluate import EvalConfig, eval_sets, evaluate_path
 from benchmarks.agents.grpo import MAX_NEW_TOKENS, train_agent
-from benchmarks.agents.merges import FIGURE3, Setting, file_digest, fingerprint, merge_grid, recipe, run_mergekit
+from benchmarks.agents.merges import (
+    FIGURE3,
+    Setting,
+    file_digest,
+    fingerprint,
+    merge_grid,
+    ram_statistics,
+    recipe,
+    run_mergekit,
+)
 from benchmarks.agents.model import load_model, save_model
 from benchmarks.agents.pretrain import pretrain
-from benchmarks.agents.records import (
-    BASE,
-    RESULTS_INDENT,
-    AgentRun,
-    MergeRecord,
-    MergeStatistics,
-    Results,
-    Scores,
-    VariantAnalysis,
-    checkpoint_name,
-    variant_name,
-    variant_steps,
-)
 from benchmarks.agents.tasks import TASKS
-from benchmarks.common import machine_info
-from benchmarks.records import read_json, write_json
+from benchmarks.common import machine_info, machine_line
+from benchmarks.records import read_json, save_result, write_json
 
 LOG = logging.getLogger("benchmarks.agents")
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -57,8 +54,10 @@ AGENT_CODE = (*BASE_CODE, "grpo.py")
 EVAL_CODE = ("tasks.py", "tokenizer.py", "model.py", "evaluate.py")
 MERGE_CODE = (*EVAL_CODE, "merges.py")
 ANALYSIS_CODE = (*EVAL_CODE, "analysis.py")
-#: Indentation of the cached records and timings, as of results.json.
-CACHE_INDENT = RESULTS_INDENT
+#: Indentation of results.json (many, long records), the cached records and the timings.
+INDENT = 1
+#: ``{split: {task: accuracy, ..., "avg": mean over tasks}}`` of one checkpoint.
+Scores = dict[str, dict[str, float]]
 T = TypeVar("T")
 R = TypeVar("R")
 
@@ -72,12 +71,15 @@ def model_digest(path: str) -> str:
     return file_digest(os.path.join(path, "model.safetensors"))
 
 
-def read_cached(path: str, key: str) -> Optional[dict[str, Any]]:
-    """The JSON record at ``path`` if it was written for ``key``."""
-    if not os.path.exists(path):
-        return None
-    record = read_json(path)
-    return record if record.get("key") == key else None
+def cached(path: str, key: str, compute: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """The JSON record at ``path`` if it was written for ``key``; else ``compute()``'s, written there with ``key``."""
+    if os.path.exists(path):
+        record = read_json(path)
+        if record.get("key") == key:
+            return record
+    record = {"key": key, **compute()}
+    write_json(path, record, indent=INDENT)
+    return record
 
 
 class StageTimings:
@@ -101,7 +103,7 @@ class StageTimings:
         cache = os.path.dirname(self.path)
         if name not in self.timings or _written_since(cache, start_wall):
             self.timings[name] = seconds
-            write_json(self.path, self.timings, indent=CACHE_INDENT)
+            write_json(self.path, self.timings, indent=INDENT)
         LOG.info("stage %s: %.1f s (as built: %.1f s)", name, seconds, self.timings[name])
 
     def as_built(self) -> dict[str, float]:
@@ -172,28 +174,29 @@ class AgentJob:
 
 
 def agent_dir(directory: str, step: int) -> str:
-    return os.path.join(directory, variant_name(step))
+    return os.path.join(directory, f"step{step}")
 
 
-def train_agent_job(job: AgentJob) -> AgentRun:
-    """RL-train one agent from the base; save a bfloat16 checkpoint at every snapshot step."""
-    meta_path = os.path.join(job.directory, "meta.json")
-    cached = read_cached(meta_path, job.key)
-    if cached is not None:
-        return AgentRun(reward_curve=cached["reward_curve"], seconds=cached["seconds"])
-    start = time.perf_counter()
-    model = load_model(job.base)  # float32 copy of the bfloat16 base: exact
-    seed = job.config.grpo.seed + TASKS.index(job.task)
-    curve = train_agent(
-        model,
-        job.task,
-        replace(job.config.grpo, seed=seed),
-        lambda step, trained: save_model(trained, agent_dir(job.directory, step), torch.bfloat16),
-        job.config.snapshots,
-    )
-    run = AgentRun(reward_curve=curve, seconds=time.perf_counter() - start)
-    write_json(meta_path, {"key": job.key, "task": job.task, **run.to_dict()}, indent=CACHE_INDENT)
-    return run
+def train_agent_job(job: AgentJob) -> dict[str, Any]:
+    """RL-train one agent from the base; save a bfloat16 checkpoint at every snapshot step.
+
+    Returns its training: the mean sampled reward of every step, and its wall time.
+    """
+
+    def train() -> dict[str, Any]:
+        start = time.perf_counter()
+        model = load_model(job.base)  # float32 copy of the bfloat16 base: exact
+        curve = train_agent(
+            model,
+            job.task,
+            replace(job.config.grpo, seed=job.config.grpo.seed + TASKS.index(job.task)),
+            lambda step, trained: save_model(trained, agent_dir(job.directory, step), torch.bfloat16),
+            job.config.snapshots,
+        )
+        return {"task": job.task, "reward_curve": curve, "seconds": time.perf_counter() - start}
+
+    run = cached(os.path.join(job.directory, "meta.json"), job.key, train)
+    return {"reward_curve": run["reward_curve"], "seconds": run["seconds"]}
 
 
 @dataclass(frozen=True)
@@ -204,13 +207,10 @@ class EvalJob:
 
 
 def evaluate_job(job: EvalJob) -> Scores:
-    record_path = os.path.join(job.path, "eval.json")
-    cached = read_cached(record_path, job.key)
-    if cached is not None:
-        return cached["scores"]
-    scores = evaluate_path(job.path, eval_sets(job.evaluation), job.evaluation.batch_size)
-    write_json(record_path, {"key": job.key, "scores": scores}, indent=CACHE_INDENT)
-    return scores
+    def evaluate() -> dict[str, Any]:
+        return {"scores": evaluate_path(job.path, eval_sets(job.evaluation), job.evaluation.batch_size)}
+
+    return cached(os.path.join(job.path, "eval.json"), job.key, evaluate)["scores"]
 
 
 @dataclass(frozen=True)
@@ -223,32 +223,26 @@ class MergeJob:
     evaluation: EvalConfig
     seed: int
     key: str
-    keep_weights: bool = False
 
 
-def merge_job(job: MergeJob) -> MergeRecord:
+def merge_job(job: MergeJob) -> dict[str, Any]:
     """Merge with ``mergekit-yaml``, evaluate, keep the RAM statistics; drop the weights."""
-    result_path = os.path.join(job.directory, "result.json")
-    cached = read_cached(result_path, job.key)
-    if cached is not None:
-        return MergeRecord.from_dict(cached)
-    document = recipe(job.setting, job.base, job.agents)
-    seconds = run_mergekit(document, job.directory, job.seed)
-    model_dir = os.path.join(job.directory, "model")
-    scores = evaluate_path(model_dir, eval_sets(job.evaluation), job.evaluation.batch_size)
-    statistics = MergeStatistics.read(model_dir, {path: task for task, path in job.agents.items()})
-    if not job.keep_weights:
+
+    def merge() -> dict[str, Any]:
+        seconds = run_mergekit(recipe(job.setting, job.base, job.agents), job.directory, job.seed)
+        model_dir = os.path.join(job.directory, "model")
+        scores = evaluate_path(model_dir, eval_sets(job.evaluation), job.evaluation.batch_size)
+        statistics = ram_statistics(model_dir, {path: task for task, path in job.agents.items()})
         shutil.rmtree(model_dir)
-    record = MergeRecord(
-        key=job.key,
-        variant=job.variant,
-        setting=job.setting,
-        merge_seconds=seconds,
-        scores=scores,
-        ram_statistics=statistics,
-    )
-    write_json(result_path, record.to_dict(), indent=CACHE_INDENT)
-    return record
+        return {
+            "variant": job.variant,
+            "setting": asdict(job.setting),
+            "merge_seconds": seconds,
+            "scores": scores,
+            "ram_statistics": statistics,
+        }
+
+    return cached(os.path.join(job.directory, "result.json"), job.key, merge)
 
 
 # Stages ----------------------------------------------------------------------------
@@ -258,24 +252,20 @@ def build_base(config: ExperimentConfig, cache: str) -> str:
     """Pretrain the base (or reuse the cached one) and save it in bfloat16."""
     path = os.path.join(cache, "base")
     key = fingerprint("base", config.size, config.pretrain, config.pretrain_threads, code_version(BASE_CODE))
-    if read_cached(os.path.join(path, "meta.json"), key) is not None:
-        LOG.info("base: cached at %s", path)
-        return path
-    shutil.rmtree(path, ignore_errors=True)
-    start = time.perf_counter()
-    with torch_threads(config.pretrain_threads):
-        model = pretrain(config.size, config.pretrain)
-    save_model(model, path, torch.bfloat16)
-    parameters = sum(p.numel() for p in model.parameters())
-    write_json(
-        os.path.join(path, "meta.json"),
-        {"key": key, "seconds": time.perf_counter() - start, "parameters": parameters},
-        indent=CACHE_INDENT,
-    )
+
+    def train() -> dict[str, Any]:
+        shutil.rmtree(path, ignore_errors=True)
+        start = time.perf_counter()
+        with torch_threads(config.pretrain_threads):
+            model = pretrain(config.size, config.pretrain)
+        save_model(model, path, torch.bfloat16)
+        return {"seconds": time.perf_counter() - start, "parameters": sum(p.numel() for p in model.parameters())}
+
+    cached(os.path.join(path, "meta.json"), key, train)
     return path
 
 
-def build_agents(config: ExperimentConfig, cache: str, base: str, workers: Workers) -> dict[str, AgentRun]:
+def build_agents(config: ExperimentConfig, cache: str, base: str, workers: Workers) -> dict[str, dict[str, Any]]:
     """One RL agent per task, trained in parallel (one thread each); returns their training by task."""
     base_key = model_digest(base)
     jobs = [
@@ -292,12 +282,12 @@ def build_agents(config: ExperimentConfig, cache: str, base: str, workers: Worke
 
 
 def variants(config: ExperimentConfig) -> list[str]:
-    return [variant_name(step) for step in config.snapshots]
+    """The agents saved after each snapshot's RL steps: ``step40``."""
+    return [f"step{step}" for step in config.snapshots]
 
 
 def agent_paths(config: ExperimentConfig, cache: str, variant: str) -> dict[str, str]:
-    step = int(variant_steps(variant))
-    return {task: agent_dir(os.path.join(cache, "agents", task), step) for task in TASKS}
+    return {task: os.path.join(cache, "agents", task, variant) for task in TASKS}
 
 
 def evaluate_checkpoints(paths: dict[str, str], config: ExperimentConfig, workers: Workers) -> dict[str, Scores]:
@@ -310,7 +300,15 @@ def evaluate_checkpoints(paths: dict[str, str], config: ExperimentConfig, worker
     return dict(zip(paths, workers.map(evaluate_job, jobs)))
 
 
-def analyse(config: ExperimentConfig, cache: str, base: str) -> dict[str, VariantAnalysis]:
+def variant_analysis(base: str, agents: dict[str, str], evaluation: EvalConfig) -> dict[str, Any]:
+    sets = eval_sets(evaluation)
+    return {
+        "updates": where_updates_land(base, agents),
+        "dose_response": dose_response(base, agents, sets, evaluation.batch_size),
+    }
+
+
+def analyse(config: ExperimentConfig, cache: str, base: str) -> dict[str, dict[str, Any]]:
     """Per variant: where the agents' updates land, and each agent's dose-response (cached)."""
     result = {}
     for variant in variants(config):
@@ -322,22 +320,14 @@ def analyse(config: ExperimentConfig, cache: str, base: str) -> dict[str, Varian
             config.evaluation,
             code_version(ANALYSIS_CODE),
         )
-        path = os.path.join(cache, "analysis", f"{variant}.json")
-        cached = read_cached(path, key)
-        if cached is None:
-            analysis = VariantAnalysis(
-                updates=where_updates_land(base, agents),
-                dose_response=dose_response(base, agents, eval_sets(config.evaluation), config.evaluation.batch_size),
-            )
-            write_json(path, {"key": key, **analysis.to_dict()}, indent=CACHE_INDENT)
-        else:
-            analysis = VariantAnalysis.from_dict(cached)
-        result[variant] = analysis
+        measure = functools.partial(variant_analysis, base, agents, config.evaluation)
+        analysis = cached(os.path.join(cache, "analysis", f"{variant}.json"), key, measure)
+        result[variant] = {"updates": analysis["updates"], "dose_response": analysis["dose_response"]}
     return result
 
 
 def merge_settings(config: ExperimentConfig, variant: str) -> list[Setting]:
-    main = variant == variant_name(config.main_snapshot)
+    main = variant == variants(config)[-1]
     if config.smoke:  # the defaults of a baseline, RAM+ and RAM-TIES, and Figure 3, on the last snapshot only
         smoke = ("task_arithmetic", "ram_plus", "ram_ties")
         grid = merge_grid(pinned_lambdas=False)
@@ -346,7 +336,7 @@ def merge_settings(config: ExperimentConfig, variant: str) -> list[Setting]:
     return grid if main or config.full_grid_on_snapshots else [s for s in grid if s.default]
 
 
-def run_merges(config: ExperimentConfig, cache: str, base: str, workers: Workers) -> list[MergeRecord]:
+def run_merges(config: ExperimentConfig, cache: str, base: str, workers: Workers) -> list[dict[str, Any]]:
     jobs = []
     base_digest = model_digest(base)
     for variant in variants(config):
@@ -396,10 +386,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             agents = build_agents(config, cache, base, workers)
 
         with timings.stage("evaluate base and agents"):
-            checkpoints = {BASE: base}
+            checkpoints = {"base": base}  # and the agents as "step40/add"
             for variant in variants(config):
                 for task, path in agent_paths(config, cache, variant).items():
-                    checkpoints[checkpoint_name(variant, task)] = path
+                    checkpoints[f"{variant}/{task}"] = path
             scores = evaluate_checkpoints(checkpoints, config, workers)
 
         with timings.stage("merges and their evaluation"):
@@ -408,25 +398,22 @@ def main(argv: Optional[list[str]] = None) -> int:
     with timings.stage("analysis"), torch_threads(1):
         analysis = analyse(config, cache, base)
 
-    base_meta = read_json(os.path.join(base, "meta.json"))
     command = "python -m benchmarks.agents.run " + " ".join(argv if argv is not None else sys.argv[1:])
-    results = Results(
-        config=config,
-        command=command.strip(),
-        machine=machine_info().description(),
-        workers=args.workers,
-        timings=timings.as_built(),
-        parameters=base_meta["parameters"],
-        checkpoint_scores=scores,
-        agents=agents,
-        merges=merges,
-        analysis=analysis,
-        main_variant=variant_name(config.main_snapshot),
-    )
-    os.makedirs(args.out, exist_ok=True)
-    results.save(os.path.join(args.out, "results.json"))
-    summary = report.render(results, args.out, args.doc)
-    print(summary)
+    results = {
+        "config": asdict(config),
+        "command": command.strip(),
+        "machine": machine_line(machine_info()),
+        "workers": args.workers,
+        "timings": timings.as_built(),
+        "parameters": read_json(os.path.join(base, "meta.json"))["parameters"],
+        "checkpoint_scores": scores,
+        "agents": agents,
+        "merges": merges,
+        "analysis": analysis,
+        "main_variant": variants(config)[-1],
+    }
+    save_result(os.path.join(args.out, "results.json"), "agents", results, indent=INDENT)
+    print(report.render(results, args.out, args.doc))
     return 0
 
 
