@@ -202,17 +202,10 @@ def test_a_user_file_in_a_folder_the_merge_created_survives_ctrl_c(world: World,
     """Case 2 of the safety issue: the merge made the folder, the user saved notes into it meanwhile, then
     Ctrl-C: the notes stay (the folder is removed only when empty), and nothing else of the merge does."""
     out = str(tmp_path / "made-by-the-merge" / "out")
-    release = str(tmp_path / "release")
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", **fault_env("kernel:merge:2:wait", MERGEKIT_RAM_TEST_RELEASE=release)}
-    merge = subprocess.Popen([script("mergekit-yaml"), world.new_recipe, out], env=env, stderr=subprocess.PIPE)
-    try:
-        _wait_for(release + ".waiting", merge)
+    with _paused_merge(world.new_recipe, out, str(tmp_path / "release")) as merge:
         with open(os.path.join(out, "notes.txt"), "w", encoding="utf-8") as handle:
             handle.write("my notes\n")
         merge.send_signal(signal.SIGINT)
-    finally:
-        open(release, "w").close()
-        merge.wait(120)
     assert merge.returncode != 0
     assert snapshot(out) == {"notes.txt": b"my notes\n"}
     empty = str(tmp_path / "empty" / "a" / "out")  # without the notes, every folder the merge made goes
@@ -220,31 +213,32 @@ def test_a_user_file_in_a_folder_the_merge_created_survives_ctrl_c(world: World,
     assert failed.returncode == -signal.SIGTERM and not os.path.exists(str(tmp_path / "empty"))
 
 
-def _wait_for(path: str, process: subprocess.Popen) -> None:
-    deadline = time.monotonic() + 120
-    while not os.path.exists(path) and time.monotonic() < deadline and process.poll() is None:
-        time.sleep(0.05)
-    assert os.path.exists(path), "the merge never reached the fault"
+@contextlib.contextmanager
+def _paused_merge(recipe: str, out: str, release: str) -> Iterator[subprocess.Popen]:
+    """``mergekit-yaml recipe out`` in a subprocess, held at the kernel's second merge call while the
+    block runs; released and waited for (2 minutes at most) when it ends."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", **fault_env("kernel:merge:2:wait", MERGEKIT_RAM_TEST_RELEASE=release)}
+    merge = subprocess.Popen([script("mergekit-yaml"), recipe, out], env=env, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        while not os.path.exists(release + ".waiting") and time.monotonic() < deadline and merge.poll() is None:
+            time.sleep(0.05)
+        assert os.path.exists(release + ".waiting"), "the merge never reached the fault"
+        yield merge
+    finally:
+        open(release, "w").close()
+        merge.wait(120)
 
 
 def test_a_second_merge_into_a_busy_folder_is_refused_at_once(world: World) -> None:
     """Case 4: one merge per output folder, by an OS lock."""
     out = world.copy_old("busy")
-    release = os.path.join(world.root, "busy", "release")
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", **fault_env("kernel:merge:2:wait", MERGEKIT_RAM_TEST_RELEASE=release)}
-    first = subprocess.Popen(
-        [script("mergekit-yaml"), world.new_recipe, out], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
-    )
-    try:
-        _wait_for(release + ".waiting", first)
+    with _paused_merge(world.new_recipe, out, os.path.join(world.root, "busy", "release")) as first:
         during = snapshot(out)
         second = run_script("mergekit-yaml", world.old_recipe, out, env=fault_env(), check=False)
         assert second.returncode != 0
         assert f"another merge is writing to {out}" in second.stderr
         assert snapshot(out) == during
-    finally:
-        open(release, "w").close()
-        first.wait(120)
     assert first.returncode == 0, first.stderr.read().decode()[-3000:] if first.stderr else ""
     assert snapshot(out) == world.new
 
@@ -253,11 +247,7 @@ def test_one_writer_whatever_removes_the_lock(world: World, tmp_path) -> None:
     """Case 3: the lock is OUT itself, so ``rm -rf OUT/.*`` (or ``git clean -fdx``) lets no second merge in;
     after ``rm -rf OUT`` a second merge may make a new OUT, and the first merge's failure leaves it alone."""
     out = str(tmp_path / "made-by-the-first" / "out")
-    release = str(tmp_path / "release")
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", **fault_env("kernel:merge:2:wait", MERGEKIT_RAM_TEST_RELEASE=release)}
-    first = subprocess.Popen([script("mergekit-yaml"), world.new_recipe, out], env=env, stderr=subprocess.PIPE)
-    try:
-        _wait_for(release + ".waiting", first)
+    with _paused_merge(world.new_recipe, out, str(tmp_path / "release")) as first:
         for name in os.listdir(out):  # rm -rf out/.*
             shutil.rmtree(os.path.join(out, name))
         refused = run_script("mergekit-yaml", world.old_recipe, out, env=fault_env(), check=False)
@@ -265,9 +255,6 @@ def test_one_writer_whatever_removes_the_lock(world: World, tmp_path) -> None:
         shutil.rmtree(out)  # rm -rf out
         merge_in_process(world.old_recipe, out)
         second = snapshot(out)
-    finally:
-        open(release, "w").close()
-        first.wait(120)
     assert first.returncode != 0
     assert snapshot(out) == second and "config.json" in second
 
