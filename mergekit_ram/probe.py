@@ -27,7 +27,7 @@ class ProbeSelection:
 
 
 def select_stages(recipe_path: str, stage_name: Optional[str] = None, intermediate_dir: str = "") -> ProbeSelection:
-    """The ``ram`` / ``ram_plus`` stages of a recipe file whose inputs exist.
+    """The mergekit-ram stages of a recipe file whose inputs exist.
 
     A stage that merges an earlier stage's output can be probed only once mergekit-multi
     has written that output under ``intermediate_dir``.

@@ -1,6 +1,6 @@
 """The output transaction: a RAM merge's output folder holds its old content or the complete new merge.
 
-A ``ram`` / ``ram_plus`` merge into ``OUT`` (``run_merge``, so ``mergekit-yaml`` and every stage of
+A mergekit-ram merge (any of its four methods) into ``OUT`` (``run_merge``, so ``mergekit-yaml`` and every stage of
 ``mergekit-multi``; and ``mergekit-pytorch``) runs inside ``output_transaction(OUT)``: mergekit
 writes into a staging folder, published into ``OUT`` once the merge is complete. The threat model
 is in docs/reliability.md. Besides the user's files, ``OUT`` holds:

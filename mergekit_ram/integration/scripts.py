@@ -31,9 +31,9 @@ def patch_script(script: ModuleType) -> None:
     """The plugin's errors as one line (``Error: ...``, exit 1; the traceback with ``-v``).
 
     The plugin's own errors are told by type (``RamError``). A YAML or schema error and a
-    missing CUDA device are reported so only for a file that asks for ``ram``/``ram_plus``, and a
-    misspelling of those names for any file: for every other recipe mergekit's output stays as
-    it was. ``mergekit-pytorch`` (which has no ``run_merge``) also shows the statistics table here.
+    missing CUDA device are reported so only for a file that asks for one of this plugin's methods,
+    and a misspelling of their names for any file: for every other recipe mergekit's output stays
+    as it was. ``mergekit-pytorch`` (which has no ``run_merge``) also shows the statistics table here.
     A failed ``mergekit-multi`` run of a RAM recipe removes the ``-I`` folder it made, if empty
     (the failed stage has removed its own folder).
     """
