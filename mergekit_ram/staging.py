@@ -1,35 +1,40 @@
 """The output transaction: a RAM merge's output folder holds its old content or the complete new merge.
 
-A mergekit-ram merge (any of its four methods) into ``OUT`` (``run_merge``, so ``mergekit-yaml`` and every stage of
-``mergekit-multi``; and ``mergekit-pytorch``) runs inside ``output_transaction(OUT)``: mergekit
-writes into a staging folder, published into ``OUT`` once the merge is complete. The threat model
-is in docs/reliability.md. Besides the user's files, ``OUT`` holds:
+A mergekit-ram merge into ``OUT`` (``run_merge``, so ``mergekit-yaml`` and every stage of
+``mergekit-multi``; and ``mergekit-pytorch``) runs inside ``output_transaction(OUT)``. The threat
+model is in docs/reliability.md. While the merge runs, ``OUT`` holds besides the user's files:
 
-    .mergekit-ram-partial/<name>/       mergekit's output folder (<name>: OUT's, the card's title)
-    .mergekit-ram-partial/publish.json  the journal, written once <name>/ is complete
-    MERGE_INCOMPLETE                    only while files move into OUT
-    .mergekit-ram-manifest.json         published with the merge: the files it wrote
+    .mergekit-ram-<random>/          this run's private folder, made by this process (mode 0700)
+        staged/<name of OUT>/        where mergekit writes (the card's title is this name)
+        replaced/                    OUT's files the publish replaces, until it has succeeded
+    MERGE_INCOMPLETE                 only while files move into OUT
+    .mergekit-ram-manifest.json      published with the merge: its files, its weights' identities
 
 Invariants, each held by tests/test_transaction.py (T) or tests/test_output.py (O):
 
-1. Untrusted state. A name read from OUT (journal, manifest, mergekit's ``*.index.json``) is used
-   only if it is a plain file name (``files.plain_name``) of the kind expected; files are read
-   bounded, without blocking or following a link; anything else is ignored with a warning, and
-   a link, file or folder in place of one of the names above is refused in one line. [T: crafted]
-2. Nothing outside OUT. Every operation is relative to a descriptor of OUT or of the staging
-   folder, with a plain name; a link is moved or removed as a link, never followed. [T: crafted]
-3. Only ours is removed: what this merge wrote, a file of the same name it replaces, or a weight
-   file an earlier merge wrote and recorded (manifest, mergekit's index). A folder is removed only
-   when empty: OUT and its parents only if this merge created them. [T, O: user files]
-4. One writer: an ``flock`` on OUT itself, which nothing inside OUT can remove; a merge whose OUT
-   was removed or replaced meanwhile publishes and removes nothing there. [O: one writer]
-5. Old or new. Until publishing, OUT holds its old files. Every catchable signal whose default
-   action ends the process, and SIGINT, is held while this module changes files and acted on
-   after; elsewhere it unwinds the merge and is re-sent, so the process ends as the signal says.
-   [T: every signal at every operation]
-6. Roll forward. Only SIGKILL, a crash, a power cut or a failed call can stop publishing half-way:
-   MERGE_INCOMPLETE and the journal stay, and the next RAM merge into OUT completes that publish
-   (its files were complete) before it starts, with the routine that publishes. [T: recovery]
+1. No replay. Nothing another process left is completed, restored or undone: a private folder,
+   a marker or an earlier design's ``.mergekit-ram-partial`` is reported in one warning and left
+   for the user; only a manifest's weights may be removed (invariant 4). [T: crash states, then a
+   merge, a failing merge, another method; O: killed publish]
+2. A private folder per run: a fresh unpredictable name made by this process. mergekit writes
+   into it through ``/proc/self/fd``, which names the folder this process opened, so after
+   ``rm -rf OUT`` or a swapped parent its writes fail instead of landing elsewhere. [T: removed
+   and swapped; O: one writer]
+3. Nothing outside OUT, and names from OUT untrusted: every operation goes through a descriptor of
+   OUT or of the private folder with a plain name; a link is moved or removed as a link, never
+   followed; a manifest is read bounded, without blocking or following a link, and a name in it
+   that is not a plain weight file name is ignored with a warning. [T: crafted]
+4. Only ours is removed: what this run wrote; a file of the same name it replaces; a weight file
+   an earlier merge recorded in its manifest whose (device, inode, size, mtime) still match. A
+   folder only when empty; OUT and its parents only if this run created them. [T, O: user files]
+5. One writer: an ``flock`` on OUT itself, which nothing inside OUT can remove; a merge whose OUT
+   was removed or replaced meanwhile publishes nothing. [O: one writer]
+6. Old or new. Until publishing, OUT holds its old files. Every catchable signal whose default
+   action ends the process, and SIGINT, is held while files move and acted on after; an error
+   while publishing is undone by this process from memory. Only SIGKILL, a crash or a power cut
+   can stop a publish half-way: OUT is then marked MERGE_INCOMPLETE (old, new or mixed files,
+   never config.json beside a mix), and the next merge writes its own complete result. [T: every
+   signal and ENOSPC at every operation]
 """
 
 from __future__ import annotations
@@ -41,6 +46,8 @@ import fnmatch
 import json
 import logging
 import os
+import re
+import secrets
 import signal
 import stat
 import threading
@@ -48,37 +55,31 @@ from typing import Any, Iterable, Iterator, Optional
 
 from mergekit_ram._version import __version__
 from mergekit_ram.errors import InputError, RamError
-from mergekit_ram.files import UnreadableFile, plain_name, read_json, write_atomically
+from mergekit_ram.files import UnreadableFile, plain_name, read_json
 
 LOG = logging.getLogger(__name__)
 
-STAGING_DIR = ".mergekit-ram-partial"
-JOURNAL_FILE = "publish.json"
+#: The prefix of every private folder (and of the earlier design's ``.mergekit-ram-partial``).
+PRIVATE_PREFIX = ".mergekit-ram-"
 MARKER_FILE = "MERGE_INCOMPLETE"
 MANIFEST_FILE = ".mergekit-ram-manifest.json"
+#: The private folder's entries: OUT's name (which may be any) only inside staged/.
+_STAGED, _REPLACED = "staged", "replaced"
 #: Leaves OUT first and comes back last: without it no loader takes a half-published folder for a model.
 _CONFIG = "config.json"
 _WEIGHTS = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json")
-#: The names transformers (and ``mergekit-multi --lazy``) look for first.
-_LOADER_NAMES = (
-    "model.safetensors",
-    "model.safetensors.index.json",
-    "pytorch_model.bin",
-    "pytorch_model.bin.index.json",
-)
+#: What transformers and mergekit load as a model's weights: a kept one may shadow the new merge.
+_LOADED = re.compile(r"(model|pytorch_model)(-\d+-of-\d+)?\.(safetensors|bin)(\.index\.json)?")
 _FOLDER = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 MARKER_TEXT = (
-    "A mergekit-ram merge (merge_method ram, ram_plus, ram_ties or ram_unique) was publishing into this\n"
-    "folder and did not finish: the process was killed (SIGKILL, out of memory, power loss), or a file\n"
-    "operation failed, while it moved its files in. Until it is cleared, this folder holds a mix of its\n"
-    "earlier files and the new merge's, without config.json, so no loader takes it for a model. The new\n"
-    "merge's files were complete: run any mergekit-ram merge into this folder and it first completes the\n"
-    "interrupted publish (from .mergekit-ram-partial/), then removes this file. A merge with another\n"
-    "method (linear, ties, ...) does not. Deleting this file and .mergekit-ram-partial/ yourself leaves\n"
-    "the mix as it is.\n"
+    "A mergekit-ram merge was killed (SIGKILL, out of memory, power loss) while it moved its files into\n"
+    "this folder: it holds the earlier files, the new merge's or a mix, never config.json beside a mix.\n"
+    "Nothing completes that publish: rerun the merge (it writes its own complete result and removes this\n"
+    "file). The killed merge's .mergekit-ram-<random>/ holds the rest of its files and those it had moved\n"
+    "out of the way; remove it once you have what you need.\n"
 )
 #: Signals that end a process by default and can be caught. SIGSEGV, SIGBUS, SIGFPE and SIGILL mean
-#: the process itself crashed: like SIGKILL, they leave the marker for the next merge.
+#: the process itself crashed: like SIGKILL, they leave the marker.
 _NOT_ENDING = "SIGKILL SIGSTOP SIGSEGV SIGBUS SIGFPE SIGILL SIGCHLD SIGCONT SIGTSTP SIGTTIN SIGTTOU SIGURG SIGWINCH"
 ENDING_SIGNALS = tuple(sorted(set(signal.valid_signals()) - {getattr(signal, n, 0) for n in _NOT_ENDING.split()}))
 
@@ -119,14 +120,14 @@ def refuse_input_folder(out_path: str, inputs: Iterable[tuple[str, str]]) -> Non
 def output_transaction(out_path: str) -> Iterator[str]:
     """Yield the folder mergekit is to write into; publish it into ``out_path`` once the body returns.
 
-    An exception or a signal before that leaves ``out_path`` as it was (invariant 5).
+    An exception or a signal before that leaves ``out_path`` as it was (invariant 6).
     """
     with _Signals() as signals:
         folder = _Folder(out_path)
         try:
             with signals.held():
                 folder.begin()
-            yield os.path.join(out_path, STAGING_DIR, folder.name)
+            yield folder.staged_path()
             with signals.held():
                 folder.publish()
         except BaseException:
@@ -138,18 +139,20 @@ def output_transaction(out_path: str) -> Iterator[str]:
 
 
 class _Folder:
-    """One merge's hold on OUT: a locked descriptor of it and of its staging folder."""
+    """One run's hold on OUT: a locked descriptor of it, and of the private folder this run made."""
 
     def __init__(self, path: str) -> None:
         self.path = path
         self.name = os.path.basename(os.path.abspath(path)) or "merged"
-        self.created: list[str] = []  # OUT and the parents this merge made, innermost first
-        self.out = self.staging = -1
+        self.created: list[str] = []  # OUT and the parents this run made, innermost first
+        self.out = self.private = -1
+        self.private_name = ""
         self.locked = False
-        self.journal = False  # a journal (this merge's, or a killed one's being completed) must stay
+        self.moves: list[tuple[int, int, str]] = []  # this publish's renames: (from folder, to folder, name)
+        self.keep = False  # a publish that could not be undone: its private folder holds OUT's old files
 
     def begin(self) -> None:
-        """Create (if missing), open and lock OUT; complete an interrupted publish; make the staging folder."""
+        """Create (if missing), open and lock OUT; report what earlier runs left; make the private folder."""
         path = os.path.abspath(self.path)
         while not os.path.isdir(path):
             self.created.append(path)
@@ -160,70 +163,112 @@ class _Folder:
             self.out = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
             _lock(self.out, self.path)
             self.locked = True
-            with contextlib.suppress(FileExistsError):
-                os.mkdir(STAGING_DIR, dir_fd=self.out)
-            self.staging = _open_own(STAGING_DIR, self.out, self.path)
-            self.journal = True
-            _complete_interrupted(self.out, self.staging, self.path)
-            self.journal = False
-            os.mkdir(self.name, dir_fd=self.staging)
+            _check_left_over(self.out, self.path)
+            self.private_name = _make_private(self.out)
+            self.private = os.open(self.private_name, _FOLDER, dir_fd=self.out)
+            for folder in (_REPLACED, _STAGED, os.path.join(_STAGED, self.name)):
+                os.mkdir(folder, 0o700, dir_fd=self.private)
         except OSError as error:
             raise OutputFolderError(f"cannot prepare {self.path} for the merge ({_reason(error)})") from None
 
+    def staged_path(self) -> str:
+        """The path mergekit writes into: through ``/proc/self/fd`` where it exists (invariant 2)."""
+        pinned = f"/proc/self/fd/{self.private}"
+        if os.path.isdir(pinned) and _same(os.stat(pinned), os.fstat(self.private)):
+            return os.path.join(pinned, _STAGED, self.name)
+        return os.path.join(self.path, self.private_name, _STAGED, self.name)
+
     def holds(self) -> bool:
-        """Whether this merge locked OUT and the path still names that folder (invariant 4)."""
+        """Whether this run locked OUT and the path still names that folder (invariant 5)."""
         with contextlib.suppress(OSError):
             return self.locked and _same(os.fstat(self.out), os.stat(self.path))
         return False
 
     def publish(self) -> None:
-        """Journal the staged files, then move them into OUT (invariant 6)."""
+        """Move the staged files into OUT under a marker; on an error, move everything back (invariant 6)."""
         if not self.holds():
             raise OutputBusyError(
                 f"{self.path} was removed or replaced while this merge ran, so another merge may be writing "
                 "there: nothing was published; rerun the merge"
             )
+        handles: list[int] = []
+        marker: Optional[os.stat_result] = None
         try:
-            staged = _open_own(self.name, self.staging, self.path)
-            try:
-                names = _publish_order({*os.listdir(staged), MANIFEST_FILE})
-            finally:
-                os.close(staged)
-            weights = [name for name in names if _is_weight(name)]
-            manifest = {"written_by": f"mergekit-ram {__version__}", "files": names, "weights": weights}
-            write_atomically(f"{self.name}/{MANIFEST_FILE}", json.dumps(manifest, indent=1) + "\n", dir_fd=self.staging)
+            staged, replaced = (os.open(name, _FOLDER, dir_fd=self.private) for name in (_STAGED, _REPLACED))
+            handles += [staged, replaced]
+            staged = os.open(self.name, _FOLDER, dir_fd=staged)
+            handles.append(staged)
+            names = _publish_order({*os.listdir(staged), MANIFEST_FILE})
+            weights = {name: _identity(os.stat(name, dir_fd=staged, follow_symlinks=False))
+                       for name in names if name != MANIFEST_FILE and _is_weight(name)}  # fmt: skip
+            _write_new(MANIFEST_FILE, _manifest(names, weights), staged)
             stale = sorted(set(recorded_weights(self.out, self.path)) - set(names))
-            write_atomically(JOURNAL_FILE, json.dumps({"folder": self.name, "stale": stale}), dir_fd=self.staging)
-            self.journal = True
-            _sync(self.staging)
-            _write_marker(self.out)
-            _move_in(self.out, self.staging, self.name, stale)
-            os.unlink(MARKER_FILE, dir_fd=self.out)
-            os.unlink(JOURNAL_FILE, dir_fd=self.staging)
-            self.journal = False
-        except OSError as error:
-            marked = _kind(MARKER_FILE, self.out) == "file"
-            state = f"it is marked {MARKER_FILE}: fix that and rerun the merge, which completes it first"
+            if folder := next((name for name in names if _kind(name, self.out) == "folder"), None):
+                raise OSError(errno.EISDIR, "a folder has the name of a file the merge writes", folder)
+            if _kind(MARKER_FILE, self.out) == "file":  # a killed run's, kept aside (a link: OUT stays marked)
+                os.link(MARKER_FILE, MARKER_FILE, src_dir_fd=self.out, dst_dir_fd=replaced, follow_symlinks=False)
+                self.moves.append((self.out, replaced, MARKER_FILE))
+            marker = _write_new(MARKER_FILE, MARKER_TEXT, self.private)
+            self._move(self.private, self.out, MARKER_FILE)
+            _sync(self.out)
+            for name in _aside_order(names, stale):
+                if _kind(name, self.out) == "file":
+                    self._move(self.out, replaced, name)
+            for name in names:
+                self._move(staged, self.out, name)
+            _sync(self.out)
+            _remove_marker(self.out, marker)
+        except BaseException as error:
+            self._undo(marker)
+            if not isinstance(error, OSError):
+                raise
+            kept = f"it is marked {MARKER_FILE}; the files it held are in {os.path.join(self.path, self.private_name)}"
             raise OutputFolderError(
                 f"could not publish into {self.path} ({_reason(error)}); "
-                + (state if marked else "it holds what it held before")
+                + (kept if self.keep else "it holds what it held before")
             ) from None
+        finally:
+            for handle in handles:
+                os.close(handle)
         _log_published(self.out, self.path, names, stale)
 
+    def _move(self, source: int, target: int, name: str) -> None:
+        os.rename(name, name, src_dir_fd=source, dst_dir_fd=target)
+        self.moves.append((source, target, name))
+
+    def _undo(self, marker: Optional[os.stat_result]) -> None:
+        """Every rename of this publish made backwards (a killed run's marker last, over this run's), then this
+        run's marker removed if still there: OUT as it was, marked until it is."""
+        try:
+            for source, target, name in reversed(self.moves):
+                os.rename(name, name, src_dir_fd=target, dst_dir_fd=source)
+            _sync(self.out)
+            if marker is not None:
+                _remove_marker(self.out, marker)
+        except OSError as error:
+            self.keep = True
+            LOG.error("could not undo the publish into %s (%s)", self.path, _reason(error))
+
     def end(self) -> None:
-        """Remove this merge's staging folder, and the folders it created while they are empty; let go of OUT."""
+        """Remove this run's private folder and the folders it created while they are empty; let go of OUT.
+
+        Never raises: a clean-up that fails is one warning, the merge's own outcome stands.
+        """
         holds, opened = self.holds(), self.out >= 0
-        if holds and self.staging >= 0 and not self.journal:
-            _clear(self.staging)
-        if holds:
-            with contextlib.suppress(OSError):  # only when empty: a journal stays for the next merge
-                os.rmdir(STAGING_DIR, dir_fd=self.out)
-        elif opened:
-            LOG.warning("left %s in place: %s was replaced while this merge ran", STAGING_DIR, self.path)
-        for handle in (self.staging, self.out):
+        if self.private_name and not self.keep:
+            try:
+                if self.private >= 0:
+                    _clear(self.private)
+                os.rmdir(self.private_name, dir_fd=self.out)
+            except OSError as error:
+                LOG.warning(
+                    "could not remove %s (%s): remove it", os.path.join(self.path, self.private_name), _reason(error)
+                )
+        for handle in (self.private, self.out):
             if handle >= 0:
-                os.close(handle)
-        self.staging = self.out = -1
+                with contextlib.suppress(OSError):
+                    os.close(handle)
+        self.private = self.out = -1
         for path in self.created if holds or not opened else ():
             with contextlib.suppress(OSError):
                 os.rmdir(path)
@@ -231,7 +276,7 @@ class _Folder:
 
 
 def _lock(out: int, out_path: str) -> None:
-    """An exclusive ``flock`` on OUT, refused at once if another merge holds it (invariant 4)."""
+    """An exclusive ``flock`` on OUT, refused at once if another merge holds it (invariant 5)."""
     try:
         fcntl.flock(out, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -242,57 +287,97 @@ def _lock(out: int, out_path: str) -> None:
         LOG.warning("could not lock %s (%s): nothing keeps a second merge out of it", out_path, error.strerror)
 
 
-def _open_own(name: str, parent: int, out_path: str) -> int:
-    """A descriptor of this module's folder ``name`` in ``parent``; refused if a link or a file has its name."""
-    try:
-        return os.open(name, _FOLDER, dir_fd=parent)
-    except OSError as error:
-        if error.errno not in (errno.ELOOP, errno.ENOTDIR):
-            raise
-        raise OutputFolderError(
-            f"{os.path.join(out_path, name)} is not a folder mergekit-ram made ({error.strerror}): it is "
-            "mergekit-ram's own name; remove it or choose another output folder"
-        ) from None
-
-
-def _complete_interrupted(out: int, staging: int, out_path: str) -> None:
-    """Complete the publish a killed merge left (its journal), then drop whatever else earlier merges staged."""
-    journal = _read_state(JOURNAL_FILE, staging, os.path.join(out_path, STAGING_DIR))
-    if isinstance(journal, dict) and plain_name(journal.get("folder")) and isinstance(journal.get("stale"), list):
-        stale = [name for name in journal["stale"] if plain_name(name) and _is_weight(name)]
-        _move_in(out, staging, journal["folder"], stale)
-        LOG.warning("completed the publish of an interrupted merge into %s", out_path)
-    _clear(staging)
+def _check_left_over(out: int, out_path: str) -> None:
+    """A folder with the marker's or the manifest's name is refused; what killed runs left is reported in
+    one warning, never used or removed (invariant 1)."""
     for name in (MARKER_FILE, MANIFEST_FILE):
         if _kind(name, out) == "folder":
             raise OutputFolderError(
                 f"{os.path.join(out_path, name)} is a folder: it is mergekit-ram's own name; remove it or choose "
                 "another output folder"
             )
-    if _kind(MARKER_FILE, out) == "file":
-        os.unlink(MARKER_FILE, dir_fd=out)
+    found = [name for name in sorted(os.listdir(out)) if name.startswith(PRIVATE_PREFIX) or name == MARKER_FILE]
+    if found := [name for name in found if name != MANIFEST_FILE]:
+        LOG.warning(
+            "%s holds %s, left by a mergekit-ram merge that did not finish (killed, or its clean-up failed): this "
+            "merge neither uses nor removes them; remove them once you have checked them (a hidden folder may hold "
+            "that merge's files and files the folder held before)",
+            out_path,
+            ", ".join(found),
+        )
 
 
-def _move_in(out: int, staging: int, folder: str, stale: list[str]) -> None:
-    """Publish what a journal names, or finish publishing it: config.json (if replaced) and the stale
-    weights leave OUT first, then every staged file still waiting moves in, config.json last."""
-    if _kind(folder, staging) != "folder":
-        return
-    staged = os.open(folder, _FOLDER, dir_fd=staging)
+def _make_private(out: int) -> str:
+    """A new folder of a fresh unpredictable name in OUT, made by this process."""
+    while True:
+        name = PRIVATE_PREFIX + secrets.token_hex(8)
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(name, 0o700, dir_fd=out)
+            return name
+
+
+def _manifest(names: list[str], weights: dict[str, dict[str, int]]) -> str:
+    """What the merge wrote; each weight with the identity that lets a later merge remove it (invariant 4)."""
+    return json.dumps({"written_by": f"mergekit-ram {__version__}", "files": names, "weights": weights}, indent=1)
+
+
+def _identity(status: os.stat_result) -> dict[str, int]:
+    return {"device": status.st_dev, "inode": status.st_ino, "size": status.st_size, "mtime_ns": status.st_mtime_ns}
+
+
+def recorded_weights(out: int, out_path: str) -> list[str]:
+    """Weight files of OUT that an earlier merge recorded in its manifest, still as it left them (invariant
+    4): a plain weight file name whose (device, inode, size, mtime) match the record; nothing else."""
     try:
-        waiting = _publish_order(os.listdir(staged))
-        for name in ([_CONFIG] if _CONFIG in waiting else []) + stale:
-            if _kind(name, out) == "file":
-                os.unlink(name, dir_fd=out)
-        for name in waiting:
-            os.replace(name, name, src_dir_fd=staged, dst_dir_fd=out)
-        _sync(out)
+        manifest = read_json(MANIFEST_FILE, dir_fd=out, follow_symlinks=False)
+    except FileNotFoundError:
+        return []
+    except UnreadableFile as reason:
+        LOG.warning("ignored %s: %s", os.path.join(out_path, MANIFEST_FILE), reason)
+        return []
+    weights = manifest.get("weights") if isinstance(manifest, dict) else None
+    found = []
+    for name, identity in weights.items() if isinstance(weights, dict) else ():
+        if plain_name(name) and _is_weight(name):
+            with contextlib.suppress(OSError):
+                if _identity(os.stat(name, dir_fd=out, follow_symlinks=False)) == identity:
+                    found.append(name)
+    return sorted(found)
+
+
+def _log_published(out: int, out_path: str, names: list[str], stale: list[str]) -> None:
+    """Say what was published and removed; warn once about weights kept that a loader may read."""
+    removed = f"; removed {', '.join(stale)}, which an earlier merge recorded" if stale else ""
+    LOG.info("published %s into %s%s", ", ".join(names), out_path, removed)
+    if kept := sorted(name for name in os.listdir(out) if _LOADED.fullmatch(name) and name not in names):
+        LOG.warning(
+            "kept %s in %s: this merge did not write them and no earlier mergekit-ram merge recorded them as they "
+            "are, but a loader may read them instead of the new weights; remove them if they belong to an old model",
+            ", ".join(kept),
+            out_path,
+        )
+
+
+def _write_new(name: str, text: str, folder: int) -> os.stat_result:
+    """A new file ``name`` in ``folder`` (never through a link or over a file), synced; its status."""
+    handle = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=folder)
+    try:
+        os.write(handle, text.encode())
+        os.fsync(handle)
+        return os.fstat(handle)
     finally:
-        os.close(staged)
+        os.close(handle)
+
+
+def _remove_marker(out: int, marker: os.stat_result) -> None:
+    """Remove this run's marker: only the file it wrote, not one put there since."""
+    with contextlib.suppress(FileNotFoundError):
+        if _same(os.stat(MARKER_FILE, dir_fd=out, follow_symlinks=False), marker):
+            os.unlink(MARKER_FILE, dir_fd=out)
 
 
 def _clear(folder: int) -> None:
-    """Remove everything in this module's ``folder``, without following any link."""
+    """Remove everything in this run's private ``folder``, without following any link."""
     for entry in os.listdir(folder):
         if _kind(entry, folder) == "folder":
             inner = os.open(entry, _FOLDER, dir_fd=folder)
@@ -303,66 +388,6 @@ def _clear(folder: int) -> None:
             os.rmdir(entry, dir_fd=folder)
         else:
             os.unlink(entry, dir_fd=folder)
-
-
-def recorded_weights(out: int, out_path: str) -> list[str]:
-    """Weight files of OUT that an earlier merge wrote and recorded (invariant 3): the weights its
-    manifest lists, and each ``*.index.json`` mergekit wrote (its metadata names ``mergekit_version``)
-    with the shards of its ``weight_map``. Names that are not plain weight file names are ignored."""
-    found: dict[str, str] = {}
-    manifest = _read_state(MANIFEST_FILE, out, out_path)
-    if isinstance(manifest, dict) and isinstance(manifest.get("weights"), list):
-        found.update((name, MANIFEST_FILE) for name in manifest["weights"] if isinstance(name, str))
-    for name in sorted(os.listdir(out)):
-        index = _read_state(name, out, out_path) if name.endswith(".index.json") else None
-        index = _as_dict(index)
-        shards = index.get("weight_map")
-        if isinstance(shards, dict) and "mergekit_version" in _as_dict(index.get("metadata")):
-            found[name] = name
-            found.update((shard, name) for shard in shards.values() if isinstance(shard, str))
-    for source in sorted({source for name, source in found.items() if not (plain_name(name) and _is_weight(name))}):
-        LOG.warning("ignored names in %s that are not weight files of that folder", os.path.join(out_path, source))
-    return sorted(name for name in found if plain_name(name) and _is_weight(name) and _kind(name, out) == "file")
-
-
-def _log_published(out: int, out_path: str, names: list[str], stale: list[str]) -> None:
-    """Say what was published and removed; warn about loader entry points left in place."""
-    removed = f"; removed {', '.join(stale)}, which an earlier merge recorded" if stale else ""
-    LOG.info("published %s into %s%s", ", ".join(names), out_path, removed)
-    for name in _LOADER_NAMES:
-        if name not in names and _kind(name, out) is not None:
-            LOG.warning(
-                "kept %s in %s: this merge did not write it and no earlier merge recorded it, but a loader may "
-                "read it instead of the new weights; remove it if it belongs to an old model",
-                name,
-                out_path,
-            )
-
-
-def _read_state(name: str, folder: int, where: str) -> Any:
-    """The JSON in this module's (or mergekit's) file ``name`` of ``folder``; None, warned, if unusable."""
-    try:
-        return read_json(name, dir_fd=folder, follow_symlinks=False)
-    except FileNotFoundError:
-        return None
-    except UnreadableFile as reason:
-        LOG.warning("ignored %s: %s", os.path.join(where, name), reason)
-        return None
-
-
-def _write_marker(out: int) -> None:
-    """MERGE_INCOMPLETE, created new (never through a link); a kill mid-write still leaves a marker."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-    handle = os.open(MARKER_FILE, flags, 0o644, dir_fd=out)
-    try:
-        os.write(handle, MARKER_TEXT.encode())
-        os.fsync(handle)
-    finally:
-        os.close(handle)
-
-
-def _as_dict(value: Any) -> dict[Any, Any]:
-    return value if isinstance(value, dict) else {}
 
 
 def _sync(folder: int) -> None:
@@ -388,8 +413,15 @@ def _is_weight(name: str) -> bool:
 
 
 def _publish_order(names: Iterable[str]) -> list[str]:
-    """Sorted, config.json last."""
-    return sorted(names, key=lambda name: (name == _CONFIG, name))
+    """The manifest first (once it is in, it records every new weight present), config.json last."""
+    return sorted(names, key=lambda name: (name != MANIFEST_FILE, name == _CONFIG, name))
+
+
+def _aside_order(names: list[str], stale: list[str]) -> list[str]:
+    """config.json first (if the merge writes one), the earlier manifest last (until then it records every
+    old weight present)."""
+    others = sorted((set(names) | set(stale)) - {_CONFIG, MANIFEST_FILE})
+    return [_CONFIG] * (_CONFIG in names) + others + [MANIFEST_FILE]
 
 
 def _reason(error: OSError) -> str:

@@ -30,8 +30,16 @@ from mergekit.options import MergeOptions
 from mergekit.scripts.merge_raw_pytorch import main as mergekit_pytorch
 
 from mergekit_ram.errors import InputError
-from mergekit_ram.staging import MANIFEST_FILE, MARKER_FILE, MARKER_TEXT, STAGING_DIR
-from tests.conftest import ModelSet, command_refusal, merge_in_process, run_script, script, write_recipe
+from mergekit_ram.staging import MANIFEST_FILE, MARKER_FILE, MARKER_TEXT, PRIVATE_PREFIX
+from tests.conftest import (
+    ModelSet,
+    command_refusal,
+    merge_in_process,
+    run_script,
+    script,
+    without_identities,
+    write_recipe,
+)
 from tests.test_prepass import save_tokenizer
 
 FAULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "faults")
@@ -43,15 +51,16 @@ USER_FILES = {
     "adapter_config.json": b"{}\n",
 }
 #: Operations of the transaction (``fsop:any:N``, tests/faults/sitecustomize.py) re-merging the world's folder:
-#: 1-5 lock and prepare, 18 the marker, 21 config.json leaves, 22-29 the old shards and index, 30-37 the new files.
-LAST_OF_BEGIN, CONFIG_LEAVES, OLD_SHARDS, NEW_FILES = 5, 21, 25, 33
+#: 1-6 lock and prepare, 13 the marker is written, 17 config.json leaves, 18-30 the old files, 31-39 the new ones.
+LAST_OF_BEGIN, MARKER_WRITTEN, CONFIG_LEAVES, OLD_SHARDS, NEW_FILES = 6, 13, 17, 22, 35
 
 
 def snapshot(folder: str) -> dict[str, bytes]:
     """Every file under ``folder`` (hidden ones too), by relative path.
 
     mergekit's card lists the models in the order of a set of ModelReference, whose hash
-    includes its class's id: ``README.md`` counts as its lines, in sorted order.
+    includes its class's id: ``README.md`` counts as its lines, in sorted order. The manifest's
+    weights count by name (their identities differ from folder to folder).
     """
     found = {}
     for root, _dirs, files in os.walk(folder):
@@ -61,7 +70,7 @@ def snapshot(folder: str) -> dict[str, bytes]:
                 data = handle.read()
             if name == "README.md":
                 data = b"\n".join(sorted(data.split(b"\n")))
-            found[os.path.relpath(path, folder)] = data
+            found[os.path.relpath(path, folder)] = without_identities(name, data)
     return found
 
 
@@ -100,23 +109,23 @@ class World:
         self.models = ModelSet(base=base, agents=models.agents, design=models.design)
         self.old_recipe = write_recipe(os.path.join(root, "old.yml"), self.models.recipe("ram"))
         self.new_recipe = write_recipe(os.path.join(root, "new.yml"), self.models.recipe("ram_plus"))
-        self.template = os.path.join(root, "template", "out")
         # Both set-up merges run in this process, as mergekit-yaml would run them (the fault cases
         # below compare the console script's folders with them byte for byte).
-        merge_in_process(self.old_recipe, self.template, out_shard_size=8000)
-        for name, data in USER_FILES.items():
-            with open(os.path.join(self.template, name), "wb") as handle:
-                handle.write(data)
-        self.old = snapshot(self.template)
-        reference = self.copy_old("reference")
+        self.old = snapshot(self.make_old("template"))
+        reference = self.make_old("reference")
         with plugin_log() as log:
             merge_in_process(self.new_recipe, reference)
         self.log = log.getvalue()
         self.new = snapshot(reference)
 
-    def copy_old(self, name: str) -> str:
+    def make_old(self, name: str) -> str:
+        """A folder in the old state: the earlier merge made there (so its manifest records these files
+        as they are; a copy would have other inodes), and the user's files beside it."""
         out = os.path.join(self.root, name, "out")
-        shutil.copytree(self.template, out, symlinks=True)
+        merge_in_process(self.old_recipe, out, out_shard_size=8000)
+        for user_file, data in USER_FILES.items():
+            with open(os.path.join(out, user_file), "wb") as handle:
+                handle.write(data)
         return out
 
 
@@ -135,7 +144,7 @@ def test_a_merge_replaces_only_what_merges_wrote(world: World) -> None:
     assert "model.safetensors.index.json" not in world.new
     assert {"model.safetensors", "config.json", "tokenizer.json", "README.md", "ram_statistics.json"} <= set(world.new)
     assert MARKER_FILE not in world.new
-    assert not [name for name in world.new if name.startswith(STAGING_DIR)]
+    assert not [name for name in world.new if name.startswith(PRIVATE_PREFIX) and name != MANIFEST_FILE]
     manifest = json.loads(world.new[MANIFEST_FILE])
     assert manifest["weights"] == ["model.safetensors"] and "tokenizer.json" in manifest["files"]
     assert "removed model-00001-of-" in world.log and "model.safetensors.index.json" in world.log
@@ -162,7 +171,7 @@ FAULT_CASES = [
 
 @pytest.mark.parametrize(("fault", "outcome"), FAULT_CASES, ids=[fault for fault, _ in FAULT_CASES])
 def test_a_fault_leaves_the_old_folder_or_the_complete_new_merge(world: World, fault: str, outcome: str) -> None:
-    out = world.copy_old(fault.replace(":", "-").replace("/", "-"))
+    out = world.make_old(fault.replace(":", "-").replace("/", "-"))
     completed = run_script("mergekit-yaml", world.new_recipe, out, env=fault_env(fault), check=False)
     assert completed.returncode != 0, "the fault did not fire"
     action = fault.rsplit(":", 1)[1]
@@ -176,26 +185,33 @@ def test_a_fault_leaves_the_old_folder_or_the_complete_new_merge(world: World, f
     assert snapshot(out) == expected, completed.stderr[-3000:]
 
 
-def test_a_killed_publish_is_marked_and_the_next_merge_completes_it(world: World) -> None:
-    """SIGKILL (or a failed rename) in the middle of publishing: marked, not loadable; the next RAM
-    merge into the folder completes that publish before it starts, even if it then fails itself."""
-    for ending in ("SIGKILL", "ENOSPC"):
-        out = world.copy_old(f"killed-{ending}")
-        fault = f"fsop:any:{OLD_SHARDS}:{ending}"
-        completed = run_script("mergekit-yaml", world.new_recipe, out, env=fault_env(fault), check=False)
-        assert completed.returncode == (-signal.SIGKILL if ending == "SIGKILL" else 1)
-        left = os.listdir(out)
-        assert MARKER_FILE in left and "config.json" not in left  # neither transformers nor --lazy takes it
-        with open(os.path.join(out, MARKER_FILE), encoding="utf-8") as handle:
-            assert handle.read() == MARKER_TEXT  # case 8: it says what it means and what to do
-        if ending == "ENOSPC":
-            assert f"it is marked {MARKER_FILE}: fix that and rerun the merge" in completed.stderr
-            continue
-        failing = fault_env("kernel:merge:1:ENOSPC")  # the next merge recovers, then fails in its own merge
-        assert run_script("mergekit-yaml", world.new_recipe, out, env=failing, check=False).returncode != 0
-        assert snapshot(out) == world.new
-    merge_in_process(world.new_recipe, out)  # and a clean rerun gives the same folder
-    assert snapshot(out) == world.new
+def test_a_killed_publish_is_marked_and_never_replayed(world: World) -> None:
+    """SIGKILL in the middle of publishing: marked, not loadable. Then a merge with mergekit's own
+    ``linear`` and a RAM merge that fails: nothing of the killed merge comes back over the linear one.
+    A failed rename instead: undone at once by the same process."""
+    out = world.make_old("killed-ENOSPC")
+    fault = f"fsop:any:{OLD_SHARDS}:ENOSPC"
+    failed = run_script("mergekit-yaml", world.new_recipe, out, env=fault_env(fault), check=False)
+    assert failed.returncode == 1 and "it holds what it held before" in failed.stderr
+    assert snapshot(out) == world.old
+    out = world.make_old("killed-SIGKILL")
+    fault = f"fsop:any:{OLD_SHARDS}:SIGKILL"
+    assert run_script("mergekit-yaml", world.new_recipe, out, env=fault_env(fault), check=False).returncode == -9
+    left = os.listdir(out)
+    assert MARKER_FILE in left and "config.json" not in left  # neither transformers nor --lazy takes it
+    with open(os.path.join(out, MARKER_FILE), encoding="utf-8") as handle:
+        assert handle.read() == MARKER_TEXT  # it says what it means and what to do
+    merge_in_process(world.models.recipe("linear", parameters={"weight": 1.0}), out)
+    linear = snapshot(out)
+    failing = fault_env("kernel:merge:1:ENOSPC")  # a RAM merge that fails in its own merge
+    refused = run_script("mergekit-yaml", world.new_recipe, out, env=failing, check=False)
+    assert refused.returncode != 0 and "did not finish" in refused.stderr
+    assert snapshot(out) == linear
+    merge_in_process(world.new_recipe, out)  # a clean rerun writes its own complete result
+    merged = snapshot(out)
+    private = [name for name in merged if name.startswith(PRIVATE_PREFIX) and name != MANIFEST_FILE]
+    assert {name: data for name, data in merged.items() if name not in private} == world.new
+    assert private and all(merged[name] == linear[name] for name in private)  # the killed run's folder, as it was
 
 
 def test_a_user_file_in_a_folder_the_merge_created_survives_ctrl_c(world: World, tmp_path) -> None:
@@ -232,7 +248,7 @@ def _paused_merge(recipe: str, out: str, release: str) -> Iterator[subprocess.Po
 
 def test_a_second_merge_into_a_busy_folder_is_refused_at_once(world: World) -> None:
     """Case 4: one merge per output folder, by an OS lock."""
-    out = world.copy_old("busy")
+    out = world.make_old("busy")
     with _paused_merge(world.new_recipe, out, os.path.join(world.root, "busy", "release")) as first:
         during = snapshot(out)
         second = run_script("mergekit-yaml", world.old_recipe, out, env=fault_env(), check=False)
@@ -298,9 +314,9 @@ def test_mergekit_pytorch_refuses_an_input_folder_and_publishes_all_or_nothing(w
     assert f"is the folder of the input {os.path.join(agent, 'model.safetensors')}" in refusal
     assert snapshot(agent) == before
 
-    out = world.copy_old("pytorch")
-    journal = "fsop:any:14:ENOSPC"  # the disk is full when the journal is written: nothing moved yet
-    failed = run_script("mergekit-pytorch", recipe, out, env=fault_env(journal), check=False)
+    out = world.make_old("pytorch")
+    marker = f"fsop:any:{MARKER_WRITTEN}:ENOSPC"  # the disk is full when the marker is written: nothing moved yet
+    failed = run_script("mergekit-pytorch", recipe, out, env=fault_env(marker), check=False)
     assert "could not publish into" in failed.stderr and "it holds what it held before" in failed.stderr
     assert failed.returncode != 0 and snapshot(out) == world.old
     mergekit_pytorch.main(args=[recipe, out], standalone_mode=False)
@@ -317,10 +333,14 @@ def test_mergekit_multi_lazy_reruns_a_stage_killed_while_publishing(world: World
     config = str(tmp_path / "multi.yml")
     with open(config, "w", encoding="utf-8") as handle:
         yaml.safe_dump(recipe, handle, sort_keys=False)
-    killed = run_script("mergekit-multi", config, "-I", str(stages), env=fault_env("fsop:any:23:SIGKILL"), check=False)
+    killed = run_script("mergekit-multi", config, "-I", str(stages), env=fault_env("fsop:any:21:SIGKILL"), check=False)
     assert killed.returncode == -signal.SIGKILL
     assert MARKER_FILE in os.listdir(stages / "stage") and "config.json" not in os.listdir(stages / "stage")
+    private = [
+        name for name in os.listdir(stages / "stage") if name.startswith(PRIVATE_PREFIX) and name != MANIFEST_FILE
+    ]
     rerun = run_script("mergekit-multi", config, "-I", str(stages), "--lazy", "-v")
-    assert "already exists" not in rerun.stderr
+    assert "already exists" not in rerun.stderr and "did not finish" in rerun.stderr
     left = os.listdir(stages / "stage")
-    assert MARKER_FILE not in left and STAGING_DIR not in left and "config.json" in left
+    assert MARKER_FILE not in left and "config.json" in left
+    assert [name for name in left if name.startswith(PRIVATE_PREFIX) and name != MANIFEST_FILE] == private

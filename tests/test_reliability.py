@@ -29,7 +29,7 @@ from safetensors.torch import load_file, save_file
 
 from mergekit_ram import cli
 from mergekit_ram.errors import InputError
-from mergekit_ram.staging import MARKER_FILE, STAGING_DIR
+from mergekit_ram.staging import MARKER_FILE, PRIVATE_PREFIX
 from mergekit_ram.synthetic import build_agents, build_base, tiny_config
 from tests.conftest import (
     Merged,
@@ -474,20 +474,24 @@ def test_interrupted_merge_leaves_nothing_that_looks_finished(tmp_path) -> None:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    staged = out / STAGING_DIR / "out"  # mergekit writes into the staging folder of the transaction
     deadline = time.monotonic() + 120
+    staged: list[str] = []
     while time.monotonic() < deadline and process.poll() is None:
-        if staged.exists() and len(os.listdir(staged)) >= 2:
+        staged = glob.glob(str(out / (PRIVATE_PREFIX + "*") / "out"))  # the transaction's private folder
+        if staged and len(os.listdir(staged[0])) >= 2:
             break
         time.sleep(0.005)
     assert process.poll() is None, "the merge finished before it could be interrupted"
     process.send_signal(signal.SIGKILL)
     process.wait()
-    assert sorted(os.listdir(out)) == [STAGING_DIR]  # nothing but the hidden staging folder
-    assert glob.glob(str(staged / "*.safetensors"))  # the partial shards are there
-    merge_in_process(recipe, str(out))  # the killed run's lock died with it; the rerun clears its leftovers
+    private = os.path.dirname(staged[0])
+    assert sorted(os.listdir(out)) == [os.path.basename(private)]  # nothing but the hidden private folder
+    kept = sorted(glob.glob(os.path.join(staged[0], "*.safetensors")))
+    assert kept  # the partial shards are there
+    merge_in_process(recipe, str(out))  # the killed run's lock died with it; its folder is reported, not used
     left = sorted(os.listdir(out))
-    assert MARKER_FILE not in left and STAGING_DIR not in left and "config.json" in left
+    assert MARKER_FILE not in left and "config.json" in left and os.path.basename(private) in left
+    assert sorted(glob.glob(os.path.join(staged[0], "*.safetensors"))) == kept
 
 
 def test_same_inputs_give_byte_identical_files(ram_plus_merge: Merged, tmp_path) -> None:

@@ -4,11 +4,12 @@
 
 - ``open:NAME``: a file named NAME opened for writing; ACTION runs after it is closed
   (the file is complete), so a signal lands between two of mergekit's writes;
-- ``fsop:any``: the output transaction's N-th file-system operation (``os.open``, ``mkdir``,
-  ``replace``, ``unlink``, ``rmdir``, ``fsync`` called from ``mergekit_ram/staging.py``, directly or
+- ``fsop:any``: the output transaction's N-th file-system operation (``os.open``, ``mkdir``, ``replace``,
+  ``rename``, ``link``, ``unlink``, ``rmdir``, ``fsync`` called from ``mergekit_ram/staging.py``, directly or
   through ``mergekit_ram/files.py``); ACTION runs after it (``OSError`` instead of it). With
   ``MERGEKIT_RAM_TEST_COUNT=FILE`` and no fault, the number of such operations is written to FILE
-  at exit (tests/test_transaction.py enumerates them);
+  at exit, and each (its number, call and first argument) to FILE.trace (tests/test_transaction.py
+  enumerates them);
 - ``kernel:prepass`` / ``kernel:merge``: the RAM kernel counting (``count_overlaps``, the pre-pass)
   or merging (``merge_tensors``) a tensor.
 
@@ -45,7 +46,7 @@ def _act(action):
 def _install(where, what, target, action):
     seen = [0]
 
-    def hit():
+    def hit(_operation=None):
         seen[0] += 1
         return seen[0] == target
 
@@ -105,11 +106,11 @@ def _in_transaction():
 
 def _install_fsop(hit, action):
     """Wrap the file-system calls of the transaction: act after the N-th (``ENOSPC``: instead of it)."""
-    for name in ("open", "mkdir", "replace", "unlink", "rmdir", "fsync"):
+    for name in ("open", "mkdir", "replace", "rename", "link", "unlink", "rmdir", "fsync"):
         original = getattr(os, name)
 
-        def counted(*args, _original=original, **kwargs):
-            if not _in_transaction() or not hit():
+        def counted(*args, _original=original, _name=name, **kwargs):
+            if not _in_transaction() or not hit(f"{_name} {args[0] if args else ''}"):
                 return _original(*args, **kwargs)
             if action == "ENOSPC":
                 _act(action)
@@ -121,20 +122,28 @@ def _install_fsop(hit, action):
         setattr(os, name, counted)
 
 
+if os.environ.get("MERGEKIT_RAM_TEST_SIGNALS") == "default":
+    # The dispositions a fault test relies on, whatever the test run inherited: a shell's background job
+    # (`cmd &`) starts with SIGINT and SIGQUIT ignored, `nohup make test` with SIGHUP ignored. PIPE and
+    # XFSZ stay as Python sets them (ignored).
+    for _number in signal.valid_signals():
+        if _number not in (signal.SIGPIPE, signal.SIGXFSZ) and signal.getsignal(_number) == signal.SIG_IGN:
+            signal.signal(_number, signal.default_int_handler if _number == signal.SIGINT else signal.SIG_DFL)
 if _SPEC:
-    # As in a terminal: a shell's background job (`cmd &`) starts with SIGINT and SIGQUIT ignored.
-    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-    if signal.getsignal(signal.SIGQUIT) == signal.SIG_IGN:
-        signal.signal(signal.SIGQUIT, signal.SIG_DFL)
     _where, _what, _target, _action = _SPEC.split(":")
     _install(_where, _what, int(_target), _action)
 elif os.environ.get("MERGEKIT_RAM_TEST_COUNT"):
-    _counted = [0]
+    _counted = []
 
-    def _count():
-        _counted[0] += 1
+    def _count(operation):
+        _counted.append(operation)
         return False
 
+    def _write_count():
+        with open(os.environ["MERGEKIT_RAM_TEST_COUNT"], "w") as handle:
+            handle.write(str(len(_counted)))
+        with open(os.environ["MERGEKIT_RAM_TEST_COUNT"] + ".trace", "w") as handle:
+            handle.writelines(f"{number} {operation}\n" for number, operation in enumerate(_counted, 1))
+
     _install_fsop(_count, "none")
-    atexit.register(lambda: open(os.environ["MERGEKIT_RAM_TEST_COUNT"], "w").write(str(_counted[0])))
+    atexit.register(_write_count)

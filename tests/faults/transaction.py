@@ -1,18 +1,21 @@
 """A stand-in for mergekit inside the real output transaction, for tests/test_transaction.py.
 
-    python tests/faults/transaction.py OUT GENERATION [fail] [user-file]
+    python tests/faults/transaction.py OUT GENERATION [fail] [user-file] [pause] [plain]
 
 runs ``mergekit_ram.staging.output_transaction(OUT)`` and writes what mergekit writes into its
 staging folder (shards with mergekit's index, config, tokenizer, card), each file's bytes naming
-GENERATION; ``fail`` raises before publishing (the run then shows what recovery left);
-``user-file`` adds a user's file to OUT while the "merge" runs. Faults come from
-tests/faults/sitecustomize.py on PYTHONPATH. Standard library and mergekit_ram.staging only, so
-a run takes a few tens of milliseconds.
+GENERATION; ``fail`` raises before publishing; ``user-file`` adds a user's file to OUT while the
+"merge" runs; ``pause`` waits, before writing, until the file named by
+``MERGEKIT_RAM_TEST_RELEASE`` exists (touching ``<it>.waiting`` first); ``plain`` writes the same
+files straight into OUT with no transaction, as a merge with another mergekit method does. Faults
+come from tests/faults/sitecustomize.py on PYTHONPATH. Standard library and mergekit_ram.staging
+only, so a run takes a few tens of milliseconds.
 """
 
 import json
 import os
 import sys
+import time
 
 from mergekit_ram.staging import output_transaction
 
@@ -30,9 +33,23 @@ def write_merge(folder: str, generation: str, shards: int) -> None:
             handle.write(text)
 
 
+def pause() -> None:
+    release = os.environ["MERGEKIT_RAM_TEST_RELEASE"]
+    open(release + ".waiting", "w").close()
+    while not os.path.exists(release):
+        time.sleep(0.02)
+
+
 def main(out: str, generation: str, *flags: str) -> None:
+    shards = 2 if generation == "new" else 3
+    if "plain" in flags:
+        os.makedirs(out, exist_ok=True)
+        write_merge(out, generation, shards)
+        return
     with output_transaction(out) as staged:
-        write_merge(staged, generation, shards=2 if generation == "new" else 3)
+        if "pause" in flags:
+            pause()
+        write_merge(staged, generation, shards)
         if "user-file" in flags:
             with open(os.path.join(out, "notes-written-during-the-merge.txt"), "w", encoding="utf-8") as handle:
                 handle.write("the user's notes\n")
