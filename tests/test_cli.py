@@ -50,6 +50,7 @@ INTERNAL_RAISES = {
     "UnreadableFile": "files.py: caught by its callers, which name the file (checks.py in an InputError, cache.py "
     "in a warning)",
     "CorruptHeader": "checks.py: re-raised as InputError naming the model and the file",
+    "UntrustedFolder": "cache.py: caught by cache.opened, which warns once and merges without the cache",
 }
 
 
