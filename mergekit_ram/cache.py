@@ -21,20 +21,34 @@ skipped, each with a warning naming the path and ``MERGEKIT_RAM_CACHE=off``; the
 runs as if there were no cache. The checksum catches damage and careless edits, not a forger:
 whoever can write the cache folder can change the counts, and so the merge.
 
+Whoever can write the cache can change results, so a merge uses only a cache no one else can
+write, as OpenSSH's StrictModes treats its files: every folder from ``/`` down to
+``<dir>/prepass`` must be owned by the user or root and not writable by group or others (unless
+sticky, as ``/tmp``). The folders above ``<dir>`` count too: whoever can write one of them can
+replace ``<dir>`` itself. Each folder is opened relative to the one above it without following a
+link (a link on the way to ``<dir>`` was the user's choice and is resolved first; below it, none
+is followed), and missing ones are made with mode 0700. Anything else is one warning, and the
+merge goes on without the cache; ``MERGEKIT_RAM_CACHE_SHARED=1`` trusts a cache that others may
+write (a team's), links below ``<dir>`` still refused.
+
 ``CacheSettings`` says where the cache is and how to use it; a command reads them from the
 environment once (``CacheSettings.from_environment``): ``MERGEKIT_RAM_CACHE`` = ``on``
 (default), ``off``, or ``refresh`` (recompute and overwrite); ``MERGEKIT_RAM_CACHE_DIR``
-(default ``$XDG_CACHE_HOME/mergekit-ram`` or ``~/.cache/mergekit-ram``).
+(default ``$XDG_CACHE_HOME/mergekit-ram`` or ``~/.cache/mergekit-ram``);
+``MERGEKIT_RAM_CACHE_SHARED`` = ``0`` (default) or ``1``. A merge opens its entry with ``opened``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import logging
 import os
+import stat
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Iterator, Mapping, Optional, Sequence
 
 from mergekit_ram._version import __version__
 from mergekit_ram.checks import INDEX_SUFFIX, HeaderCache, mergekit_weights, planned_numel
@@ -49,31 +63,53 @@ LOG = logging.getLogger(__name__)
 
 MODE_VARIABLE = "MERGEKIT_RAM_CACHE"
 DIRECTORY_VARIABLE = "MERGEKIT_RAM_CACHE_DIR"
+SHARED_VARIABLE = "MERGEKIT_RAM_CACHE_SHARED"
+ENTRIES_DIR = "prepass"
+#: A folder of the cache's path: opened only to reach the next one (no read permission needed), never through a link.
+_FOLDER_FLAGS = getattr(os, "O_PATH", os.O_RDONLY) | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
 _HEAD_BYTES = 1 << 20
 _SAMPLES = 16
 _SAMPLE_BYTES = 1 << 16
 #: Entries hold one item per planned merge task, null where the task has no counts.
 _FORMAT = "entries aligned with merge tasks, with a checksum (3)"
 _ADVICE = f"{MODE_VARIABLE}=off skips the cache"
+_SHARED_ADVICE = (
+    f"{SHARED_VARIABLE}=1 trusts a cache that others may write; {DIRECTORY_VARIABLE} may name a folder of your own"
+)
 
 
 @dataclass(frozen=True)
 class CacheSettings:
-    """How a merge uses the cache: ``mode`` on, off or refresh, and the folder it lives in."""
+    """How a merge uses the cache: ``mode`` on, off or refresh, the folder it lives in, and whether a
+    folder that other users may write is trusted (``shared``)."""
 
     mode: str
     directory: str
+    shared: bool = False
 
     @classmethod
     def from_environment(cls, environment: Mapping[str, str] = os.environ) -> CacheSettings:
         mode = environment.get(MODE_VARIABLE, "on").strip().lower()
         if mode not in ("on", "off", "refresh"):
             raise SettingError(f"{MODE_VARIABLE} must be on, off or refresh; got {mode!r}")
+        shared = environment.get(SHARED_VARIABLE, "0").strip() or "0"
+        if shared not in ("0", "1"):
+            raise SettingError(f"{SHARED_VARIABLE} must be 0 or 1; got {shared!r}")
         root = environment.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        return cls(mode, environment.get(DIRECTORY_VARIABLE) or os.path.join(root, "mergekit-ram"))
+        directory = environment.get(DIRECTORY_VARIABLE) or os.path.join(root, "mergekit-ram")
+        return cls(mode, directory, shared == "1")
 
     def entry(self, key: str) -> str:
-        return os.path.join(self.directory, "prepass", f"{key}.json")
+        return os.path.join(self.directory, ENTRIES_DIR, f"{key}.json")
+
+
+class UntrustedFolder(Exception):
+    """A folder of the cache's path that a merge must not use (a link, or writable by others): says which
+    and why; ``advice``: what the user can do."""
+
+    def __init__(self, reason: str, advice: str = _SHARED_ADVICE) -> None:
+        super().__init__(reason)
+        self.advice = advice
 
 
 def fingerprint(path: str) -> str:
@@ -116,27 +152,131 @@ def checksum(tensors: Any) -> str:
     return hashlib.sha256(json.dumps(tensors, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
-def load(
-    settings: CacheSettings, key: str, planned: Sequence[PlannedTensor], headers: HeaderCache
-) -> Optional[list[Optional[TensorCounts]]]:
-    """The cached counts for ``key`` (one per merge task), or None: missing, off, or unusable."""
-    if settings.mode != "on":
-        return None
-    path = settings.entry(key)
+@contextlib.contextmanager
+def opened(settings: CacheSettings, planned: Sequence[PlannedTensor]) -> Iterator[Optional[CacheEntry]]:
+    """The cache entry of the merge that plans ``planned``, its folder opened once and checked; None
+    (after one warning, or none when the cache is off) where the merge goes on without the cache."""
+    if settings.mode == "off":
+        yield None
+        return
+    key = cache_key(planned)
+    folder = _usable_entries(settings, key)
+    if folder is None:
+        yield None
+        return
     try:
-        data = read_json(path, follow_symlinks=False)
+        yield CacheEntry(settings, folder, key)
+    finally:
+        os.close(folder)
+
+
+def _usable_entries(settings: CacheSettings, key: str) -> Optional[int]:
+    """``_open_entries``, or None after one warning saying why the merge goes on without the cache."""
+    try:
+        return _open_entries(settings)
+    except UntrustedFolder as untrusted:
+        LOG.warning(
+            "not using the pre-pass cache %s: %s; the merge goes on without it (%s)",
+            settings.directory,
+            untrusted,
+            untrusted.advice,
+        )
+    except OSError as error:
+        entry = settings.entry(key)
+        LOG.warning("could not write the pre-pass cache entry %s (%s); the merge goes on (%s)", entry, error, _ADVICE)
+    return None
+
+
+def _open_entries(settings: CacheSettings) -> int:
+    """A descriptor of ``<dir>/prepass``, each folder from / down to it opened relative to the one above
+    without following a link, made (mode 0700) where missing, and checked (``_check``)."""
+    root = os.path.realpath(settings.directory)
+    names = [name for name in root.split(os.sep) if name] + [ENTRIES_DIR]
+    folder = os.open(os.sep, _FOLDER_FLAGS)
+    path = os.sep
+    try:
+        _check(folder, path, settings)
+        for name in names:
+            path = os.path.join(path, name)
+            inner = _open_folder(folder, name, path)
+            os.close(folder)
+            folder = inner
+            _check(folder, path, settings)
+    except BaseException:
+        os.close(folder)
+        raise
+    return folder
+
+
+def _open_folder(parent: int, name: str, path: str) -> int:
+    """The folder ``name`` in ``parent``, made if missing; a link or anything else in its place is refused."""
+    try:
+        return os.open(name, _FOLDER_FLAGS, dir_fd=parent)
     except FileNotFoundError:
-        return None
-    except (OSError, UnreadableFile) as error:
-        LOG.warning("ignoring unreadable pre-pass cache entry %s (%s); %s", path, error, _ADVICE)
-        return None
-    try:
-        counts = _matching_counts(data, planned, headers)
-    except (TypeError, ValueError, KeyError, AttributeError) as error:
-        LOG.warning("ignoring pre-pass cache entry %s: %s; counting afresh (%s)", path, error, _ADVICE)
-        return None
-    LOG.info("ram_plus pre-pass: using cached counts %s (%s=refresh recomputes)", path, MODE_VARIABLE)
-    return counts
+        with contextlib.suppress(FileExistsError):  # made meanwhile: opened and checked below
+            os.mkdir(name, 0o700, dir_fd=parent)
+        return os.open(name, _FOLDER_FLAGS, dir_fd=parent)
+    except OSError as error:
+        if error.errno in (errno.ENOTDIR, errno.ELOOP) and stat.S_ISLNK(
+            os.stat(name, dir_fd=parent, follow_symlinks=False).st_mode
+        ):
+            raise UntrustedFolder(f"{path} is a symbolic link, which the cache never follows", _ADVICE) from None
+        raise
+
+
+def _check(folder: int, path: str, settings: CacheSettings) -> None:
+    """Refuse a folder that a user other than this one (or root) may change, unless the cache is shared."""
+    if settings.shared:
+        return
+    status = os.fstat(folder)
+    if status.st_uid not in (os.geteuid(), 0):
+        raise UntrustedFolder(f"{path} is owned by user {status.st_uid}, not by you or root")
+    if status.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not status.st_mode & stat.S_ISVTX:
+        raise UntrustedFolder(
+            f"{path} can be written by users other than its owner (mode {stat.S_IMODE(status.st_mode):o})"
+        )
+
+
+class CacheEntry:
+    """One merge's entry in a checked cache folder, read and written relative to that folder's descriptor."""
+
+    def __init__(self, settings: CacheSettings, folder: int, key: str) -> None:
+        self.settings = settings
+        self.folder = folder
+        self.name = f"{key}.json"
+        self.path = settings.entry(key)
+
+    def load(self, planned: Sequence[PlannedTensor], headers: HeaderCache) -> Optional[list[Optional[TensorCounts]]]:
+        """The cached counts (one per merge task), or None: missing, refreshing, or unusable."""
+        if self.settings.mode != "on":
+            return None
+        try:
+            data = read_json(self.name, dir_fd=self.folder, follow_symlinks=False)
+        except FileNotFoundError:
+            return None
+        except (OSError, UnreadableFile) as error:
+            LOG.warning("ignoring unreadable pre-pass cache entry %s (%s); %s", self.path, error, _ADVICE)
+            return None
+        try:
+            counts = _matching_counts(data, planned, headers)
+        except (TypeError, ValueError, KeyError, AttributeError) as error:
+            LOG.warning("ignoring pre-pass cache entry %s: %s; counting afresh (%s)", self.path, error, _ADVICE)
+            return None
+        LOG.info("ram_plus pre-pass: using cached counts %s (%s=refresh recomputes)", self.path, MODE_VARIABLE)
+        return counts
+
+    def store(self, counts: Sequence[Optional[TensorCounts]]) -> None:
+        """Write the entry atomically; a cache that cannot be written is skipped with a warning."""
+        tensors = [None if c is None else counts_to_dict(c) for c in counts]
+        text = json.dumps({"tensors": tensors, "sha256": checksum(tensors)})
+        try:
+            write_atomically(self.name, text, dir_fd=self.folder)
+        except OSError as error:
+            LOG.warning(
+                "could not write the pre-pass cache entry %s (%s); the merge goes on (%s)", self.path, error, _ADVICE
+            )
+            return
+        LOG.info("ram_plus pre-pass: counts cached in %s", self.path)
 
 
 def _matching_counts(data: Any, planned: Sequence[PlannedTensor], headers: HeaderCache) -> list[Optional[TensorCounts]]:
@@ -170,19 +310,3 @@ def _matching_counts(data: Any, planned: Sequence[PlannedTensor], headers: Heade
             raise ValueError(f"its histograms for {found.name} do not fit {n} models and {found.numel} elements")
         counts.append(found)
     return counts
-
-
-def store(settings: CacheSettings, key: str, counts: Sequence[Optional[TensorCounts]]) -> None:
-    """Write the entry atomically; a cache that cannot be written is skipped with a warning."""
-    if settings.mode == "off":
-        return
-    path = settings.entry(key)
-    tensors = [None if c is None else counts_to_dict(c) for c in counts]
-    text = json.dumps({"tensors": tensors, "sha256": checksum(tensors)})
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        write_atomically(path, text)
-    except OSError as error:
-        LOG.warning("could not write the pre-pass cache entry %s (%s); the merge goes on (%s)", path, error, _ADVICE)
-        return
-    LOG.info("ram_plus pre-pass: counts cached in %s", path)

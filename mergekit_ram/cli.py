@@ -15,6 +15,8 @@ import time
 
 import click
 
+#: What ``mergekit-ram demo`` leaves in a folder it made: a rerun may overwrite the files there.
+DEMO_MARKER = ".mergekit-ram-demo"
 MERGEKIT_SCRIPTS = {
     "yaml": ("mergekit.scripts.run_yaml", "mergekit-yaml"),
     "multi": ("mergekit.scripts.multimerge", "mergekit-multi"),
@@ -98,6 +100,9 @@ def console_script(name: str) -> str:
 def demo(out_dir: str, architecture: str, seed: int) -> None:
     """Build a tiny base and three sparse RL-like agents locally, merge them with ram_plus.
 
+    OUT_DIR must be new or empty, or a folder an earlier demo made (its .mergekit-ram-demo file):
+    the demo overwrites its own files there and refuses a folder holding anything else.
+
     The agents' densities and overlaps follow the paper's Qwen2.5-7B agents (about 3%,
     46% and 54% of parameters changed). The merge runs through the real mergekit-yaml;
     the table is read from the ram_statistics.json it writes.
@@ -111,6 +116,7 @@ def demo(out_dir: str, architecture: str, seed: int) -> None:
     logging.basicConfig(level=logging.WARNING)
     started = time.perf_counter()
     out_dir = os.path.abspath(out_dir)
+    claim_demo_folder(out_dir)
     models_dir = os.path.join(out_dir, "models")
     click.echo(f"Building a tiny {architecture} base and three agents in {models_dir} ...")
     config = tiny_config(architecture, hidden_size=128, intermediate_size=256, num_layers=4, vocab_size=1024)
@@ -143,6 +149,32 @@ def demo(out_dir: str, architecture: str, seed: int) -> None:
         "Paper (Qwen2.5-7B agents): density 3.2% / 46.2% / 54.3%, rho ~14.9 / 1.45 / 1.11, lambda ~1.20 / 1.145 / 1.11"
     )
     click.echo(f"Merged model: {merged_path} ({time.perf_counter() - started:.1f} s)")
+
+
+def claim_demo_folder(out_dir: str) -> None:
+    """Take ``out_dir`` for the demo, which overwrites its files there: only a new or empty folder (marked
+    as the demo's), or one an earlier demo marked (a regular file, not a link); anything else is refused."""
+    from mergekit_ram.files import UnreadableFile, open_regular
+
+    os.makedirs(out_dir, exist_ok=True)
+    entries = os.listdir(out_dir)
+    marker = os.path.join(out_dir, DEMO_MARKER)
+    if not entries:
+        with open(marker, "x", encoding="utf-8") as handle:
+            handle.write("made by mergekit-ram demo, which may overwrite every file here when run again\n")
+        return
+    if DEMO_MARKER not in entries:
+        reason = f"holds files and no {DEMO_MARKER}"
+    else:
+        try:
+            with open_regular(marker, follow_symlinks=False):
+                return
+        except (OSError, UnreadableFile) as error:
+            reason = f"has a {DEMO_MARKER} the demo cannot trust ({error})"
+    raise click.ClickException(
+        f"mergekit-ram demo writes only into a new or empty folder, or one it made: {out_dir} {reason}; "
+        f"choose a new or empty folder, or remove {out_dir}"
+    )
 
 
 @main.command()

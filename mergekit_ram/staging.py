@@ -54,7 +54,7 @@ import threading
 from typing import Any, Iterable, Iterator, Optional
 
 from mergekit_ram._version import __version__
-from mergekit_ram.errors import InputError, RamError
+from mergekit_ram.errors import RamError
 from mergekit_ram.files import UnreadableFile, plain_name, read_json
 
 LOG = logging.getLogger(__name__)
@@ -98,22 +98,6 @@ class Interrupted(BaseException):
     def __init__(self, number: int) -> None:
         super().__init__(f"signal {number}")
         self.number = number
-
-
-def refuse_input_folder(out_path: str, inputs: Iterable[tuple[str, str]]) -> None:
-    """Refuse an output folder that is one of the inputs' folders, however it is spelled.
-
-    ``inputs``: (the input as the recipe names it, its folder). ``os.path.samefile`` compares
-    device and inode, so symbolic links, ``..`` and trailing slashes all resolve.
-    """
-    if not os.path.isdir(out_path):
-        return
-    for label, folder in inputs:
-        if os.path.isdir(folder) and os.path.samefile(out_path, folder):
-            raise InputError(
-                f"the output folder {out_path} is the folder of the input {label}: the merge would overwrite "
-                "that input; choose another output folder"
-            )
 
 
 @contextlib.contextmanager

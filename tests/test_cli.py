@@ -8,6 +8,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import pathlib
 import shutil
 import subprocess
 import typing
@@ -50,6 +51,7 @@ INTERNAL_RAISES = {
     "UnreadableFile": "files.py: caught by its callers, which name the file (checks.py in an InputError, cache.py "
     "in a warning)",
     "CorruptHeader": "checks.py: re-raised as InputError naming the model and the file",
+    "UntrustedFolder": "cache.py: caught by cache.opened, which warns once and merges without the cache",
 }
 
 
@@ -325,3 +327,53 @@ def test_probe_parses_the_repository_multi_recipes(recipe: str) -> None:
     with pytest.raises(RecipeError) as refused:
         select_stages(path, "no-such-stage")
     assert str(refused.value) == f"{path} has no stage named 'no-such-stage'; its stages: {', '.join(names)}"
+
+
+def _demo_refusal(folder: str, reason: str) -> str:
+    return (
+        f"mergekit-ram demo writes only into a new or empty folder, or one it made: {folder} {reason}; "
+        f"choose a new or empty folder, or remove {folder}"
+    )
+
+
+def _tree(folder: str) -> dict[str, bytes]:
+    """Every entry under ``folder``: a file's bytes, a link's target, b"<folder>"."""
+    found = {}
+    for root, folders, files in os.walk(folder):
+        for name in folders + files:
+            path = os.path.join(root, name)
+            relative = os.path.relpath(path, folder)
+            if os.path.islink(path):
+                found[relative] = b"-> " + os.readlink(path).encode()
+            else:
+                found[relative] = b"<folder>" if os.path.isdir(path) else pathlib.Path(path).read_bytes()
+    return found
+
+
+def test_demo_writes_only_into_a_folder_it_made(tmp_path) -> None:
+    """A folder with a user's files (the names the demo writes, too) is refused untouched, also when it
+    holds a marker that is a link; an empty folder is taken and marked, and a rerun into it works."""
+    user = tmp_path / "user"
+    (user / "models" / "base").mkdir(parents=True)
+    (user / "recipe.yml").write_text("merge_method: ties\n", encoding="utf-8")
+    (user / "models" / "overlap.json").write_text("{}\n", encoding="utf-8")
+    (user / "models" / "base" / "config.json").write_text('{"mine": true}\n', encoding="utf-8")
+    before = _tree(str(user))
+    refused = run_script("mergekit-ram", "demo", str(user), check=False)
+    assert one_line_error(refused) == _demo_refusal(str(user), "holds files and no .mergekit-ram-demo")
+    assert _tree(str(user)) == before
+    (tmp_path / "marker").write_text("made by mergekit-ram demo\n", encoding="utf-8")
+    os.symlink(tmp_path / "marker", user / cli.DEMO_MARKER)
+    before = _tree(str(user))
+    refused = run_script("mergekit-ram", "demo", str(user), check=False)
+    reason = "has a .mergekit-ram-demo the demo cannot trust (it is a symbolic link)"
+    assert one_line_error(refused) == _demo_refusal(str(user), reason)
+    assert _tree(str(user)) == before
+
+    demo = tmp_path / "demo"
+    demo.mkdir()
+    for _ in range(2):  # as `make demo` does, into its own folder again
+        completed = run_script("mergekit-ram", "demo", str(demo))
+        assert f"Merged model: {demo / 'merged'}" in completed.stdout
+    assert (demo / cli.DEMO_MARKER).is_file() and not (demo / cli.DEMO_MARKER).is_symlink()
+    assert sorted(os.listdir(demo)) == [cli.DEMO_MARKER, "merged", "models", "recipe.yml"]

@@ -235,14 +235,17 @@ def test_cache_key_follows_what_the_counts_depend_on(tmp_path) -> None:
 
     settings = cache.CacheSettings("on", str(tmp_path / "cache"))
     counts = TensorCounts(name="w", numel=6, epsilon=1e-5, models=("a",), histograms=((6,),))
-    cache.store(settings, key, [counts])
     headers = HeaderCache()
-    assert cache.load(settings, key, [tensor], headers) == [counts]
+    with cache.opened(settings, [tensor]) as entry:
+        assert entry is not None
+        entry.store([counts])
+        assert entry.load([tensor], headers) == [counts]
     path = os.path.join(str(tmp_path / "cache"), "prepass", f"{key}.json")
     tensors = [{**counts_to_dict(counts), "numel": 7}]
     with open(path, "w", encoding="utf-8") as handle:
         json.dump({"tensors": tensors, "sha256": cache.checksum(tensors)}, handle)
-    assert cache.load(settings, key, [tensor], headers) is None  # 7 elements where the header says 6
+    with cache.opened(settings, [tensor]) as entry:
+        assert entry is not None and entry.load([tensor], headers) is None  # 7 elements where the header says 6
 
 
 def test_cache_key_follows_the_file_each_input_is_read_from(tmp_path) -> None:

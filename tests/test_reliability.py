@@ -210,6 +210,10 @@ def _finetune_folder_through_a_link(models: ModelSet, root: str) -> str:
     return link
 
 
+def _inside_the_tokenizer_source(models: ModelSet, root: str) -> str:
+    return os.path.join(_copy(models.agents[0], root, "donor"), "merged")
+
+
 CASES = [
     Case("no `base_model`", _no_base, "ram_plus needs `base_model`"),
     Case("the base also listed as a fine-tune", _base_as_finetune, "is also listed under `models`"),
@@ -276,6 +280,12 @@ CASES = [
         "is the folder of the input",
         script="mergekit-pytorch",
         out=_finetune_folder_through_a_link,
+    ),
+    Case(
+        "the output folder inside the folder of the `tokenizer_source` model",
+        lambda models, root: models.recipe("ram_plus", tokenizer_source=os.path.join(root, "donor")),
+        "the merge would write into that input",
+        out=_inside_the_tokenizer_source,
     ),
 ]
 

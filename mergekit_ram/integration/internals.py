@@ -84,6 +84,9 @@ INTERNALS = (
     Internal("mergekit.config", "MergeConfiguration"),
     Internal("mergekit.options", "MergeOptions"),
     Internal("mergekit.scripts.multimerge", "patched_config"),
+    # The folders a recipe reads (output): its model references, where mergekit merges a LoRA.
+    Internal("mergekit.common", "ModelReference"),
+    Internal("mergekit.common", "ModelPath._unique_id", ("self",)),
     Internal("mergekit.scripts.merge_raw_pytorch", "RawPyTorchMergeConfig"),
     Internal(
         "mergekit.scripts.merge_raw_pytorch",

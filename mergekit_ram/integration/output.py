@@ -3,7 +3,8 @@
 mergekit's own ``run_merge`` (so ``mergekit-yaml`` and every stage of ``mergekit-multi``) and the
 ``mergekit-pytorch`` command write into the staging folder of ``mergekit_ram.staging``'s
 output transaction: weights, config, tokenizer, card and statistics reach the output folder
-together, or not at all. An output folder that is an input's folder is refused first. The
+together, or not at all. An output folder that is, or is inside, a folder the merge reads is
+refused first (``refuse_input_folder``; ``mergekit-multi``: ``refuse_stage_outputs``). The
 statistics come back in the merge's ``RamRun`` for the card and the terminal. Other methods run
 exactly as mergekit has them.
 """
@@ -12,21 +13,78 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, NamedTuple, Optional, Sequence
 
+import pydantic
 import yaml
+from huggingface_hub import constants as hub_constants
 
 from mergekit_ram import staging
+from mergekit_ram.errors import InputError
 from mergekit_ram.integration.internals import MergekitMovedError, check_internals, internal, wrap
 from mergekit_ram.integration.planner import RamRun, attach_ram_plan, with_run
 from mergekit_ram.integration.recipes import check_recipe_file
 from mergekit_ram.integration.registry import is_ours
 from mergekit_ram.published import append_card_section, report_summary
+from mergekit_ram.recipe_file import Stage
 
 MergeOptions: Any = internal("mergekit.options", "MergeOptions")
 RawPyTorchMergeConfig: Any = internal("mergekit.scripts.merge_raw_pytorch", "RawPyTorchMergeConfig")
 plan_flat_merge: Any = internal("mergekit.scripts.merge_raw_pytorch", "plan_flat_merge")
 Executor: Any = internal("mergekit.graph", "Executor")
+ModelReference: Any = internal("mergekit.common", "ModelReference")
+unique_id: Any = internal("mergekit.common", "ModelPath._unique_id")
+
+
+class InputFolder(NamedTuple):
+    """A folder a merge reads. ``label``: the input as the recipe names it. ``whole``: mergekit reads
+    it as a model's folder, so an output inside it is refused too; False for the folder of a single
+    input file (``mergekit-pytorch``), where only the folder itself is refused."""
+
+    label: str
+    folder: str
+    whole: bool = True
+
+
+def refuse_input_folder(out_path: str, inputs: Iterable[InputFolder]) -> None:
+    """Refuse an output folder that is, or is inside, a folder the merge reads, however it is spelled.
+
+    Compared as the file system resolves them: by device and inode where a folder exists (so a
+    symbolic link, ``..``, a trailing slash or a bind mount hides nothing), else by resolved path
+    (a ``mergekit-multi`` stage's output, not yet made).
+    """
+    chain = _resolved_chain(out_path)
+    for item in inputs:
+        key = _folder_key(item.folder)
+        if key == chain[0]:
+            raise InputError(
+                f"the output folder {out_path} is the folder of the input {item.label}: the merge would overwrite "
+                "that input; choose another output folder"
+            )
+        if item.whole and key in chain[1:]:
+            raise InputError(
+                f"the output folder {out_path} is inside {item.folder}, the folder of the input {item.label}: "
+                "the merge would write into that input; choose an output folder outside it"
+            )
+
+
+def _folder_key(path: str) -> tuple[Any, ...]:
+    """What tells a folder apart: its device and inode if it exists, else its resolved path."""
+    try:
+        status = os.stat(path)
+    except OSError:
+        return ("path", os.path.realpath(path))
+    return ("inode", status.st_dev, status.st_ino)
+
+
+def _resolved_chain(path: str) -> list[tuple[Any, ...]]:
+    """``_folder_key`` of ``path`` as the file system resolves it, then of each folder above it up to /."""
+    folder = os.path.realpath(path)
+    chain = [_folder_key(folder)]
+    while os.path.dirname(folder) != folder:
+        folder = os.path.dirname(folder)
+        chain.append(_folder_key(folder))
+    return chain
 
 
 def patch_run_merge(merge: Any) -> None:
@@ -37,7 +95,7 @@ def patch_run_merge(merge: Any) -> None:
             if not is_ours(merge_config.merge_method):
                 return original(merge_config, out_path, options=options, config_source=config_source)
             check_internals()
-            staging.refuse_input_folder(out_path, _model_folders(merge_config))
+            refuse_input_folder(out_path, _model_folders(merge_config, options))
             run = RamRun.checked(merge_config, options, config_source)
             with staging.output_transaction(out_path) as staged:
                 result = original(merge_config, staged, options=with_run(options, run), config_source=config_source)
@@ -62,12 +120,71 @@ def patch_run_merge(merge: Any) -> None:
             module.run_merge = patched  # type: ignore[attr-defined]  # imported by name before the patch
 
 
-def _model_folders(merge_config: Any) -> Iterator[tuple[str, str]]:
-    """(model as the recipe names it, local folder) for every model and LoRA the recipe reads."""
-    for model in merge_config.referenced_models():
-        for reference in (model.model, model.lora):
-            if reference is not None:
-                yield str(model), os.path.expanduser(reference.path)
+def _model_folders(merge_config: Any, options: Any, made: Sequence[str] = ()) -> Iterator[InputFolder]:
+    """Every folder the recipe reads: each model reference anywhere in it (base, models, slices,
+    modules, ``tokenizer_source``, ``tokenizer``'s source and token embeddings) and its LoRA; where
+    mergekit merges that LoRA (``--lora-merge-cache``); for a Hub id, the model's folder in the Hub
+    cache. ``made``: paths that an earlier ``mergekit-multi`` stage writes, local though not there yet."""
+    for reference in _references(merge_config):
+        label = str(reference)
+        for path in (reference.model, reference.lora):
+            if path is not None:
+                yield InputFolder(label, _local_folder(path.path, options, made))
+        if reference.lora is not None and options.lora_merge_cache:
+            merged = f"{unique_id(reference.model)}_{unique_id(reference.lora)}"  # mergekit's ModelReference.merged
+            yield InputFolder(label, os.path.join(os.path.expanduser(options.lora_merge_cache), merged))
+
+
+def _references(value: Any) -> Iterator[Any]:
+    """Every mergekit ``ModelReference`` in a recipe object, wherever mergekit's schema puts one."""
+    if isinstance(value, ModelReference):
+        yield value
+    elif isinstance(value, pydantic.BaseModel):
+        for name in type(value).model_fields:
+            yield from _references(getattr(value, name))
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _references(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _references(item)
+
+
+def _local_folder(path: str, options: Any, made: Sequence[str]) -> str:
+    """The folder mergekit reads for ``path``: the path itself if it exists (or an earlier stage makes
+    it), else a Hub id's folder in the Hub cache (``models--<org>--<name>``, as huggingface_hub names it)."""
+    local = os.path.expanduser(path)
+    if os.path.exists(local) or path in made:
+        return local
+    cache = options.transformers_cache or hub_constants.HF_HUB_CACHE
+    return os.path.join(cache, "models--" + path.replace("/", "--"))
+
+
+def refuse_stage_outputs(stages: Sequence[Stage], intermediate_dir: str, out_path: Optional[str], options: Any) -> None:
+    """``mergekit-multi``: no RAM stage writes into, or inside, a folder that any stage reads, but for
+    the stages that read its output (each stage's own check sees only its own inputs)."""
+    outputs = {stage.name: _stage_output(stage, intermediate_dir, out_path) for stage in stages}
+    made = [folder for name, folder in outputs.items() if name is not None and folder is not None]
+    for stage in stages:
+        output = outputs[stage.name]
+        if output is None or not is_ours(stage.config.merge_method):
+            continue
+        inputs = [
+            InputFolder(f"{item.label} (read by {_stage_name(reader)})", item.folder, item.whole)
+            for reader in stages
+            for item in _model_folders(reader.config, options, made)
+            if not (stage.name in reader.depends_on and item.folder == output)
+        ]
+        refuse_input_folder(output, inputs)
+
+
+def _stage_name(stage: Stage) -> str:
+    return "the final merge" if stage.name is None else f"stage {stage.name}"
+
+
+def _stage_output(stage: Stage, intermediate_dir: str, out_path: Optional[str]) -> Optional[str]:
+    """Where mergekit-multi writes ``stage``: ``-I``/<name>, or ``--out-path`` for the unnamed final stage."""
+    return out_path if stage.name is None else os.path.join(intermediate_dir, stage.name)
 
 
 def patch_raw_pytorch(raw: Any) -> None:
@@ -86,10 +203,10 @@ def patch_raw_pytorch(raw: Any) -> None:
             check_internals()
             out_path = kwargs["out_path"]
             files = [entry.model for entry in config.models] + ([config.base_model] if config.base_model else [])
-            folders = [(file, os.path.dirname(os.path.abspath(file))) for file in files]
-            folders += [(file, os.path.dirname(os.path.realpath(file))) for file in files]
-            folders += [(file, file) for file in files if os.path.isdir(file)]
-            staging.refuse_input_folder(out_path, folders)
+            folders = [InputFolder(file, os.path.dirname(os.path.abspath(file)), False) for file in files]
+            folders += [InputFolder(file, os.path.dirname(os.path.realpath(file)), False) for file in files]
+            folders += [InputFolder(file, file) for file in files if os.path.isdir(file)]
+            refuse_input_folder(out_path, folders)
             options = MergeOptions(**{key: kwargs[key] for key in MergeOptions.model_fields if key in kwargs})
             run = RamRun.checked(config, options)
             options.apply_global_options()

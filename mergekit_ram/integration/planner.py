@@ -26,7 +26,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from pydantic import PrivateAttr
 
-from mergekit_ram.cache import CacheSettings, cache_key, load, store
+from mergekit_ram.cache import CacheSettings, opened
 from mergekit_ram.checks import HeaderCache, check_tensors
 from mergekit_ram.integration.internals import internal, wrap
 from mergekit_ram.integration.recipes import check_config
@@ -192,15 +192,15 @@ def attach_ram_plan(
 
 def counted_prepass(plan: PlannedMerge, options: Any, run: RamRun) -> list[TensorCounts]:
     """The pre-pass counts, from the cache when nothing they depend on changed."""
-    key = cache_key(plan.tensors) if run.cache.mode != "off" else None
-    counts = load(run.cache, key, plan.tensors, run.headers) if key is not None else None
-    if counts is None:
-        started = time.perf_counter()
-        LOG.info("ram_plus pre-pass: counting changed parameters over %d tensors", len(plan.merge_tasks))
-        counts = run_prepass(plan.merge_tasks, options)
-        LOG.info("ram_plus pre-pass done in %.1f s", time.perf_counter() - started)
-        if key is not None:
-            store(run.cache, key, counts)
+    with opened(run.cache, plan.tensors) as entry:
+        counts = entry.load(plan.tensors, run.headers) if entry is not None else None
+        if counts is None:
+            started = time.perf_counter()
+            LOG.info("ram_plus pre-pass: counting changed parameters over %d tensors", len(plan.merge_tasks))
+            counts = run_prepass(plan.merge_tasks, options)
+            LOG.info("ram_plus pre-pass done in %.1f s", time.perf_counter() - started)
+            if entry is not None:
+                entry.store(counts)
     return [value for value in counts if value is not None]
 
 

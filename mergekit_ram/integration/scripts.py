@@ -1,5 +1,6 @@
 """mergekit's console scripts (``mergekit-yaml``, ``mergekit-multi``, ``mergekit-pytorch``) for RAM recipes:
-one-line errors, the CUDA check, unknown keys of mergekit-multi's stages, the statistics table."""
+one-line errors, the CUDA check, unknown keys of mergekit-multi's stages, stages writing into an input,
+the statistics table."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from mergekit_ram.device import check_device
 from mergekit_ram.errors import RamError, exit_on_one_line
 from mergekit_ram.files import removed_if_failed
 from mergekit_ram.integration.internals import internal, wrap
+from mergekit_ram.integration.output import refuse_stage_outputs
 from mergekit_ram.integration.recipes import check_method_name, check_raw_keys, read_stages
 from mergekit_ram.integration.registry import is_ours
 from mergekit_ram.recipe_file import declared_methods, read_single_document, read_text, validate
@@ -58,16 +60,18 @@ def check_script_recipe(
     script: ModuleType, name: str, path: Optional[str], arguments: dict[str, Any]
 ) -> Optional[MergeOptions]:
     """For a recipe file that asks for a RAM method (its ``merge_method``, or a misspelling of one, which is
-    refused here): read and validate it as ``name`` will, check the device, and return the command's
-    MergeOptions; None for any other file."""
+    refused here): read and validate it as ``name`` will, check the device and (``mergekit-multi``) that
+    no RAM stage writes into a folder a stage reads, and return the command's MergeOptions; None for
+    any other file."""
     text = read_text(path) if path else None
     methods = declared_methods(text) if path is not None and text is not None else []
     for method in methods:
         check_method_name(method)
     if path is None or text is None or not any(is_ours(method) for method in methods):
         return None
+    stages = []
     if name == "mergekit-multi":
-        read_stages(path, text, arguments.get("intermediate_dir") or "")
+        stages = read_stages(path, text, arguments.get("intermediate_dir") or "")
     else:
         schema = (
             internal("mergekit.scripts.merge_raw_pytorch", "RawPyTorchMergeConfig")
@@ -77,6 +81,8 @@ def check_script_recipe(
         validate(path, read_single_document(path, text, name), schema)
     options = merge_options(**{key: value for key, value in arguments.items() if key in MergeOptions.model_fields})
     check_options_device(options)
+    if stages:
+        refuse_stage_outputs(stages, arguments.get("intermediate_dir") or "", arguments.get("out_path"), options)
     return options
 
 
