@@ -91,9 +91,9 @@ class MergeOverflowError(ValueError):
 
     ``cause``, the first that applies where the result overflowed: ``update`` (fine-tune
     ``index``'s update theta_t - theta_pre itself does not fit the arithmetic dtype ``dtype``),
-    ``lambda`` (fine-tune ``index``'s lambda itself, or the base plus lambda times its update,
-    which fits, does not fit ``dtype``), ``sum`` (the merged update, or the base plus it, overflows the
-    arithmetic dtype ``dtype``), or ``cast`` (the result does not fit the output dtype ``dtype``).
+    ``lambda`` (fine-tune ``index``'s lambda, or the base plus lambda times its update where the
+    update fits, does not fit ``dtype``), ``sum`` (the merged update, or the base plus it, does not
+    fit ``dtype``), or ``cast`` (the result does not fit the output dtype ``dtype``).
     """
 
     def __init__(self, cause: OverflowCause, index: Optional[int], dtype: torch.dtype):
@@ -837,7 +837,7 @@ class _MergeScratch:
             return
         if result is not out and bool(torch.isfinite(result).all()):
             raise MergeOverflowError("cast", None, out.dtype)
-        overflowed = ~torch.isfinite(result)  # before the buffers ``result`` may be are reused
+        overflowed = ~torch.isfinite(result)  # taken before the diagnosis reuses the buffer ``result`` may be
         base_c = self.base.load(base)
         for index, finetune in enumerate(finetunes):
             if not bool(torch.isfinite(torch.sub(finetune, base_c)[overflowed]).all()):

@@ -3,9 +3,9 @@
 ``mergekit-yaml`` and ``mergekit-pytorch`` read one YAML document, ``mergekit-multi`` a
 file of stages (documents with a ``name``; a stage may merge an earlier stage's output by
 naming it; ``mergekit_ram.integration.recipes.read_stages`` reads them with mergekit's own
-classes). The probe reads both. Syntax errors, a file of several documents given where
-one is expected, and recipes that do not validate become a ``RecipeError`` naming the file,
-the place and the fix, instead of a yaml or pydantic traceback.
+classes). The probe reads both. Syntax errors, nesting too deep to load, a file of several
+documents given where one is expected, and recipes that do not validate become a ``RecipeError``
+naming the file, the place and the fix, instead of a yaml, recursion or pydantic traceback.
 """
 
 from __future__ import annotations
