@@ -220,7 +220,7 @@ def probe(
     recipe's r / alpha / rule. A mergekit-multi file: every mergekit-ram stage (or the
     one --stage names). Nothing is merged or written (but the cache and --plot).
     """
-    from mergekit_ram.errors import RamError, exit_on_one_line
+    from mergekit_ram.errors import exit_if_reported
     from mergekit_ram.integration.scripts import check_options_device, merge_options
     from mergekit_ram.plot import check_plot_extra, plot_statistics
     from mergekit_ram.probe import probe_config, probe_report_json, select_stages, stage_plot_path
@@ -251,8 +251,9 @@ def probe(
         if plot_path is not None:
             for chosen, statistics in reports:
                 plot_statistics(statistics, stage_plot_path(plot_path, chosen, selection))
-    except RamError as error:
-        exit_on_one_line(error, verbose)
+    except Exception as error:
+        exit_if_reported(error, verbose, "probing")
+        raise
     if as_json:
         click.echo(json.dumps(probe_report_json(selection, reports, by_module), indent=2))
         return

@@ -83,19 +83,25 @@ class NonFiniteInputError(ValueError):
         super().__init__(f"{where} contains {value}")
 
 
+OverflowCause = Literal["update", "lambda", "sum", "cast"]
+
+
 class MergeOverflowError(ValueError):
     """Finite inputs whose merged result is not finite; the kernel never returns NaN or Inf.
 
-    ``cause``: ``lambda`` (fine-tune ``index``'s lambda, or lambda times its update, does not
-    fit ``dtype``), ``sum`` (the updates overflow the arithmetic dtype ``dtype``), or ``cast``
-    (the result does not fit the output dtype ``dtype``).
+    ``cause``, the first that applies where the result overflowed: ``update`` (fine-tune
+    ``index``'s update theta_t - theta_pre itself does not fit the arithmetic dtype ``dtype``),
+    ``lambda`` (fine-tune ``index``'s lambda, or the base plus lambda times its update where the
+    update fits, does not fit ``dtype``), ``sum`` (the merged update, or the base plus it, does not
+    fit ``dtype``), or ``cast`` (the result does not fit the output dtype ``dtype``).
     """
 
-    def __init__(self, cause: Literal["lambda", "sum", "cast"], index: Optional[int], dtype: torch.dtype):
+    def __init__(self, cause: OverflowCause, index: Optional[int], dtype: torch.dtype):
         self.cause, self.index, self.dtype = cause, index, dtype
         what = {
+            "update": f"the update of fine-tuned input {index} (minus the base)",
             "lambda": f"lambda of fine-tuned input {index} times its update",
-            "sum": "the sum of the updates",
+            "sum": "the merged update",
             "cast": "the result",
         }[cause]
         super().__init__(f"{what} does not fit {str(dtype).removeprefix('torch.')}")
@@ -514,16 +520,21 @@ def _update_and_mask(
     tau: torch.Tensor,
     active: torch.Tensor,
     inputs: Optional[tuple[torch.Tensor, Sequence[torch.Tensor]]] = None,
+    update_of: Optional[int] = None,
 ) -> None:
     """tau_t = theta_t - theta_pre into ``tau``, m_t = |tau_t| > epsilon (0.0 / 1.0) into ``active``.
 
     ``tau`` may be ``active`` when only the mask is wanted. With ``inputs`` (the chunk's base and
-    fine-tunes), a NaN or Inf input is named first.
+    fine-tunes), a NaN or Inf input is named first; then, with ``update_of`` (this fine-tune's
+    index), an update that overflowed from finite inputs is a ``MergeOverflowError`` (a rule
+    whose every non-finite update reaches the result: found before it breaks anything else).
     """
     torch.sub(finetune, base, out=tau)
     torch.abs(tau, out=active)
     if inputs is not None and not math.isfinite(active.sum().item()):
         _check_finite(*inputs)
+        if update_of is not None and not bool(torch.isfinite(active).all()):
+            raise MergeOverflowError("update", update_of, active.dtype)
     torch.gt(active, epsilon, out=active)  # NaN compares false: masked to NaN * 0 by the sums
 
 
@@ -816,16 +827,22 @@ class _MergeScratch:
         """A chunk whose output sums to NaN or Inf: raise for the input or the overflow that made it.
 
         A NaN or Inf input is named; a finite output whose sum overflowed is no error; a result
-        finite in the arithmetic dtype did not fit the output dtype; else the first model whose
-        scaled update alone overflows is named, or the sum of the updates overflowed.
+        finite in the arithmetic dtype did not fit the output dtype. Else, where the result
+        overflowed: the first model whose update itself overflowed (finite inputs, the difference
+        not), or the first whose lambda makes the base plus its scaled update overflow (its update
+        fits, and with a lambda of 1 that sum is the model's own value), or else the merged update.
         """
         _check_finite(base, finetunes)
         if bool(torch.isfinite(out).all()):
             return
         if result is not out and bool(torch.isfinite(result).all()):
             raise MergeOverflowError("cast", None, out.dtype)
+        overflowed = ~torch.isfinite(result)  # taken before the diagnosis reuses the buffer ``result`` may be
+        base_c = self.base.load(base)
+        for index, finetune in enumerate(finetunes):
+            if not bool(torch.isfinite(torch.sub(finetune, base_c)[overflowed]).all()):
+                raise MergeOverflowError("update", index, self.dtype)
         if self.plan.lambdas:
-            base_c = self.base.load(base)
             counts, elected = self._sums_of_updates(base_c, finetunes, torch.empty_like(base_c))
             for index in range(len(finetunes)):
                 alone = self._rule_of_values(base_c, finetunes, [index], None, counts, elected)
@@ -930,7 +947,8 @@ class _RadixScratch:
         tau, shared, keys = self.tau[:length], self.mask[:length], self.keys[:length]
         first = shift == self.first_shift
         for index, finetune in enumerate(finetunes):
-            _update_and_mask(finetune, base_c, epsilon, tau, tau, (base, finetunes) if first else None)
+            # an overflowed update would read as a NaN key (inf * 0 at unshared positions): refused first
+            _update_and_mask(finetune, base_c, epsilon, tau, tau, (base, finetunes) if first else None, index)
             _add(shared, index == 0, tau)
         torch.ge(shared, 2, out=shared)  # c >= 2
         self.shared += int(shared.sum().item())

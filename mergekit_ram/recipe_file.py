@@ -3,9 +3,9 @@
 ``mergekit-yaml`` and ``mergekit-pytorch`` read one YAML document, ``mergekit-multi`` a
 file of stages (documents with a ``name``; a stage may merge an earlier stage's output by
 naming it; ``mergekit_ram.integration.recipes.read_stages`` reads them with mergekit's own
-classes). The probe reads both. Syntax errors, a file of several documents given where
-one is expected, and recipes that do not validate become a ``RecipeError`` naming the file,
-the place and the fix, instead of a yaml or pydantic traceback.
+classes). The probe reads both. Syntax errors, nesting too deep to load, a file of several
+documents given where one is expected, and recipes that do not validate become a ``RecipeError``
+naming the file, the place and the fix, instead of a yaml, recursion or pydantic traceback.
 """
 
 from __future__ import annotations
@@ -35,9 +35,26 @@ class Stage:
         return self.name if self.name is not None else "(unnamed final stage)"
 
 
-def declared_methods(text: str) -> list[str]:
-    """The ``merge_method`` of each YAML document of a recipe's text, read as far as the text is valid
-    YAML: a file with a syntax error after its ``merge_method`` still says which method it asks for."""
+#: The deepest nesting of lists and mappings a recipe file may have. A recipe needs about ten levels
+#: (``slices[0].sources[0].parameters.weight[0].value``); far deeper YAML exhausts Python's recursion in
+#: yaml's composer (a RecursionError, not a YAML error) and in the recipe's validation, so it is refused
+#: first, from the parser's events, which need no recursion.
+MAX_NESTING = 64
+
+
+@dataclass(frozen=True)
+class _Scan:
+    """What the parser's events of a recipe's text say, read as far as the text is valid YAML and nested at
+    most ``MAX_NESTING`` deep."""
+
+    methods: list[str]  # the ``merge_method`` scalar of each document, as spelt (no merge keys, no aliases)
+    too_deep: Optional[yaml.Mark]  # where the nesting goes beyond MAX_NESTING (the scan stops there)
+    complete: bool  # every event parsed: no syntax error, not too deep
+
+
+def _scan(text: str) -> _Scan:
+    """One pass over the parser's events: iterative, and stopped where the nesting goes too deep (yaml's
+    scanner takes time in proportion to the depth for each token: 20,000 levels would take minutes)."""
     methods: list[str] = []
     open_nodes: list[Optional[int]] = []  # per open collection: nodes read so far in a mapping, None in a list
     key: Optional[str] = None
@@ -56,9 +73,30 @@ def declared_methods(text: str) -> list[str]:
                         methods.append(scalar)
                 if isinstance(event, yaml.CollectionStartEvent):
                     open_nodes.append(0 if isinstance(event, yaml.MappingStartEvent) else None)
+                    if len(open_nodes) > MAX_NESTING:
+                        return _Scan(methods, event.start_mark, complete=False)
     except yaml.YAMLError:
-        pass
-    return methods
+        return _Scan(methods, None, complete=False)
+    return _Scan(methods, None, complete=True)
+
+
+def declared_methods(text: str) -> list[str]:
+    """The ``merge_method`` of each YAML document of a recipe's text, as mergekit's loader (``yaml.safe_load``)
+    reads it: through merge keys (``<<: *defaults``) and aliases. A text that loader cannot read is read as
+    far as it is valid YAML and not nested too deep (``MAX_NESTING``), as spelt: a file with a syntax error
+    or 20,000 brackets after its ``merge_method`` still says which method it asks for."""
+    scan = _scan(text)
+    if scan.complete:
+        try:
+            documents = list(yaml.safe_load_all(text))
+        except (yaml.YAMLError, ValueError):  # what the events do not show: an undefined alias, a bad value
+            return scan.methods
+        return [
+            document["merge_method"]
+            for document in documents
+            if isinstance(document, dict) and isinstance(document.get("merge_method"), str)
+        ]
+    return scan.methods
 
 
 def read_text(path: str) -> Optional[str]:
@@ -81,11 +119,19 @@ def describe_yaml_error(error: yaml.YAMLError) -> str:
 
 
 def read_documents(path: str, text: str) -> list[Any]:
-    """The non-empty YAML documents of a recipe file."""
+    """The non-empty YAML documents of a recipe file; one nested beyond ``MAX_NESTING`` is refused first."""
+    too_deep = _scan(text).too_deep
+    if too_deep is not None:
+        raise RecipeError(
+            f"{path}: lists or mappings nested more than {MAX_NESTING} levels deep at line {too_deep.line + 1}, "
+            f"column {too_deep.column + 1}; a recipe needs about ten: check the brackets or the indentation there"
+        )
     try:
         documents = list(yaml.safe_load_all(text))
     except yaml.YAMLError as error:
         raise RecipeError(f"{path}: {describe_yaml_error(error)}") from error
+    except ValueError as error:  # a value yaml cannot convert (a date 2020-13-45, ``!!int abc``)
+        raise RecipeError(f"{path}: invalid YAML: a value cannot be read ({error})") from error
     return [document for document in documents if document is not None]
 
 

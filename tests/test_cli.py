@@ -254,6 +254,80 @@ def test_cuda_without_a_device_is_one_line(bf16_models: ModelSet, tmp_path, monk
     assert not os.path.exists(tmp_path / "o")
 
 
+DEEP = "[" * 20_000 + "]" * 20_000
+#: How a recipe may ask for ram_plus: as spelt, or through a YAML merge key, inline or from an anchor (an alias).
+METHOD_SPELLINGS = {
+    "plain": "merge_method: ram_plus\n",
+    "merge key": "<<: {merge_method: ram_plus}\n",
+    "anchor": ".defaults: &defaults\n  merge_method: ram_plus\n<<: *defaults\n",
+}
+
+
+def spelt_recipe(models: ModelSet, folder: str, command: str, spelling: str, extra: str = "") -> str:
+    """A ram_plus recipe file for ``command`` (model files for mergekit-pytorch, a named stage for
+    mergekit-multi) whose method is given as ``METHOD_SPELLINGS[spelling]``, ending with ``extra``."""
+    recipe = models.recipe("ram_plus")
+    del recipe["merge_method"]
+    if command == "mergekit-pytorch":
+        recipe = {
+            "base_model": os.path.join(models.base, "model.safetensors"),
+            "models": [{"model": os.path.join(path, "model.safetensors")} for path in models.agents],
+        }
+    if command == "mergekit-multi":
+        recipe = {"name": "agents", **recipe}
+    path = os.path.join(folder, "recipe.yml")
+    with open(path, "w", encoding="utf-8") as handle:
+        handle.write(METHOD_SPELLINGS[spelling] + yaml.safe_dump(recipe, sort_keys=False) + extra)
+    return path
+
+
+def run_command(command: str, recipe: str, folder: str, *options: str) -> subprocess.CompletedProcess:
+    """``command`` on ``recipe`` with an output folder (-I for mergekit-multi; none for the probe)."""
+    name, *first = command.split()
+    outputs = {"mergekit-multi": ["-I", os.path.join(folder, "stages")], "mergekit-ram probe": []}
+    output = outputs.get(command, [os.path.join(folder, "out")])
+    return run_script(name, *first, recipe, *output, *options, check=False)
+
+
+COMMANDS = ["mergekit-yaml", "mergekit-multi", "mergekit-pytorch", "mergekit-ram probe"]
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_a_recipe_nested_too_deep_is_one_line(bf16_models: ModelSet, tmp_path, command: str) -> None:
+    """20,000 nested brackets in a ram_plus recipe: one line naming the file and the place, found from the
+    parser's events before yaml's recursive loader (a 2,993-line RecursionError) or the validation runs."""
+    recipe = spelt_recipe(bf16_models, str(tmp_path), command, "plain", extra=f"x: {DEEP}\n")
+    with open(recipe, encoding="utf-8") as handle:
+        line = handle.read().count("\n")  # the last line; its 64th bracket opens the 65th level
+    assert one_line_error(run_command(command, recipe, str(tmp_path))) == (
+        f"{recipe}: lists or mappings nested more than 64 levels deep at line {line}, column 67; "
+        "a recipe needs about ten: check the brackets or the indentation there"
+    )
+    assert os.listdir(tmp_path) == ["recipe.yml"]
+
+
+@NO_CUDA
+@pytest.mark.parametrize(
+    ("command", "spelling"),
+    [
+        ("mergekit-yaml", "merge key"),
+        ("mergekit-yaml", "anchor"),
+        ("mergekit-multi", "anchor"),
+        ("mergekit-pytorch", "merge key"),
+        ("mergekit-ram probe", "anchor"),
+    ],
+)
+def test_a_method_given_through_a_merge_key_is_ours(
+    bf16_models: ModelSet, tmp_path, command: str, spelling: str
+) -> None:
+    """``merge_method`` through a YAML merge key (``<<:``, inline or ``*defaults``), as mergekit's loader reads
+    it: the one-line --cuda refusal the plain spelling gets, not mergekit's 59-line traceback."""
+    recipe = spelt_recipe(bf16_models, str(tmp_path), command, spelling)
+    message = one_line_error(run_command(command, recipe, str(tmp_path), "--cuda"))
+    assert message.startswith("--cuda was given but no CUDA device is available")
+    assert os.listdir(tmp_path) == ["recipe.yml"]
+
+
 def test_probe_plot_extra_is_checked_first(tmp_path) -> None:
     """Without matplotlib: one line naming the install, before the (missing) models are read."""
     hidden = tmp_path / "hide"

@@ -157,6 +157,26 @@ def test_overflowing_lambda_is_an_error_naming_the_parameter(parameters: dict, m
         merge_state_dicts(models, "ram_plus", base="base", parameters=parameters)
 
 
+@pytest.mark.parametrize("method", ["ram", "ram_plus", "ram_ties", "ram_unique"])
+def test_an_overflowing_update_is_named_with_its_fix(method: str) -> None:
+    """a's update (3e38 - (-3e38)) overflows float32 itself: the line names it, not lambda (ram_plus, r 0.1)
+    nor ram_ties' trim; the float64 merge it points to gives the exact result."""
+    models = {
+        "base": {"w": torch.tensor([-3e38, 0.0, 1.0, 0.0])},
+        "a": {"w": torch.tensor([3e38, 0.5, 1.0, 0.0])},
+        "b": {"w": torch.tensor([-3e38, 0.5, 1.5, 0.0])},
+    }
+    with pytest.raises(ParameterError) as error:
+        merge_state_dicts(models, method, base="base")
+    assert str(error.value) == (
+        f"{method}: tensor w: the update of a (its value minus the base's) overflows float32; "
+        "merge with `dtype: float64` (arithmetic is then float64)"
+    )
+    merged, statistics = merge_state_dicts(models, method, base="base", dtype=torch.float64)
+    lam = statistics.models[0].lambda_  # a changed [0] alone
+    assert merged["w"][0].item() == pytest.approx(-3e38 + lam * 6e38)
+
+
 def test_mismatched_inputs_name_model_and_tensor(bf16_models: ModelSet) -> None:
     base = load_weights(bf16_models.base)
     broken = dict(base)

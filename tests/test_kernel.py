@@ -21,6 +21,7 @@ from mergekit_ram.kernel import (
     CHUNK_ELEMENTS,
     MergeOverflowError,
     NonFiniteInputError,
+    SharedRule,
     _kept_from,
     _map_chunks,
     compute_dtype,
@@ -720,8 +721,52 @@ def test_rule_errors_name_the_input_or_the_overflow() -> None:
         merge_tensors(base, overflowing, EPSILON, [1e38, 1.0], workers=1, shared="base")
     assert (error.value.cause, error.value.index) == ("lambda", 0)
     apart = [torch.tensor([3e38, 0.0]), torch.tensor([0.0, 0.0])]
-    with pytest.raises(MergeOverflowError):  # tau = 3e38 - (-3e38) overflows before any trimming
+    with pytest.raises(MergeOverflowError) as error:  # tau = 3e38 - (-3e38) overflows before any trimming
         merge_tensors(torch.tensor([-3e38, 0.0]), apart, EPSILON, workers=1, shared="ties", density=0.5)
+    assert (error.value.cause, error.value.index) == ("update", 0)
+
+
+RULES = [("mean", 1.0), ("ties", 0.5), ("ties", 1.0), ("base", 1.0)]
+
+
+@pytest.mark.parametrize(("rule", "density"), RULES)
+@pytest.mark.parametrize("lam", [1.0, 1.2])
+def test_an_overflowing_update_is_named_under_every_rule(rule: SharedRule, density: float, lam: float) -> None:
+    """theta_t - theta_pre beyond float32 from finite inputs: that model's update is the cause, whatever
+    the lambdas (not lambda times the update), also for ties with a trim (whose radix select broke on
+    it); the float64 merge it points to is finite. Model 0's update overflows where model 2 also changed
+    the base (shared: the unique rule keeps the base there, no error), model 1's where it alone did."""
+    base = torch.tensor([-3e38, -3e38, 1.0, 2.0])
+    finetunes = [
+        torch.tensor([3e38, -3e38, 1.0, 2.5]),
+        torch.tensor([-3e38, 3e38, 1.0, 2.0]),
+        torch.tensor([1.0, -3e38, 0.0, 2.0]),
+    ]
+    with pytest.raises(MergeOverflowError) as error:
+        merge_tensors(base, finetunes, EPSILON, [lam] * 3, workers=1, shared=rule, density=density, count=True)
+    expected = ("update", 1 if rule == "base" else 0, torch.float32)
+    assert (error.value.cause, error.value.index, error.value.dtype) == expected
+    wide = merge_tensors(base.double(), [f.double() for f in finetunes], EPSILON, [lam] * 3, workers=1, shared=rule)
+    assert torch.isfinite(wide.merged).all()
+    assert wide.merged[1].item() == pytest.approx(-3e38 + lam * 6e38)  # model 1 alone, scaled
+
+
+@pytest.mark.parametrize(("rule", "density"), RULES)
+def test_a_lambda_is_named_only_where_it_is_the_cause(rule: SharedRule, density: float) -> None:
+    """An update that fits, whose base + lambda * update does not: that model's lambda (lambda 1 gives the
+    model's own value, which fits). A lambda of 1 or less never is: there the merged update is the cause."""
+    base = torch.tensor([2e38, 0.0, 1.0])
+    finetunes = [torch.tensor([3.3e38, 0.0, 1.0]), torch.tensor([2e38, 0.0, 1.5])]  # model 0 alone changed [0]
+    with pytest.raises(MergeOverflowError) as error:
+        merge_tensors(base, finetunes, EPSILON, [1.2, 1.0], workers=1, shared=rule, density=density)
+    assert (error.value.cause, error.value.index) == ("lambda", 0)
+    fits = merge_tensors(base, finetunes, EPSILON, [1.0, 1.2], workers=1, shared=rule, density=density)
+    assert fits.merged.tolist()[0] == torch.tensor(3.3e38).item()
+    if rule != "base":  # both changed [0] by 3e38: their mean fits, their sum does not
+        shared = [torch.tensor([3e38, 0.0, 1.0]), torch.tensor([3e38, 0.0, 1.5])]
+        with pytest.raises(MergeOverflowError) as error:
+            merge_tensors(torch.zeros(3), shared, EPSILON, [0.5, 1.0], workers=1, shared=rule, density=density)
+        assert (error.value.cause, error.value.index) == ("sum", None)
 
 
 def test_bad_rules_are_refused() -> None:

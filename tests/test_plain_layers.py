@@ -27,10 +27,10 @@ from mergekit_ram.checks import (
     close_method,
     planned_numel,
 )
-from mergekit_ram.errors import DeviceError, InputError
+from mergekit_ram.errors import DeviceError, InputError, RecipeError
 from mergekit_ram.parameters import METHOD_PARAMETERS, ParameterError
 from mergekit_ram.planned import ModelIdentity, PlannedTensor, TensorInput, TensorParameters
-from mergekit_ram.recipe_file import declared_methods
+from mergekit_ram.recipe_file import declared_methods, read_documents
 from mergekit_ram.settings import Applied, merge_settings
 from mergekit_ram.stats.data import TensorCounts
 from mergekit_ram.stats.schema import counts_to_dict
@@ -273,6 +273,24 @@ def test_a_recipe_says_its_method_even_where_its_yaml_breaks_later() -> None:
     stages = 'name: a\nmerge_method: ram\n---\n{"merge_method": ram_pluss}\n---\n- merge_method: ram\n'
     assert declared_methods(stages) == ["ram", "ram_pluss"]
     assert declared_methods("merge_method:\n\tram_plus\n") == []  # nothing readable: mergekit's own error
+
+
+def test_the_method_is_read_as_mergekit_loads_the_file() -> None:
+    """Merge keys and aliases count; a file the loader cannot read (a syntax error, a bad value, nesting too
+    deep) is read as far as it is valid YAML, as spelt."""
+    assert declared_methods("<<: {merge_method: ram_plus}\n") == ["ram_plus"]
+    assert declared_methods("name: &m ram\nmerge_method: *m\n") == ["ram"]
+    assert declared_methods("d: &d {merge_method: ram_ties}\n<<: *d\n---\n<<: {merge_method: linear}\n") == [
+        "ram_ties",
+        "linear",
+    ]
+    assert declared_methods("merge_method: ram_plus\nx: " + "[" * 20_000 + "]" * 20_000) == ["ram_plus"]
+    assert declared_methods("merge_method: ram\nx: 2020-13-45\n") == ["ram"]
+    assert declared_methods("merge_method: ram\nx: !!int abc\n<<: {merge_method: ram_plus}\n") == ["ram"]
+    with pytest.raises(
+        RecipeError, match=r"^r\.yml: invalid YAML: a value cannot be read \(month must be in 1\.\.12\)$"
+    ):
+        read_documents("r.yml", "merge_method: ram\nx: 2020-13-45\n")
 
 
 @pytest.mark.parametrize(

@@ -41,6 +41,7 @@ from tests.conftest import (
     script,
     write_recipe,
 )
+from tests.test_cli import one_line_error
 
 DOC = os.path.join(os.path.dirname(__file__), os.pardir, "docs", "reliability.md")
 
@@ -600,3 +601,57 @@ def test_other_methods_are_unchanged_by_the_plugin(other_methods: dict[str, str]
         with open(os.path.join(out, "model.safetensors"), "rb") as handle:
             files.append(handle.read())
     assert files[0] == files[1]
+
+
+_NEAR_MAX_TENSOR = "model.layers.1.self_attn.v_proj.weight"
+
+
+def _near_float32_max(models: ModelSet, root: str, base_value: float, agent_value: float) -> ModelSet:
+    """Copies of ``models`` where one element of one tensor is ``base_value`` in the base and in every
+    agent but the first (the coding agent), which alone changed it, to ``agent_value``."""
+    base = _copy(models.base, root, "base")
+    agents = [_copy(path, root, os.path.basename(path)) for path in models.agents]
+    for index, path in enumerate([base, *agents]):
+        value = agent_value if index == 1 else base_value
+        _rewrite(path, lambda state, v=value: state[_NEAR_MAX_TENSOR].__setitem__((3, 5), v))
+    return ModelSet(base=base, agents=agents, design=models.design)
+
+
+@pytest.mark.parametrize(
+    ("method", "cause"),
+    [
+        ("ram", "update"),
+        ("ram_plus", "update"),
+        ("ram_ties", "update"),
+        ("ram_unique", "update"),
+        ("ram_plus", "lambda"),
+    ],
+)
+def test_an_overflow_names_its_cause_in_one_line(fp32_models: ModelSet, tmp_path, method: str, cause: str) -> None:
+    """Values near the float32 maximum through the real mergekit-yaml: one line naming the cause and its fix,
+    nothing written. ``update``: the coding agent's update (3e38 - (-3e38)) overflows float32 itself,
+    whatever lambda (ram_ties: before its trim); ``dtype: float64`` then merges. ``lambda``: the update
+    (1.3e38) fits, base + lambda * update (2e38 + 1.2 * 1.3e38) does not; ``r: 0`` then merges."""
+    values = {"update": (-3e38, 3e38), "lambda": (2e38, 3.3e38)}[cause]
+    models = _near_float32_max(fp32_models, str(tmp_path), *values)
+    recipe = write_recipe(str(tmp_path / "r.yml"), models.recipe(method))
+    completed = run_script("mergekit-yaml", recipe, str(tmp_path / "out"), check=False)
+    coder = models.agents[0]
+    if cause == "update":
+        fix = {"dtype": "float64"}
+        expected = (
+            f"{method}: tensor {_NEAR_MAX_TENSOR}: the update of {coder} (its value minus the base's) overflows "
+            "float32; merge with `dtype: float64` (arithmetic is then float64)"
+        )
+    else:
+        fix = {"parameters": {"r": 0.0}}
+        expected = (
+            f"{method}: tensor {_NEAR_MAX_TENSOR}: lambda = 1 + r * clip(rho) = 1.2 of {coder} (from r = 0.1) times "
+            "its update, added to the base, does not fit float32; lower r (the paper's lambdas are about 1.2)"
+        )
+    assert one_line_error(completed) == expected
+    assert not os.path.exists(tmp_path / "out")
+    merge_in_process(models.recipe(method, **fix), str(tmp_path / "fixed"))  # the fix the line names merges
+    merged = load_file(os.path.join(tmp_path / "fixed", "model.safetensors"))[_NEAR_MAX_TENSOR]
+    lam = 1.2 if (method, cause) == ("ram_plus", "update") else 1.0  # ram_plus's default r; r: 0; 1
+    assert merged[3, 5].item() == pytest.approx(values[0] + lam * (values[1] - values[0]))

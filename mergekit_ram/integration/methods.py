@@ -168,12 +168,19 @@ class RamMergeMethod(GroupMergeMethod):
     def _overflow_error(
         self, group: Any, parameters: Mapping[str, Any], lambdas: list[float], error: MergeOverflowError
     ) -> ParameterError:
-        """Name the tensor and the setting behind an overflow: lambda (or r), or a dtype.
+        """Name the tensor and the cause of an overflow, with its fix: a model's update or the merged
+        update (float64 arithmetic), its lambda (lower r or the pin), or the output dtype.
 
         A lambda with no rho beside it was pinned; one with a rho came from 1 + r * clip(rho).
         """
         name = group.metadata.name
         dtype = str(error.dtype).removeprefix("torch.")
+        wider = "merge with `dtype: float64` (arithmetic is then float64)"
+        if error.cause == "update" and error.index is not None:
+            return ParameterError(
+                f"{self.spec.name}: tensor {name}: the update of {group.non_base[error.index].id} "
+                f"(its value minus the base's) overflows {dtype}; {wider}"
+            )
         if error.cause == "lambda" and error.index is not None:
             entry = group.non_base[error.index]
             lam = lambdas[error.index]
@@ -187,13 +194,13 @@ class RamMergeMethod(GroupMergeMethod):
                 else f"lambda = 1 + r * clip(rho) = {lam!r} of {entry.id} (from r = {parameters['r']!r})"
             )
             return ParameterError(
-                f"{self.spec.name}: tensor {name}: {setting} times its update does not fit {dtype}; "
-                f"lower {kind if pinned else 'r'} (the paper's lambdas are about 1.2)"
+                f"{self.spec.name}: tensor {name}: {setting} times its update, added to the base, does not fit "
+                f"{dtype}; lower {kind if pinned else 'r'} (the paper's lambdas are about 1.2)"
             )
         if error.cause == "sum":
             return ParameterError(
-                f"{self.spec.name}: tensor {name}: the merged update overflows {dtype}; "
-                "merge with `dtype: float64` (arithmetic is then float64)"
+                f"{self.spec.name}: tensor {name}: the merged update (the models' updates combined) overflows "
+                f"{dtype}; {wider}"
             )
         return ParameterError(
             f"{self.spec.name}: tensor {name}: the merged values do not fit the output dtype {dtype} "

@@ -10,7 +10,7 @@ from typing import Any, Callable, Optional
 import yaml
 
 from mergekit_ram.device import check_device
-from mergekit_ram.errors import RamError, exit_on_one_line
+from mergekit_ram.errors import RamError, exit_if_reported
 from mergekit_ram.files import removed_if_failed
 from mergekit_ram.integration.internals import internal, wrap
 from mergekit_ram.integration.output import refuse_stage_outputs
@@ -32,8 +32,9 @@ MergeOptions: Any = internal("mergekit.options", "MergeOptions")
 def patch_script(script: ModuleType) -> None:
     """The plugin's errors as one line (``Error: ...``, exit 1; the traceback with ``-v``).
 
-    The plugin's own errors are told by type (``RamError``). A YAML or schema error and a
-    missing CUDA device are reported so only for a file that asks for one of this plugin's methods,
+    The plugin's own errors are told by type (``RamError``). A YAML or schema error, a
+    missing CUDA device and a resource failure (``errors.resource_message``: too many open files,
+    a full disk) are reported so only for a file that asks for one of this plugin's methods,
     and a misspelling of their names for any file: for every other recipe mergekit's output stays
     as it was. ``mergekit-pytorch`` (which has no ``run_merge``) also shows the statistics table here.
     A failed ``mergekit-multi`` run of a RAM recipe removes the ``-I`` folder it made, if empty
@@ -43,12 +44,15 @@ def patch_script(script: ModuleType) -> None:
 
     def make(original: Callable[..., Any]) -> Callable[..., Any]:
         def callback(*args: Any, **kwargs: Any) -> Any:
+            options = None
             try:
                 options = check_script_recipe(script, name, kwargs.get(recipe_argument), kwargs)
                 with removed_if_failed(kwargs.get("intermediate_dir") if options is not None else None):
                     result = original(*args, **kwargs)  # mergekit-multi makes its -I folder itself
-            except RamError as error:
-                exit_on_one_line(error, verbose=bool(kwargs.get("verbosity")))
+            except Exception as error:
+                if options is not None or isinstance(error, RamError):
+                    exit_if_reported(error, bool(kwargs.get("verbosity")), "merging")
+                raise
             return result
 
         return callback
