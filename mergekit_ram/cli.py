@@ -62,13 +62,29 @@ def _passthrough(kind: str) -> click.Command:
     )
     @click.pass_context
     def command(context: click.Context) -> None:
+        """Where mergekit-ram cannot attach to this mergekit, the script runs as mergekit alone and refuses
+        recipes naming mergekit-ram's methods in one line (``integration.guard``)."""
         import importlib
 
         from mergekit_ram import register
+        from mergekit_ram.errors import exit_on_one_line
+        from mergekit_ram.integration.guard import refuse
+        from mergekit_ram.integration.internals import MergekitMovedError
 
-        register()
-        script_main = importlib.import_module(module_name).main
-        script_main.main(args=list(context.args), prog_name=f"mergekit-ram {kind}")
+        try:
+            register()
+            moved = None
+        except MergekitMovedError as error:
+            moved = error
+        try:
+            script = importlib.import_module(module_name)
+        except ImportError:
+            if moved is None:
+                raise
+            exit_on_one_line(moved, verbose=False)
+        if moved is not None:
+            refuse(script, str(moved))
+        script.main.main(args=list(context.args), prog_name=f"mergekit-ram {kind}")
 
     return command
 

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import ast
 import inspect
+import os
 from pathlib import Path
 
+import mergekit
 import mergekit.merge
 import mergekit.scripts.multimerge
 import pytest
 
-from mergekit_ram.integration.internals import INTERNALS, MergekitMovedError, check_internals, internal
+from mergekit_ram.integration.internals import INTERNALS, MergekitMovedError, check_internals, internal, mergekit_found
 
 PACKAGE = Path(__file__).resolve().parents[1] / "mergekit_ram"
 
@@ -29,9 +31,12 @@ def test_a_moved_internal_fails_naming_the_version(monkeypatch: pytest.MonkeyPat
     monkeypatch.delattr(mergekit.scripts.multimerge, "patched_config")
     with pytest.raises(MergekitMovedError) as moved:
         check_internals()
+    assert mergekit_found() == f"mergekit 0.1.5 ({os.path.dirname(mergekit.__file__)})"
     assert str(moved.value) == (
-        "mergekit-ram cannot find mergekit.scripts.multimerge.patched_config in mergekit 0.1.5; "
-        "it supports mergekit 0.1.5"
+        f"mergekit-ram cannot find mergekit.scripts.multimerge.patched_config in {mergekit_found()}; "
+        "it supports mergekit>=0.1.5,<0.2 where that is unchanged (tested: 0.1.5): "
+        # the version found is the one tested (a source build?): pip must replace it all the same
+        'pip install --force-reinstall --no-deps "mergekit==0.1.5"'
     )
 
 
