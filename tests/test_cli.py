@@ -184,6 +184,27 @@ def test_yaml_errors_of_ram_recipes_are_one_line(bf16_models: ModelSet, tmp_path
     assert not os.path.exists(tmp_path / "o")
 
 
+def test_a_missing_recipe_file_is_one_line_in_every_script(tmp_path) -> None:
+    """mergekit-yaml (whose open() of the file would raise a traceback): the plugin's line; mergekit-multi,
+    mergekit-pytorch and the probe: click's check of the argument, its one error line (exit status 2)."""
+    missing = str(tmp_path / "no-such-recipe.yml")
+    yaml_run = run_script("mergekit-yaml", missing, str(tmp_path / "out"), check=False)
+    assert one_line_error(yaml_run) == f"recipe file {missing} does not exist"
+    for command, argument in (
+        (["mergekit-multi", missing, "--out-path", str(tmp_path / "out")], "CONFIG_FILE"),
+        (["mergekit-pytorch", missing, str(tmp_path / "out")], "CONFIG_PATH"),
+        (["mergekit-ram", "probe", missing], "RECIPE"),
+    ):
+        completed = run_script(*command, check=False)
+        assert completed.returncode == 2 and "Traceback" not in completed.stderr, completed.stderr
+        what = "File" if argument == "RECIPE" else "Path"
+        assert (
+            completed.stderr.splitlines()[-1]
+            == f"Error: Invalid value for '{argument}': {what} '{missing}' does not exist."
+        )
+    assert not os.path.exists(tmp_path / "out")
+
+
 def test_a_misspelt_method_is_one_line_naming_the_method(bf16_models: ModelSet, tmp_path) -> None:
     """mergekit-yaml (what its user sees: one line, no traceback), mergekit-multi, mergekit-pytorch and the
     probe (their click commands here) name the method meant; another unknown name stays mergekit's error."""

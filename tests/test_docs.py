@@ -5,7 +5,8 @@
   message that page quotes as the plugin's is one the code gives (rewording one fails here).
 - The versions and the statistics schema the pages name, and how they say an infinite rho is
   written, are the code's.
-- README.md's parameters table lists each parameter with the methods that declare it and their defaults.
+- README.md's parameters table lists each parameter with the methods that declare it and their defaults;
+  its recipe is the shipped recipe it names, field for field.
 - Every test, script and module a page names exists; every link into the repository resolves
   (README.md's are absolute, for the package index, and mapped back to the checkout); every
   ``docs/*.md`` page the code, scripts, tests and recipes name exists.
@@ -27,6 +28,7 @@ import sys
 from dataclasses import dataclass
 
 import pytest
+import yaml
 
 try:
     import tomllib
@@ -455,6 +457,16 @@ def test_readme_parameters_are_the_codes() -> None:
             written = documented[method]
             same = written == default if default in ("none", *RULES) else float(written) == float(default)
             assert same, f"{name} for {method}: README.md says {written}, parameters.py {default}"
+
+
+def test_readme_recipe_is_the_shipped_one_it_names() -> None:
+    """The recipe README.md shows has the fields and values of the file under recipes/ it names."""
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as handle:
+        section = handle.read().split("\n## A recipe\n", 1)[1].split("\n## ", 1)[0]
+    (shown,) = re.findall(r"```yaml\n(.*?)```", section, flags=re.DOTALL)
+    (named,) = re.findall(r"`(recipes/[\w./-]+\.yaml)`", section)
+    with open(os.path.join(ROOT, named), encoding="utf-8") as handle:
+        assert yaml.safe_load(shown) == yaml.safe_load(handle)
 
 
 #: Where a page says how ram_statistics.json writes an infinite rho: (page, pattern of the quoted value).

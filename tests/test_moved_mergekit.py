@@ -9,6 +9,7 @@ first on ``PYTHONPATH`` of the real console scripts, as a source build kept besi
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import os
 import shutil
@@ -72,10 +73,9 @@ def build_moved_mergekit(root: Path, file: str, old: str, new: str) -> MovedMerg
             path.write_text(text.replace(old, new), encoding="utf-8")
             renamed.append(path.relative_to(package).as_posix())
     assert file in renamed, f"mergekit has no {old} in {file} any more: rename another internal"
-    writer = package / "io" / "tensor_writer.py"
-    text = writer.read_text(encoding="utf-8")
-    assert '"mergekit_version": "0.1.5"' in text
-    writer.write_text(text.replace('"mergekit_version": "0.1.5"', f'"mergekit_version": "{VERSION}"'), "utf-8")
+    writer = package / "io" / "tensor_writer.py"  # the version it writes into an index's metadata
+    written = f'"mergekit_version": "{importlib.metadata.version("mergekit")}"'
+    writer.write_text(writer.read_text(encoding="utf-8").replace(written, f'"mergekit_version": "{VERSION}"'), "utf-8")
     info = root / f"mergekit-{VERSION}.dist-info"
     info.mkdir()
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: mergekit\nVersion: {VERSION}\n", encoding="utf-8")

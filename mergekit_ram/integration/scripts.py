@@ -3,13 +3,14 @@ one-line errors, the CUDA check, unknown keys of mergekit-multi's stages, the st
 
 from __future__ import annotations
 
+import os
 from types import ModuleType
 from typing import Any, Callable, Optional
 
 import yaml
 
 from mergekit_ram.device import check_device
-from mergekit_ram.errors import RamError, exit_on_one_line
+from mergekit_ram.errors import RamError, RecipeError, exit_on_one_line
 from mergekit_ram.files import removed_if_failed
 from mergekit_ram.integration.internals import internal, wrap
 from mergekit_ram.integration.recipes import check_method_name, check_raw_keys, read_stages
@@ -60,6 +61,8 @@ def check_script_recipe(
     """For a recipe file that asks for a RAM method (its ``merge_method``, or a misspelling of one, which is
     refused here): read and validate it as ``name`` will, check the device, and return the command's
     MergeOptions; None for any other file."""
+    if path is not None and not os.path.exists(path):  # mergekit-yaml's own open() would raise a traceback
+        raise RecipeError(f"recipe file {path} does not exist")
     text = read_text(path) if path else None
     methods = declared_methods(text) if path is not None and text is not None else []
     for method in methods:
