@@ -7,6 +7,7 @@ import ast
 import importlib.metadata
 import inspect
 import os
+import re
 from pathlib import Path
 
 import mergekit
@@ -84,7 +85,7 @@ def test_the_plugin_uses_only_what_the_table_names() -> None:
                 unlisted.append(f"{path.relative_to(PACKAGE)}:{line} {module}.{name}")
     assert imports == []
     # wrap's generic call (script.__name__) is the one non-literal call: the three console scripts' main.callback
-    assert unlisted == ["integration/scripts.py:54 ."], unlisted
+    assert [re.sub(r":\d+ ", " ", call) for call in unlisted] == ["integration/scripts.py ."], unlisted
     scripts = {
         (f"mergekit.scripts.{script}", name)
         for script in ("run_yaml", "multimerge")
