@@ -243,6 +243,7 @@ def test_cache_is_used_for_sweeps_and_never_stale(
         ("dense", "RAM's premise of sparse, mostly disjoint updates does not hold"),
         ("unchanged", "changed no parameter by more than epsilon"),
         ("mixed dtypes", "stored in different dtypes"),
+        ("identical", "have no unique change at all"),
     ],
 )
 def test_warnings_that_save_a_wasted_merge(
@@ -254,15 +255,18 @@ def test_warnings_that_save_a_wasted_merge(
     base, agents, _ = build_agents(str(tmp_path / "models"), config, overlap, ["a", "b"], dtype=dtype)
     if case == "unchanged":
         agents[1] = shutil.copytree(base, str(tmp_path / "base-copy"))
+    if case == "identical":  # one agent twice, under two paths (one path listed twice is refused)
+        agents[1] = shutil.copytree(agents[0], str(tmp_path / "agent-copy"))
+        expected = f"{agents[0]}, {agents[1]} {expected} (every parameter each changed, another model changed too"
     if case == "mixed dtypes":
         state = load_file(os.path.join(agents[1], "model.safetensors"))
         save_file({k: v.float() for k, v in state.items()}, os.path.join(agents[1], "model.safetensors"))
     recipe = {"merge_method": "ram_plus", "base_model": base, "models": [{"model": p} for p in agents]}
     out = str(tmp_path / "out")
-    if case == "float16":  # once through the console scripts: shown without -v
+    if case in ("float16", "identical"):  # through the console scripts: shown without -v, one line each
         path = write_recipe(str(tmp_path / "r.yml"), recipe)
-        assert expected in run_script("mergekit-yaml", path, out).stderr
-        assert expected in run_script("mergekit-ram", "probe", path).stderr
+        for completed in (run_script("mergekit-yaml", path, out), run_script("mergekit-ram", "probe", path)):
+            assert len([line for line in completed.stderr.splitlines() if expected in line]) == 1
     else:
         caplog.set_level(logging.WARNING)
         merge_in_process(recipe, out)
