@@ -240,9 +240,20 @@ def config(folder: int) -> list[Finding]:
 
 
 def tokenizer(folder: int) -> list[Finding]:
+    """A tokenizer file transformers loads: a regular file of the folder (a link to one is not uploaded as
+    the file everywhere, and is not read here)."""
+    unreadable = []
     for name in TOKENIZER_FILES:
-        with contextlib.suppress(OSError, UnreadableFile), open_regular(name, dir_fd=folder, follow_symlinks=False):
-            return []
+        try:
+            with open_regular(name, dir_fd=folder, follow_symlinks=False):
+                return []
+        except FileNotFoundError:
+            continue
+        except (OSError, UnreadableFile) as error:
+            reason = error.strerror if isinstance(error, OSError) and error.strerror else one_line(error)
+            unreadable.append(f"{name} cannot be read ({reason}): copy the file itself into the folder")
+    if unreadable:
+        return [Finding("tokenizer", unreadable[0])]
     return [
         Finding(
             "tokenizer",

@@ -151,6 +151,10 @@ CASES: dict[str, tuple[Callable[[Path], None], str]] = {
         "no tokenizer (tokenizer.json, tokenizer.model or vocab.json): copy the base model's tokenizer files "
         "(tokenizer_config.json and the others) into the folder",
     ),
+    "a tokenizer through a link": (
+        lambda f: _link(f, "tokenizer.json"),
+        "tokenizer.json cannot be read (it is a symbolic link): copy the file itself into the folder",
+    ),
     "no card": (
         lambda f: (f / "README.md").unlink(),
         "no README.md model card: merge with mergekit-yaml (without --no-write-model-card)",

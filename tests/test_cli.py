@@ -37,6 +37,7 @@ INTERNAL_RAISES = {
     "synthetic.py (Python)",
     "NonFiniteInputError": "kernel.py; integration/methods.py re-raises it as InputError with model and tensor named",
     "click.ClickException": "cli.py: click prints it as one line itself",
+    "click.BadParameter": "cli.py: click's usage error for an option's value (exit status 2), one Error line",
     "AttributeError": "__init__.py: the module attribute protocol",
     "MergekitMovedError": "a RamError (checked below through its class)",
     "MergeOverflowError": "kernel.py; integration/methods.py re-raises it as a ParameterError naming the tensor "
@@ -99,7 +100,7 @@ def test_every_error_a_user_can_meet_is_a_ram_error() -> None:
         }
     from mergekit_ram import parameters
     from mergekit_ram.errors import InputError
-    from mergekit_ram.integration import internals, methods
+    from mergekit_ram.integration import guard, internals, methods
     from mergekit_ram.integration.internals import MergekitMovedError
     from mergekit_ram.parameters import ParameterError
     from mergekit_ram.staging import OutputBusyError, OutputFolderError
@@ -114,6 +115,7 @@ def test_every_error_a_user_can_meet_is_a_ram_error() -> None:
         "unknown_parameter": parameters.unknown_parameter,
         "shape_error": checks.shape_error,
         "_moved": internals._moved,
+        "not_active": guard.not_active,
     }
     for name, factory in factories.items():
         classes[name] = typing.get_type_hints(factory)["return"]
