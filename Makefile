@@ -8,16 +8,24 @@ BIN := $(VENV)/bin
 # torch 2.13.0 resolves to the local CPU wheel here. Elsewhere: make demo TORCH=torch
 TORCH ?= torch==2.13.0
 DEMO_DIR ?= out/demo
+# mergekit: `make install` takes the oldest release the package supports (the lower bound of its range in
+# pyproject.toml), `make test-mergekit-newest` the newest that range lets pip install, in its own environment.
+MERGEKIT_OLDEST ?= 0.1.5
+NEWEST_VENV ?= .venv-mergekit-newest
+# The tests that mergekit-ram plugs into that mergekit: its internals, the entry points, a moved mergekit,
+# the exact merges and other methods unchanged.
+DROP_IN_TESTS ?= tests/test_internals.py tests/test_entry_points.py tests/test_moved_mergekit.py \
+	tests/test_merge_exact.py tests/test_reliability.py::test_other_methods_are_unchanged_by_the_plugin
 # pytest-xdist workers for `make test`; each runs whole test files, so a module fixture is built once.
 TEST_WORKERS ?= 2
 
-.PHONY: install demo test lint release-check bench quality clean
+.PHONY: install demo test test-mergekit-newest lint release-check bench quality clean
 
 install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml hatch_build.py
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --disable-pip-version-check "$(TORCH)" -e ".[dev,plot,bench]"
+	$(BIN)/pip install --quiet --disable-pip-version-check "$(TORCH)" "mergekit==$(MERGEKIT_OLDEST)" -e ".[dev,plot,bench]"
 	touch $@
 
 demo: install
@@ -25,6 +33,14 @@ demo: install
 
 test: install
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
+
+# pip upgrades mergekit to the newest release pyproject.toml's range allows (the same as the oldest
+# while no newer one is out), then the drop-in tests run against it.
+test-mergekit-newest:
+	$(PYTHON) -m venv $(NEWEST_VENV)
+	$(NEWEST_VENV)/bin/pip install --quiet --disable-pip-version-check --upgrade "$(TORCH)" mergekit -e ".[dev]"
+	$(NEWEST_VENV)/bin/python -c 'import importlib.metadata as m; print("mergekit", m.version("mergekit"))'
+	HF_HUB_OFFLINE=1 $(NEWEST_VENV)/bin/python -m pytest -n $(TEST_WORKERS) --dist loadfile $(DROP_IN_TESTS)
 
 lint: install
 	$(BIN)/ruff check . && $(BIN)/ruff format --check . && $(BIN)/mypy
@@ -43,4 +59,4 @@ quality: install
 	HF_HUB_OFFLINE=1 $(BIN)/python -m benchmarks.agents.run --out benchmarks/agents/results --doc docs/quality.md
 
 clean:
-	rm -rf $(VENV) out dist .pytest_cache
+	rm -rf $(VENV) $(NEWEST_VENV) out dist .pytest_cache

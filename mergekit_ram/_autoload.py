@@ -1,10 +1,14 @@
 """Registers mergekit-ram with mergekit the moment mergekit is imported.
 
 Imported at interpreter start by ``mergekit_ram_autoload.pth``; standard library only, so it
-costs about 1.5 ms, the package's ``__init__`` included. A ``sys.meta_path`` finder watches six
-mergekit modules; when one finishes executing, the matching functions of
-``mergekit_ram.integration`` patch it (deferred while a module of that boundary is itself
-half-imported). Every other import passes straight through.
+costs about 1.5 ms, the package's ``__init__`` included. A ``sys.meta_path`` finder watches
+mergekit's modules; once mergekit has finished importing (no mergekit module, and no module of
+``mergekit_ram.integration``, half-executed), the matching functions of
+``mergekit_ram.integration`` patch the six modules of ``HOOKS`` that were imported, in order.
+Before each patch the internals of every mergekit module imported so far are checked; where one
+has moved, the plugin steps aside as a whole (``mergekit_ram.integration.guard``): one warning
+line, nothing of it left in mergekit, and recipes naming its methods refused in one line.
+Every other import passes straight through.
 Set ``MERGEKIT_RAM_AUTOLOAD=0`` to switch it off; ``mergekit_ram.register()`` then does
 the same explicitly.
 """
@@ -35,21 +39,22 @@ BOUNDARY = "mergekit_ram.integration"
 
 
 class MergekitFinder:
-    """Finds nothing itself; wraps the real loader's exec_module of the hooked mergekit modules,
-    and of the boundary's own modules.
+    """Finds nothing itself; wraps the real loader's exec_module of mergekit's modules and of the
+    boundary's own.
 
-    A hook runs once its mergekit module has executed and no boundary module is half-imported:
-    importing, say, ``mergekit_ram.integration.methods`` first imports mergekit from inside it,
-    and its hook (which needs that module's methods) then waits until the module is complete.
+    Hooks run once no such module is half-executed: a hook fired while ``mergekit.merge`` is still
+    importing (it imports ``mergekit.merge_methods``) would find that module's objects missing, and
+    importing ``mergekit_ram.integration.methods`` first imports mergekit from inside it.
     """
 
     def __init__(self):
-        self.boundary_importing = 0  # boundary modules executing right now
+        self.executing = 0  # mergekit and boundary modules executing right now
         self.pending = []  # (hook name, mergekit module), in the order mergekit imported them
         self.applying = False  # apply_pending is running: hooks keep their order
+        self.refusal = None  # why the plugin stepped aside (then hooks only make mergekit refuse its methods)
 
     def find_spec(self, fullname, path=None, target=None):
-        if fullname not in HOOKS and not fullname.startswith(BOUNDARY + "."):
+        if fullname.partition(".")[0] != "mergekit" and not fullname.startswith(BOUNDARY + "."):
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
@@ -66,22 +71,19 @@ class MergekitFinder:
 
     def _wrapped(self, exec_module, fullname):
         def exec_and_patch(module):
-            if fullname in HOOKS:
+            self.executing += 1
+            try:
                 exec_module(module)
-                self.pending.extend((hook_name, module) for hook_name in HOOKS[fullname])
-            else:
-                self.boundary_importing += 1
-                try:
-                    exec_module(module)
-                finally:
-                    self.boundary_importing -= 1
-            if not self.boundary_importing:
+            finally:
+                self.executing -= 1
+            self.pending.extend((hook_name, module) for hook_name in HOOKS.get(fullname, ()))
+            if not self.executing:
                 self.apply_pending()
 
         return exec_and_patch
 
     def apply_pending(self):
-        """Run the hooks that are due, in order; a failing hook warns and never breaks mergekit's import.
+        """Run the hooks that are due, in order; a failing hook never breaks mergekit's import.
 
         Importing a hook's boundary module can finish importing other modules: the loop that is
         already running takes their hooks after the current one, so patches keep their order
@@ -99,18 +101,35 @@ class MergekitFinder:
         while self.pending:
             hook_name, module = self.pending.pop(0)
             try:
-                import importlib
-
-                submodule, _, function = hook_name.partition(":")
-                getattr(importlib.import_module(f"{BOUNDARY}.{submodule}"), function)(module)
+                if self.refusal is not None:
+                    self._call("guard:refuse", module, self.refusal)
+                    continue
+                self._call("internals:check_internals", imported_only=True)
+                self._call(hook_name, module)
             except Exception as error:  # never break mergekit's own import
-                import warnings
+                if self.refusal is not None:
+                    self._warn(f"mergekit-ram could not make {module.__name__} refuse its methods: {error!r}")
+                    continue
+                self.refusal = f"mergekit-ram could not hook {module.__name__}: {error!r}"
+                try:
+                    self.refusal = self._call("guard:step_aside", error, module.__name__)
+                except Exception as failure:
+                    self._warn(f"{self.refusal}; stepping aside failed too: {failure!r}")
 
-                warnings.warn(
-                    f"mergekit-ram could not hook {module.__name__}: {error!r}. "
-                    f"Call mergekit_ram.register() explicitly, or set {ENVIRONMENT_VARIABLE}=0.",
-                    stacklevel=2,
-                )
+    @staticmethod
+    def _call(hook_name, *args, **kwargs):
+        import importlib
+
+        submodule, _, function = hook_name.partition(":")
+        return getattr(importlib.import_module(f"{BOUNDARY}.{submodule}"), function)(*args, **kwargs)
+
+    @staticmethod
+    def _warn(message):
+        """The last resort, where the boundary's own modules fail: one warning line."""
+        import logging
+
+        LOG = logging.getLogger("mergekit_ram")
+        LOG.warning("%s; set %s=0 to run mergekit without mergekit-ram", message, ENVIRONMENT_VARIABLE)
 
 
 def install():

@@ -1,4 +1,5 @@
-"""The ``mergekit-ram`` command: the demo, and fallbacks that register before mergekit runs.
+"""The ``mergekit-ram`` command: the demo, the probe, the check before sharing a merged folder, and
+fallbacks that register before mergekit runs.
 
 Imports stay inside the commands, so ``mergekit-ram --help`` does not pay for mergekit.
 """
@@ -64,13 +65,29 @@ def _passthrough(kind: str) -> click.Command:
     )
     @click.pass_context
     def command(context: click.Context) -> None:
+        """Where mergekit-ram cannot attach to this mergekit, the script runs as mergekit alone and refuses
+        recipes naming mergekit-ram's methods in one line (``integration.guard``)."""
         import importlib
 
         from mergekit_ram import register
+        from mergekit_ram.errors import exit_on_one_line
+        from mergekit_ram.integration.guard import refuse
+        from mergekit_ram.integration.internals import MergekitMovedError
 
-        register()
-        script_main = importlib.import_module(module_name).main
-        script_main.main(args=list(context.args), prog_name=f"mergekit-ram {kind}")
+        try:
+            register()
+            moved = None
+        except MergekitMovedError as error:
+            moved = error
+        try:
+            script = importlib.import_module(module_name)
+        except ImportError:
+            if moved is None:
+                raise
+            exit_on_one_line(moved, verbose=False)
+        if moved is not None:
+            refuse(script, str(moved))
+        script.main.main(args=list(context.args), prog_name=f"mergekit-ram {kind}")
 
     return command
 
@@ -273,3 +290,48 @@ def probe(
             click.echo(f"\nwarning: {warning}", err=True)
         if plot_path is not None:
             click.echo(f"\nFigure written to {stage_plot_path(plot_path, chosen, selection)}")
+
+
+def _license_id(context: click.Context, parameter: click.Parameter, value: str | None) -> str | None:
+    """``--set-license``: an id as the Hub writes them (lower case: apache-2.0, mit, llama3.1, other)."""
+    from mergekit_ram.sharing import LICENSE_ID
+
+    if value is not None and not LICENSE_ID.fullmatch(value):
+        raise click.BadParameter(f"{value!r} is not a licence id of the Hub (lower case, such as apache-2.0 or mit)")
+    return value
+
+
+@main.command()
+@click.argument("out_dir", metavar="OUT", type=click.Path(exists=True, file_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")
+@click.option("--accept-warnings", is_flag=True, help="Statistics warnings are notes, not problems (once read).")
+@click.option(
+    "--set-license",
+    "license_id",
+    default=None,
+    callback=_license_id,
+    metavar="ID",
+    help="First write `license: ID` into the card's front matter (an id the input models' licences allow).",
+)
+def check(out_dir: str, as_json: bool, accept_warnings: bool, license_id: str | None) -> None:
+    """What stops sharing the merged model folder OUT on the Hub, one line each with its fix.
+
+    Checks: the merge finished; the weights load with safetensors and hold no NaN or Inf (every
+    tensor is read); config.json and a tokenizer are there; the card has a licence, base_model,
+    base_model_relation: merge and the merge tag; no local paths in README.md, mergekit_config.yml or
+    ram_statistics.json; no statistics warnings. Exit status: 0 ready, 1 problems, 2 usage.
+    """
+    from mergekit_ram.errors import RamError, exit_on_one_line
+    from mergekit_ram.sharing import check_folder, set_license
+
+    try:
+        if license_id is not None:
+            set_license(out_dir, license_id)
+        report = check_folder(out_dir, accept_warnings)
+    except RamError as error:
+        exit_on_one_line(error, verbose=False)
+    if as_json:
+        click.echo(json.dumps(report.to_json(), indent=2))
+    else:
+        click.echo("\n".join(report.lines()))
+    click.get_current_context().exit(0 if report.ready else 1)

@@ -39,6 +39,10 @@ class SettingError(RamError, ValueError):
     """An environment variable of mergekit-ram holds a value it does not accept."""
 
 
+class MergedFolderError(RamError, ValueError):
+    """A merged model folder that ``mergekit-ram check`` cannot open, or whose card it cannot change."""
+
+
 class MissingExtraError(RamError, ImportError):
     """An optional dependency (an extra of mergekit-ram) is not installed."""
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+from typing import Any, Optional
 
 import click
 import yaml
@@ -41,11 +42,8 @@ def with_card_metadata(card: str, tag: str) -> str:
     ``base_model`` list sorted (mergekit's comes from a set, see ``with_sorted_model_list``) and, where
     that list names models, ``base_model_relation: merge``: the Hub's model-card metadata for a merge of
     them (https://huggingface.co/docs/hub/model-cards#specifying-a-base-model)."""
-    if not card.startswith("---\n"):
-        return card
-    end = card.find("\n---\n", 4)
-    metadata = yaml.safe_load(card[4:end]) if end >= 0 else None
-    if not isinstance(metadata, dict):
+    metadata, body = front_matter(card)
+    if metadata is None:
         return card
     tags = list(metadata.get("tags") or [])
     updated = {**metadata, "tags": tags if tag in tags else [*tags, tag]}
@@ -53,9 +51,23 @@ def with_card_metadata(card: str, tag: str) -> str:
         updated["base_model"] = sorted(dict.fromkeys(map(str, metadata["base_model"])))
     if updated.get("base_model"):
         updated["base_model_relation"] = "merge"
-    if updated == metadata:
-        return card
-    return "---\n" + yaml.dump(updated) + card[end + 1 :]
+    return card if updated == metadata else with_front_matter(updated, body)
+
+
+def front_matter(card: str) -> tuple[Optional[dict[str, Any]], str]:
+    """(the YAML front matter of a model card as a mapping, the text after it); (None, ``card``) where
+    the card has none that reads as one. Raises ``yaml.YAMLError`` (or ``RecursionError``) for a front
+    matter that is not YAML."""
+    end = card.find("\n---\n", 4) if card.startswith("---\n") else -1
+    if end < 0:
+        return None, card
+    metadata = yaml.safe_load(card[4:end])
+    return (metadata, card[end + 5 :]) if isinstance(metadata, dict) else (None, card)
+
+
+def with_front_matter(metadata: dict[str, Any], body: str) -> str:
+    """A card of ``metadata`` as YAML front matter (as mergekit dumps it) before ``body``."""
+    return "---\n" + yaml.dump(metadata) + "---\n" + body
 
 
 def report_summary(out_path: str, statistics: RamStatistics) -> None:

@@ -38,6 +38,7 @@ INTERNAL_RAISES = {
     "synthetic.py (Python)",
     "NonFiniteInputError": "kernel.py; integration/methods.py re-raises it as InputError with model and tensor named",
     "click.ClickException": "cli.py: click prints it as one line itself",
+    "click.BadParameter": "cli.py: click's usage error for an option's value (exit status 2), one Error line",
     "AttributeError": "__init__.py: the module attribute protocol",
     "MergekitMovedError": "a RamError (checked below through its class)",
     "MergeOverflowError": "kernel.py; integration/methods.py re-raises it as a ParameterError naming the tensor "
@@ -101,7 +102,7 @@ def test_every_error_a_user_can_meet_is_a_ram_error() -> None:
         }
     from mergekit_ram import parameters
     from mergekit_ram.errors import InputError
-    from mergekit_ram.integration import internals, methods
+    from mergekit_ram.integration import guard, internals, methods
     from mergekit_ram.integration.internals import MergekitMovedError
     from mergekit_ram.parameters import ParameterError
     from mergekit_ram.staging import OutputBusyError, OutputFolderError
@@ -116,6 +117,7 @@ def test_every_error_a_user_can_meet_is_a_ram_error() -> None:
         "unknown_parameter": parameters.unknown_parameter,
         "shape_error": checks.shape_error,
         "_moved": internals._moved,
+        "not_active": guard.not_active,
     }
     for name, factory in factories.items():
         classes[name] = typing.get_type_hints(factory)["return"]
@@ -184,6 +186,27 @@ def test_yaml_errors_of_ram_recipes_are_one_line(bf16_models: ModelSet, tmp_path
     message = one_line_error(run_script("mergekit-ram", "probe", str(syntax), check=False))
     assert message.startswith(f"{syntax}: invalid YAML at line 3, column 7: ")
     assert not os.path.exists(tmp_path / "o")
+
+
+def test_a_missing_recipe_file_is_one_line_in_every_script(tmp_path) -> None:
+    """mergekit-yaml (whose open() of the file would raise a traceback): the plugin's line; mergekit-multi,
+    mergekit-pytorch and the probe: click's check of the argument, its one error line (exit status 2)."""
+    missing = str(tmp_path / "no-such-recipe.yml")
+    yaml_run = run_script("mergekit-yaml", missing, str(tmp_path / "out"), check=False)
+    assert one_line_error(yaml_run) == f"recipe file {missing} does not exist"
+    for command, argument in (
+        (["mergekit-multi", missing, "--out-path", str(tmp_path / "out")], "CONFIG_FILE"),
+        (["mergekit-pytorch", missing, str(tmp_path / "out")], "CONFIG_PATH"),
+        (["mergekit-ram", "probe", missing], "RECIPE"),
+    ):
+        completed = run_script(*command, check=False)
+        assert completed.returncode == 2 and "Traceback" not in completed.stderr, completed.stderr
+        what = "File" if argument == "RECIPE" else "Path"
+        assert (
+            completed.stderr.splitlines()[-1]
+            == f"Error: Invalid value for '{argument}': {what} '{missing}' does not exist."
+        )
+    assert not os.path.exists(tmp_path / "out")
 
 
 def test_a_misspelt_method_is_one_line_naming_the_method(bf16_models: ModelSet, tmp_path) -> None:

@@ -5,12 +5,12 @@
   message that page quotes as the plugin's is one the code gives (rewording one fails here).
 - The versions and the statistics schema the pages name, and how they say an infinite rho is
   written, are the code's.
-- README.md's parameters table lists each parameter with the methods that declare it and their defaults.
+- README.md's parameters table lists each parameter with the methods that declare it and their defaults;
+  its recipe is the shipped recipe it names, field for field.
 - Every test, script and module a page names exists; every link into the repository resolves
   (README.md's are absolute, for the package index, and mapped back to the checkout); every
   ``docs/*.md`` page the code, scripts, tests and recipes name exists.
 - docs/contributing.md has a line for every module.
-- docs/scripts/check_merged.py (docs/reliability.md) names what stops a merge from being shared.
 """
 
 from __future__ import annotations
@@ -21,12 +21,10 @@ import json
 import math
 import os
 import re
-import shutil
-import subprocess
-import sys
 from dataclasses import dataclass
 
 import pytest
+import yaml
 
 try:
     import tomllib
@@ -38,7 +36,6 @@ from mergekit_ram.integration.internals import TESTED_MERGEKIT
 from mergekit_ram.parameters import METHOD_PARAMETERS
 from mergekit_ram.rescaling import RULES
 from mergekit_ram.stats.schema import SCHEMA_VERSION, write_ratio
-from tests.conftest import Merged, ModelSet
 
 ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 PACKAGE = os.path.join(ROOT, "mergekit_ram")
@@ -457,6 +454,16 @@ def test_readme_parameters_are_the_codes() -> None:
             assert same, f"{name} for {method}: README.md says {written}, parameters.py {default}"
 
 
+def test_readme_recipe_is_the_shipped_one_it_names() -> None:
+    """The recipe README.md shows has the fields and values of the file under recipes/ it names."""
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as handle:
+        section = handle.read().split("\n## A recipe\n", 1)[1].split("\n## ", 1)[0]
+    (shown,) = re.findall(r"```yaml\n(.*?)```", section, flags=re.DOTALL)
+    (named,) = re.findall(r"`(recipes/[\w./-]+\.yaml)`", section)
+    with open(os.path.join(ROOT, named), encoding="utf-8") as handle:
+        assert yaml.safe_load(shown) == yaml.safe_load(handle)
+
+
 #: Where a page says how ram_statistics.json writes an infinite rho: (page, pattern of the quoted value).
 INFINITE_RHO = (
     ("method.md", r"\| `rho` \| number or `([^`]+)`"),
@@ -493,47 +500,3 @@ def test_documented_versions_are_the_codes() -> None:
         assert set(re.findall(r"mergekit-ram (\d+\.\d+\.\d+)", content)) <= {__version__}, page
         if page in ("README.md", "method.md", "reliability.md", "contributing.md"):
             assert set(re.findall(r"\bmergekit (\d+\.\d+\.\d+)", content)) <= set(TESTED_MERGEKIT), page
-
-
-def test_check_merged_script(bf16_models: ModelSet, ram_plus_merge: Merged, tmp_path) -> None:
-    """docs/scripts/check_merged.py names what stops a merge from being shared, each with its fix (the
-    shared merge of local models, without a tokenizer or a licence), and passes once they are fixed."""
-    out = shutil.copytree(ram_plus_merge.out, str(tmp_path / "out"))  # the shared merge, copied: changed below
-    script = [sys.executable, os.path.join(DOCS, "scripts", "check_merged.py"), out]
-    models = sorted([bf16_models.base, *bf16_models.agents])
-    fix = "merge again with the models' Hub ids in the recipe, or replace the paths with them in README.md, "
-    fix += "mergekit_config.yml, ram_statistics.json alike"
-    refused = subprocess.run([*script, "--finite"], capture_output=True, text=True)
-    assert refused.returncode == 1
-    assert refused.stdout.splitlines() == [
-        "problem: no tokenizer (tokenizer.json, tokenizer.model or vocab.json): copy the base model's tokenizer "
-        "files (tokenizer_config.json and the others) into the folder",
-        "problem: the card's front matter has no license: add a `license:` line that the input models' licences "
-        "allow (an id such as apache-2.0, or other with license_name and license_link)",
-        f"problem: README.md names local paths ({', '.join(models)}): {fix}",
-        f"problem: mergekit_config.yml names local paths ({', '.join(models)}): {fix}",
-        f"problem: ram_statistics.json names local paths ({', '.join(sorted(bf16_models.agents))}): {fix}",
-        "5 problem(s): do not upload yet",
-    ]
-    for name in ("README.md", "mergekit_config.yml", "ram_statistics.json"):  # the fixes the lines name
-        with open(os.path.join(out, name), encoding="utf-8") as handle:
-            text = handle.read()
-        for path in models:
-            text = text.replace(path, f"org/{os.path.basename(path)}")
-        if name == "README.md":
-            text = text.replace("library_name:", "license: apache-2.0\nlibrary_name:", 1)
-        with open(os.path.join(out, name), "w", encoding="utf-8") as handle:
-            handle.write(text)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        with open(os.path.join(out, name), "w", encoding="utf-8") as handle:
-            handle.write("{}")
-    passed = subprocess.run(script, capture_output=True, text=True)
-    assert (passed.returncode, passed.stdout.splitlines()) == (0, ["ready to upload"])
-    with open(os.path.join(out, "MERGE_INCOMPLETE"), "w", encoding="utf-8") as handle:
-        handle.write("interrupted\n")
-    refused = subprocess.run(script, capture_output=True, text=True)
-    assert refused.returncode == 1
-    assert refused.stdout.splitlines() == [
-        "problem: MERGE_INCOMPLETE is present: the merge did not finish (or is still running); run it again",
-        "1 problem(s): do not upload yet",
-    ]

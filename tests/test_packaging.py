@@ -10,6 +10,7 @@ from __future__ import annotations
 import email.parser
 import json
 import os
+import re
 import subprocess
 import sys
 import tarfile
@@ -19,6 +20,12 @@ from email.message import Message
 
 import pytest
 
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    import tomli as tomllib
+
+from mergekit_ram.integration.internals import SUPPORTED_MERGEKIT, TESTED_MERGEKIT
 from tests.release_check import DEMO_OUTPUT, compare, read_expected, sdist_files, wheel_files
 from tests.test_docs import LINKED_PAGES, REPOSITORY, link_problems, sdist_leaves_out
 
@@ -191,3 +198,14 @@ def test_editable_install_exposes_only_mergekit_ram(tmp_path) -> None:
         [sys.executable, "-c", code], cwd=tmp_path, env=environment, capture_output=True, text=True, check=True
     )
     assert completed.stdout.split() == ["None", "None", os.path.join(ROOT, "mergekit_ram", "__init__.py")]
+
+
+def test_the_mergekit_range_is_one_everywhere() -> None:
+    """pyproject.toml's mergekit range is the one the plugin's messages name, and the Makefile installs its
+    lower bound (the oldest release supported, the first tested) for `make test`."""
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as handle:
+        dependencies = tomllib.load(handle)["project"]["dependencies"]
+    assert [d for d in dependencies if d.startswith("mergekit")] == [f"mergekit{SUPPORTED_MERGEKIT}"]
+    with open(os.path.join(ROOT, "Makefile"), encoding="utf-8") as handle:
+        (oldest,) = re.findall(r"^MERGEKIT_OLDEST \?= (\S+)$", handle.read(), flags=re.MULTILINE)
+    assert SUPPORTED_MERGEKIT.split(",")[0] == f">={oldest}" and TESTED_MERGEKIT[0] == oldest

@@ -116,6 +116,38 @@ def test_every_merge_leaves_its_statistics(bf16_models: ModelSet, ram_plus_merge
     assert "silently runs its own built-in `ram`" not in card  # that note is for ram only
 
 
+def test_ram_unique_shows_its_scale_and_marks_only_pins(bf16_models: ModelSet, tmp_path) -> None:
+    """ram_unique's factor is its recipe's ``scale``: the terminal's table, the probe and the card head that
+    column ``scale`` and mark no row (a scale is a setting, not a pinned statistic), so no footnote either;
+    a pinned lambda of ram_plus is marked, with the footnote."""
+    recipe = bf16_models.recipe("ram_unique")
+    recipe["models"][1]["parameters"] = {"scale": 1.5}
+    path = write_recipe(str(tmp_path / "unique.yml"), recipe)
+    out = str(tmp_path / "out")
+    merged = run_script("mergekit-yaml", path, out)
+    table = merged.stderr[merged.stderr.index("ram_unique merge written to") :].splitlines()[1:6]
+    assert table[0].split() == ["model", "density", "rho", "scale"]
+    assert [row.split()[-1] for row in table[2:5]] == ["1.0000", "1.5000", "1.0000"]
+    assert "pinned" not in merged.stderr and "*" not in "".join(table)
+    probed = run_script("mergekit-ram", "probe", path).stdout.splitlines()
+    header = next(line for line in probed if line.startswith("model "))
+    assert header.split() == ["model", "density", "changed", "shared", "unique", "rho", "scale"]
+    assert "pinned" not in "\n".join(probed)
+    card = open(os.path.join(out, "README.md"), encoding="utf-8").read()
+    assert "| model | density | changed | shared | unique | rho | scale |" in card
+    assert "pinned" not in card.split("## RAM statistics", 1)[1]
+    assert f"| {bf16_models.agents[1]} |" in card and "| 1.5000 |" in card
+
+    pinned = bf16_models.recipe("ram_plus")
+    pinned["models"][0]["parameters"] = {"lambda": 1.3}
+    merged = run_script("mergekit-yaml", write_recipe(str(tmp_path / "pinned.yml"), pinned), str(tmp_path / "p"))
+    lines = merged.stderr[merged.stderr.index("ram_plus merge written to") :].splitlines()
+    assert lines[1].split() == ["model", "density", "rho", "lambda"]
+    assert lines[3].endswith("1.3000*") and not lines[4].endswith("*") and lines[6] == "* pinned in the recipe"
+    card = open(os.path.join(str(tmp_path / "p"), "README.md"), encoding="utf-8").read()
+    assert "| 1.3000 (lambda pinned) |" in card
+
+
 def _planned_key(recipe: dict[str, Any]) -> str:
     return cache.cache_key(plan_merge(MergeConfiguration.model_validate(recipe), MergeOptions(quiet=True)).tensors)
 
@@ -211,6 +243,7 @@ def test_cache_is_used_for_sweeps_and_never_stale(
         ("dense", "RAM's premise of sparse, mostly disjoint updates does not hold"),
         ("unchanged", "changed no parameter by more than epsilon"),
         ("mixed dtypes", "stored in different dtypes"),
+        ("identical", "have no unique change at all"),
     ],
 )
 def test_warnings_that_save_a_wasted_merge(
@@ -222,15 +255,18 @@ def test_warnings_that_save_a_wasted_merge(
     base, agents, _ = build_agents(str(tmp_path / "models"), config, overlap, ["a", "b"], dtype=dtype)
     if case == "unchanged":
         agents[1] = shutil.copytree(base, str(tmp_path / "base-copy"))
+    if case == "identical":  # one agent twice, under two paths (one path listed twice is refused)
+        agents[1] = shutil.copytree(agents[0], str(tmp_path / "agent-copy"))
+        expected = f"{agents[0]}, {agents[1]} {expected} (every parameter each changed, another model changed too"
     if case == "mixed dtypes":
         state = load_file(os.path.join(agents[1], "model.safetensors"))
         save_file({k: v.float() for k, v in state.items()}, os.path.join(agents[1], "model.safetensors"))
     recipe = {"merge_method": "ram_plus", "base_model": base, "models": [{"model": p} for p in agents]}
     out = str(tmp_path / "out")
-    if case == "float16":  # once through the console scripts: shown without -v
+    if case in ("float16", "identical"):  # through the console scripts: shown without -v, one line each
         path = write_recipe(str(tmp_path / "r.yml"), recipe)
-        assert expected in run_script("mergekit-yaml", path, out).stderr
-        assert expected in run_script("mergekit-ram", "probe", path).stderr
+        for completed in (run_script("mergekit-yaml", path, out), run_script("mergekit-ram", "probe", path)):
+            assert len([line for line in completed.stderr.splitlines() if expected in line]) == 1
     else:
         caplog.set_level(logging.WARNING)
         merge_in_process(recipe, out)

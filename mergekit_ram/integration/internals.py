@@ -6,6 +6,7 @@ mergekit release that moves, renames or re-signs an entry fails ``internal`` wit
 ``MergekitMovedError`` naming the version, before any merge starts; ``check_internals`` resolves
 them all (the console scripts and the probe call it first), and tests/test_internals.py checks
 the table against the installed mergekit and that the boundary uses nothing outside it.
+Where one has moved, ``mergekit_ram.integration.guard`` keeps the plugin out of mergekit altogether.
 """
 
 from __future__ import annotations
@@ -13,18 +14,23 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.metadata
+import importlib.util
 import inspect
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from mergekit_ram.errors import RamError
 
+#: The mergekit releases the test suite ran on, oldest first (CI: the oldest, and the newest pip installs).
 TESTED_MERGEKIT = ("0.1.5",)
+#: pyproject.toml's range for mergekit: the releases whose internals are expected where this table has them.
+SUPPORTED_MERGEKIT = ">=0.1.5,<0.2"
 _MARK = "__mergekit_ram_wrapped__"
 
 
 class MergekitMovedError(RamError, RuntimeError):
-    """A mergekit internal this plugin relies on is not where mergekit 0.1.5 had it."""
+    """A mergekit internal this plugin relies on is not where the tested mergekit releases have it."""
 
 
 @dataclass(frozen=True)
@@ -115,16 +121,35 @@ _ENTRIES = {(entry.module, entry.name): entry for entry in INTERNALS}
 
 
 def mergekit_version() -> str:
+    """The version of the mergekit distribution Python finds first (mergekit has no ``__version__``)."""
     try:
         return importlib.metadata.version("mergekit")
     except importlib.metadata.PackageNotFoundError:
         return "unknown"
 
 
+def mergekit_found() -> str:
+    """'mergekit <version> (<folder>)': the mergekit this process imports, where it is."""
+    try:
+        spec = importlib.util.find_spec("mergekit")
+    except (ImportError, ValueError):
+        spec = None
+    folders = list(spec.submodule_search_locations or []) if spec is not None else []
+    return f"mergekit {mergekit_version()}" + (f" ({folders[0]})" if folders else "")
+
+
+def install_command() -> str:
+    """The pip command that puts the newest tested mergekit in place of the one found; a build that
+    calls itself that version (a source checkout) is replaced too."""
+    tested = TESTED_MERGEKIT[-1]
+    force = " --force-reinstall --no-deps" if mergekit_version() == tested else ""
+    return f'pip install{force} "mergekit=={tested}"'
+
+
 def _moved(what: str, detail: str = "") -> MergekitMovedError:
     return MergekitMovedError(
-        f"mergekit-ram cannot find {what}{detail} in mergekit {mergekit_version()}; "
-        f"it supports mergekit {', '.join(TESTED_MERGEKIT)}"
+        f"mergekit-ram cannot find {what}{detail} in {mergekit_found()}; it supports mergekit{SUPPORTED_MERGEKIT} "
+        f"where that is unchanged (tested: {', '.join(TESTED_MERGEKIT)}): {install_command()}"
     )
 
 
@@ -148,10 +173,15 @@ def internal(module: str, name: str) -> Any:
     return value
 
 
-def check_internals() -> None:
-    """Every entry of ``INTERNALS`` resolved: a moved one fails here, before any merge starts."""
+def check_internals(imported_only: bool = False) -> None:
+    """Every entry of ``INTERNALS`` resolved: a moved one fails here, before any merge starts.
+
+    ``imported_only``: only the entries of mergekit modules already imported (nothing is imported,
+    so the start-up hook can ask cheaply each time mergekit finishes importing something).
+    """
     for entry in INTERNALS:
-        internal(entry.module, entry.name)
+        if not imported_only or entry.module in sys.modules:
+            internal(entry.module, entry.name)
 
 
 def wrap(module: str, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]], mark: str = _MARK) -> None:

@@ -1,15 +1,22 @@
 """mergekit's method registry: ``ram_plus``, ``ram_ties``, ``ram_unique`` added, the built-in ``ram``
-replaced (or kept on request)."""
+replaced (or kept on request), and taken back where the plugin steps aside (``guard``).
+
+The methods are imported inside the functions: ``guard`` reads ``keep_builtin_ram`` where the
+methods' own module cannot be imported (a moved mergekit)."""
 
 from __future__ import annotations
 
 import logging
 import os
-import warnings
 from types import ModuleType
 
-from mergekit_ram.integration.internals import TESTED_MERGEKIT, internal, mergekit_version
-from mergekit_ram.integration.methods import METHODS
+from mergekit_ram.integration.internals import (
+    TESTED_MERGEKIT,
+    install_command,
+    internal,
+    mergekit_found,
+    mergekit_version,
+)
 
 LOG = logging.getLogger(__name__)
 
@@ -26,14 +33,18 @@ def register_methods(merge_methods: ModuleType) -> None:
 
     With ``MERGEKIT_RAM_BUILTIN_RAM=1`` mergekit's built-in ``ram`` stays (or is put back).
     """
-    version = mergekit_version()
-    if version not in TESTED_MERGEKIT:
-        warnings.warn(
-            f"mergekit-ram is tested with mergekit {', '.join(TESTED_MERGEKIT)}; found {version}. "
-            "Its internals may have moved.",
-            stacklevel=2,
-        )
+    from mergekit_ram.integration.methods import METHODS
+
     table = internal("mergekit.merge_methods.registry", "_METHODS")
+    untested = mergekit_version() not in TESTED_MERGEKIT
+    if untested and any(table.get(name) is not method for name, method in METHODS.items()):
+        LOG.warning(
+            "mergekit-ram is tested with mergekit %s, not with %s, whose internals it uses are where it expects "
+            "them: if a merge looks wrong, %s",
+            ", ".join(TESTED_MERGEKIT),
+            mergekit_found(),
+            install_command(),
+        )
     builtin = internal("mergekit.merge_methods", "ram_merge")  # the built-in ``ram`` method object
     for name, method in METHODS.items():
         current = table.get(name)
@@ -55,8 +66,24 @@ def register_methods(merge_methods: ModuleType) -> None:
             LOG.warning("mergekit-ram: merge method %r is already registered by someone else; leaving it", name)
 
 
+def unregister_methods(merge_methods: ModuleType) -> None:
+    """The methods ``register_methods`` put in ``merge_methods``' registry taken out, the built-in ``ram``
+    put back: what a process whose mergekit turned out to have moved runs is mergekit's alone."""
+    from mergekit_ram.integration.methods import METHODS
+
+    table = internal("mergekit.merge_methods.registry", "_METHODS")
+    for name, method in METHODS.items():
+        if table.get(name) is method:
+            if name == "ram":
+                table[name] = internal("mergekit.merge_methods", "ram_merge")
+            else:
+                del table[name]
+
+
 def is_ours(method_name: str) -> bool:
     """Whether mergekit would run mergekit-ram's method for ``method_name`` now."""
+    from mergekit_ram.integration.methods import METHODS
+
     if method_name not in METHODS:
         return False
     try:

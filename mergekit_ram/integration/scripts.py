@@ -4,13 +4,14 @@ the statistics table."""
 
 from __future__ import annotations
 
+import os
 from types import ModuleType
 from typing import Any, Callable, Optional
 
 import yaml
 
 from mergekit_ram.device import check_device
-from mergekit_ram.errors import RamError, exit_if_reported
+from mergekit_ram.errors import RamError, RecipeError, exit_if_reported
 from mergekit_ram.files import removed_if_failed
 from mergekit_ram.integration.internals import internal, wrap
 from mergekit_ram.integration.output import refuse_stage_outputs
@@ -67,6 +68,8 @@ def check_script_recipe(
     refused here): read and validate it as ``name`` will, check the device and (``mergekit-multi``) that
     no RAM stage writes into a folder a stage reads, and return the command's MergeOptions; None for
     any other file."""
+    if path is not None and not os.path.exists(path):  # mergekit-yaml's own open() would raise a traceback
+        raise RecipeError(f"recipe file {path} does not exist")
     text = read_text(path) if path else None
     methods = declared_methods(text) if path is not None and text is not None else []
     for method in methods:

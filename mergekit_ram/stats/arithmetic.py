@@ -184,6 +184,13 @@ def _warnings(
                 f"above {PLAUSIBLE_LAMBDA:g} its unique updates are applied more than {PLAUSIBLE_LAMBDA:g}-fold): "
                 "check r and alpha, or the pinned lambda"
             )
+    copies = [stats.model for stats in counted if stats.active and not stats.unique]
+    if len(copies) > 1:
+        found.append(
+            f"{', '.join(copies)} have no unique change at all (every parameter each changed, another model "
+            "changed too; rho is inf): copies of one model under different paths look like this; list each "
+            "model once, or check the paths"
+        )
     for stats in counted:
         if stats.active == 0:
             found.append(

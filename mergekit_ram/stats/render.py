@@ -10,8 +10,9 @@ import math
 import os
 from typing import Mapping, Sequence
 
+from mergekit_ram.parameters import METHOD_PARAMETERS
 from mergekit_ram.stats.arithmetic import by_merged_module, by_module
-from mergekit_ram.stats.data import ModuleStatistics, RamStatistics
+from mergekit_ram.stats.data import ModelStatistics, ModuleStatistics, RamStatistics
 from mergekit_ram.stats.schema import STATISTICS_FILE
 
 LOG = logging.getLogger("mergekit_ram.stats")
@@ -80,10 +81,22 @@ def display_names(statistics: RamStatistics) -> dict[str, str]:
     return short if len(set(short.values())) == len(models) else {model: model for model in models}
 
 
+def factor_name(statistics: RamStatistics) -> str:
+    """What the factor of each model's unique updates is called in the recipe: ``scale`` for a method that
+    declares one per model (``ram_unique``), else ``lambda``."""
+    return "scale" if any(info.name == "scale" for info in METHOD_PARAMETERS.get(statistics.method, ())) else "lambda"
+
+
+def pin_mark(stats: ModelStatistics, column: str, mark: str) -> str:
+    """``mark`` where the recipe pinned ``column`` (a rho or a lambda) in place of the one computed; a
+    ``scale`` is a setting, not a pin, and is never marked."""
+    return mark if stats.pinned == column else ""
+
+
 def model_table(statistics: RamStatistics) -> str:
-    """A fixed-width table: model, density, changed, shared, unique, rho, lambda."""
+    """A fixed-width table: model, density, changed, shared, unique, rho, lambda (or scale)."""
     names = display_names(statistics)
-    rows = [("model", "density", "changed", "shared", "unique", "rho", "lambda")]
+    rows = [("model", "density", "changed", "shared", "unique", "rho", factor_name(statistics))]
     for stats in statistics.models:
         rows.append(
             (
@@ -92,28 +105,29 @@ def model_table(statistics: RamStatistics) -> str:
                 f"{stats.active:,}",
                 f"{stats.shared:,}",
                 f"{stats.unique:,}",
-                format_rho(stats.rho) + (" (pinned)" if stats.pinned == "rho" else ""),
-                f"{stats.lambda_:.4f}" + (" (pinned)" if stats.pinned == "lambda" else ""),
+                format_rho(stats.rho) + pin_mark(stats, "rho", " (pinned)"),
+                f"{stats.lambda_:.4f}" + pin_mark(stats, "lambda", " (pinned)"),
             )
         )
     return format_table(rows)
 
 
 def compact_table(statistics: RamStatistics) -> str:
-    """The table shown after a merge: model, density, rho, lambda (pins marked *)."""
+    """The table shown after a merge: model, density, rho, lambda (or scale); pins marked *, with a
+    footnote only where a row is marked."""
     names = display_names(statistics)
-    rows = [("model", "density", "rho", "lambda")]
+    rows = [("model", "density", "rho", factor_name(statistics))]
     for stats in statistics.models:
         rows.append(
             (
                 names[stats.model],
                 f"{100 * stats.density:.2f}%",
-                format_rho(stats.rho) + ("*" if stats.pinned == "rho" else ""),
-                f"{stats.lambda_:.4f}" + ("*" if stats.pinned == "lambda" else ""),
+                format_rho(stats.rho) + pin_mark(stats, "rho", "*"),
+                f"{stats.lambda_:.4f}" + pin_mark(stats, "lambda", "*"),
             )
         )
-    pinned = any(stats.pinned for stats in statistics.models)
-    return format_table(rows) + ("\n* pinned in the recipe" if pinned else "")
+    marked = any(cell.endswith("*") for row in rows[1:] for cell in row[2:])
+    return format_table(rows) + ("\n* pinned in the recipe" if marked else "")
 
 
 def histogram_table(statistics: RamStatistics) -> str:
@@ -178,9 +192,9 @@ def card_markdown(statistics: RamStatistics) -> str:
         f"mergekit-ram {versions.get('mergekit-ram', '?')}, mergekit {versions.get('mergekit', '?')}.",
         "",
     ]
-    rows: list[Sequence[object]] = [("model", "density", "changed", "shared", "unique", "rho", "lambda")]
+    rows: list[Sequence[object]] = [("model", "density", "changed", "shared", "unique", "rho", factor_name(statistics))]
     for stats in statistics.models:
-        pin = f" ({stats.pinned} pinned)" if stats.pinned else ""
+        pin = pin_mark(stats, "rho", " (rho pinned)") + pin_mark(stats, "lambda", " (lambda pinned)")
         rows.append(
             (
                 stats.model,
@@ -206,18 +220,19 @@ def card_markdown(statistics: RamStatistics) -> str:
 
 
 def log_statistics(statistics: RamStatistics, logger: logging.Logger = LOG) -> None:
-    """The warnings, then one line per model (density, shared, unique, rho, lambda)."""
+    """The warnings, then one line per model (density, shared, unique, rho, lambda or scale)."""
     for warning in statistics.warnings:
         logger.warning("%s", warning)
     for stats in statistics.models:
         logger.info(
-            "%s: %s: density %.2f%%, shared %d, unique %d, rho %s, lambda %.4f%s",
+            "%s: %s: density %.2f%%, shared %d, unique %d, rho %s, %s %.4f%s",
             statistics.method,
             stats.model,
             100 * stats.density,
             stats.shared,
             stats.unique,
             format_rho(stats.rho),
+            factor_name(statistics),
             stats.lambda_,
-            f" ({stats.pinned} pinned)" if stats.pinned else "",
+            pin_mark(stats, "rho", " (rho pinned)") + pin_mark(stats, "lambda", " (lambda pinned)"),
         )

@@ -1,0 +1,136 @@
+"""Where mergekit-ram cannot attach to the mergekit it finds: it stays out, and says so.
+
+The start-up hook checks the ``INTERNALS`` entries of each mergekit module as it is imported
+(``check_internals(imported_only=True)``) before it patches anything. Where one has moved (another
+mergekit release, a source build), ``step_aside`` logs one line, takes back what was already
+registered, and puts ``refuse`` around mergekit's console scripts and ``run_merge``: a recipe
+naming one of the plugin's methods (``ram`` included, which mergekit would otherwise run as its
+built-in method) fails in one line naming the mergekit found, the versions supported and the pip
+command that fixes it; every other recipe runs as mergekit alone. Only plain attributes of
+mergekit are used here (``getattr``), never the table: the table is what has moved.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+from types import ModuleType
+from typing import Any, Callable, Optional
+
+from mergekit_ram.errors import exit_on_one_line, one_line
+from mergekit_ram.integration.internals import (
+    SUPPORTED_MERGEKIT,
+    TESTED_MERGEKIT,
+    MergekitMovedError,
+    install_command,
+    mergekit_found,
+)
+from mergekit_ram.parameters import METHOD_PARAMETERS
+
+LOG = logging.getLogger(__name__)
+#: The mergekit modules whose entry points refuse the plugin's methods: console scripts, run_merge.
+REFUSING = (
+    "mergekit.merge",
+    "mergekit.scripts.run_yaml",
+    "mergekit.scripts.multimerge",
+    "mergekit.scripts.merge_raw_pytorch",
+)
+_MARK = "__mergekit_ram_refusal__"
+
+
+def step_aside(error: BaseException, module: str) -> str:
+    """The plugin out of this process's mergekit after ``error`` (a moved internal, found while hooking
+    ``module``): one warning line, the methods unregistered, the entry points refusing them. Returns the
+    reason the refusals give, for the modules imported later."""
+    if isinstance(error, MergekitMovedError):
+        reason = one_line(error)
+    else:  # not a moved internal: a patch that failed all the same
+        reason = (
+            f"mergekit-ram could not patch {module} of {mergekit_found()} ({type(error).__name__}: {one_line(error)}); "
+            f"it supports mergekit{SUPPORTED_MERGEKIT} (tested: {', '.join(TESTED_MERGEKIT)}): {install_command()}"
+        )
+    LOG.warning(
+        "%s; until then mergekit-ram is not active: recipes naming %s are refused and other methods run as "
+        "mergekit alone (pip uninstall mergekit-ram to use this mergekit without it)",
+        reason,
+        ", ".join(METHOD_PARAMETERS),
+    )
+    registry = sys.modules.get("mergekit_ram.integration.registry")
+    merge_methods = sys.modules.get("mergekit.merge_methods")
+    if registry is not None and merge_methods is not None:
+        with contextlib.suppress(MergekitMovedError):  # no registry table: nothing was registered in it
+            registry.unregister_methods(merge_methods)
+    refuse_imported(reason)
+    return reason
+
+
+def refuse_imported(reason: str) -> None:
+    """``refuse`` in every mergekit module of ``REFUSING`` imported so far."""
+    for name in REFUSING:
+        module = sys.modules.get(name)
+        if module is not None:
+            refuse(module, reason)
+
+
+def refuse(module: ModuleType, reason: str) -> None:
+    """The entry point of ``module`` (a module of ``REFUSING``; others are left as they are) refuses
+    recipes naming the plugin's methods, with ``reason``; idempotent."""
+    if module.__name__ == "mergekit.merge":
+        _wrap(module, "run_merge", lambda original: _refusing_run_merge(original, reason))
+    elif module.__name__ in REFUSING:
+        command = getattr(module, "main", None)
+        if command is not None:
+            _wrap(command, "callback", lambda original: _refusing_script(command, original, reason))
+
+
+def not_active(method: str, reason: str) -> MergekitMovedError:
+    """The one line for a recipe that names ``method`` while the plugin is not attached."""
+    return MergekitMovedError(f"merge_method {method} is mergekit-ram's, which is not active here: {reason}")
+
+
+def refused_method(methods: list[str]) -> Optional[str]:
+    """The first of ``methods`` that only mergekit-ram runs (``ram`` too: mergekit would run its own
+    built-in ``ram`` instead, unless ``MERGEKIT_RAM_BUILTIN_RAM`` asks for it)."""
+    from mergekit_ram.integration.registry import keep_builtin_ram
+
+    return next((m for m in methods if m in METHOD_PARAMETERS and not (m == "ram" and keep_builtin_ram())), None)
+
+
+def _wrap(owner: Any, attribute: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+    original = getattr(owner, attribute, None)
+    if not callable(original) or getattr(original, _MARK, False):
+        return
+    wrapper = make(original)
+    setattr(wrapper, _MARK, True)
+    setattr(owner, attribute, wrapper)
+
+
+def _refusing_run_merge(original: Callable[..., Any], reason: str) -> Callable[..., Any]:
+    def run_merge(*args: Any, **kwargs: Any) -> Any:
+        config = args[0] if args else kwargs.get("merge_config")
+        method = refused_method([str(getattr(config, "merge_method", ""))])
+        if method is not None:
+            raise not_active(method, reason)
+        return original(*args, **kwargs)
+
+    return run_merge
+
+
+def _refusing_script(command: Any, original: Callable[..., Any], reason: str) -> Callable[..., Any]:
+    """The command's callback, reading its recipe file (its first argument) first: every method it names."""
+    import click
+
+    from mergekit_ram.recipe_file import declared_methods, read_text
+
+    recipe = next((parameter.name for parameter in command.params if isinstance(parameter, click.Argument)), None)
+
+    def callback(*args: Any, **kwargs: Any) -> Any:
+        path = kwargs.get(recipe) if recipe else None
+        text = read_text(path) if isinstance(path, str) else None
+        method = refused_method(declared_methods(text)) if text is not None else None
+        if method is not None:
+            exit_on_one_line(not_active(method, reason), verbose=False)
+        return original(*args, **kwargs)
+
+    return callback

@@ -1,0 +1,436 @@
+"""``mergekit-ram check OUT``: what stops a merged model folder from being shared on the Hub.
+
+Each problem is one line with its fix: a merge that did not finish, weights that do not load or
+hold NaN or Inf (every tensor is read, one at a time), no ``config.json``, no tokenizer, a card
+without a licence or without the Hub's metadata for a merge (``base_model``,
+``base_model_relation: merge``, the ``merge`` tag), local paths in the card, the recipe or the
+statistics, statistics warnings. Notes do not stop sharing. The folder is a stranger's: its names
+and files are read through a descriptor of it, never through a symbolic link, bounded, and
+without waiting on a FIFO (``mergekit_ram.files``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator, Optional
+
+import yaml
+
+from mergekit_ram.errors import MergedFolderError, one_line
+from mergekit_ram.files import UnreadableFile, open_regular, plain_name, read_regular, write_atomically
+from mergekit_ram.published import CARD_TAG, front_matter, with_front_matter
+from mergekit_ram.staging import MARKER_FILE, STAGING_DIR
+from mergekit_ram.stats.schema import STATISTICS_FILE
+
+CARD = "README.md"
+RECIPE = "mergekit_config.yml"
+CONFIG = "config.json"
+INDEX = "model.safetensors.index.json"
+#: Files that make a tokenizer transformers can load (with ``tokenizer_config.json``).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+#: The files that name the merged models, in the order they are reported.
+NAMING_FILES = (CARD, RECIPE, STATISTICS_FILE)
+#: The largest card, recipe, config, index or statistics file read: far above any real one.
+TEXT_LIMIT = 64 << 20
+#: What the Hub takes as a licence id (``apache-2.0``, ``llama3.1``, ``cc-by-nc-4.0``, ``other``).
+LICENSE_ID = re.compile(r"[a-z0-9][a-z0-9.+-]*")
+#: The Hub's tag for merged models; mergekit writes it with ``mergekit``.
+MERGE_TAG = "merge"
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One line of the report: ``check`` names what was checked (for scripts), ``message`` says what is
+    wrong and how to fix it; a ``note`` does not stop sharing."""
+
+    check: str
+    message: str
+    note: bool = False
+
+
+@dataclass(frozen=True)
+class Report:
+    folder: str
+    problems: tuple[Finding, ...]
+    notes: tuple[Finding, ...]
+
+    @property
+    def ready(self) -> bool:
+        return not self.problems
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "folder": self.folder,
+            "ready": self.ready,
+            "problems": [{"check": f.check, "message": f.message} for f in self.problems],
+            "notes": [{"check": f.check, "message": f.message} for f in self.notes],
+        }
+
+    def lines(self) -> list[str]:
+        """The report for a terminal: notes, problems, then the verdict."""
+        verdict = "ready to upload" if self.ready else f"{len(self.problems)} problem(s): do not upload yet"
+        return [
+            *(f"note: {f.message}" for f in self.notes),
+            *(f"problem: {f.message}" for f in self.problems),
+            verdict,
+        ]
+
+
+@dataclass(frozen=True)
+class FolderFile:
+    """A file of the folder read as text: ``text`` None where it is absent or unreadable (``problem``)."""
+
+    name: str
+    text: Optional[str]
+    problem: Optional[Finding] = None
+
+
+@contextlib.contextmanager
+def opened_folder(out: str) -> Iterator[int]:
+    """A descriptor of the folder ``out`` (the user's own path, so a link to a folder is followed)."""
+    try:
+        folder = os.open(out, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
+    except OSError as error:
+        raise MergedFolderError(f"cannot open the folder {out} ({error.strerror or error})") from None
+    try:
+        yield folder
+    finally:
+        os.close(folder)
+
+
+def read_file(folder: int, name: str, check: str) -> FolderFile:
+    """The text of ``name`` in the folder: a regular file (not a link), bounded, UTF-8."""
+    try:
+        data = read_regular(name, TEXT_LIMIT, dir_fd=folder, follow_symlinks=False)
+        return FolderFile(name, data.decode("utf-8"))
+    except FileNotFoundError:
+        return FolderFile(name, None)
+    except (OSError, UnreadableFile, UnicodeDecodeError) as error:
+        reason = error.strerror if isinstance(error, OSError) and error.strerror else one_line(error)
+        return FolderFile(
+            name, None, Finding(check, f"{name} cannot be read ({reason}): replace it with the merge's own")
+        )
+
+
+def check_folder(out: str, accept_warnings: bool = False) -> Report:
+    """Every check of the merged folder ``out``; ``accept_warnings`` makes statistics warnings notes."""
+    with opened_folder(out) as folder:
+        names = set(os.listdir(folder))
+        card = read_file(folder, CARD, "card")
+        recipe = read_file(folder, RECIPE, "recipe")
+        statistics = read_file(folder, STATISTICS_FILE, "statistics")
+        statistics_data = parsed_json(statistics)
+        findings = [
+            *incomplete(names),
+            *weights(folder, names),
+            *config(folder),
+            *tokenizer(folder),
+            *(file.problem for file in (card, recipe, statistics) if file.problem is not None),
+            *statistics_findings(statistics, statistics_data, accept_warnings),
+            *card_findings(card, statistics_data),
+            *local_paths((card, recipe, statistics), models_named(recipe, statistics_data, card)),
+        ]
+    return Report(out, tuple(f for f in findings if not f.note), tuple(f for f in findings if f.note))
+
+
+def incomplete(names: set[str]) -> list[Finding]:
+    """The plugin's transaction marks a folder it has not finished publishing into."""
+    found = []
+    if MARKER_FILE in names:
+        found.append(
+            Finding(
+                "incomplete",
+                f"{MARKER_FILE} is present: a merge into this folder was cut short while publishing; run any "
+                "RAM merge into it again (it completes the publish first)",
+            )
+        )
+    if STAGING_DIR in names:
+        found.append(
+            Finding(
+                "incomplete",
+                f"{STAGING_DIR} is present: a merge is writing into this folder, or was killed before publishing; "
+                "wait for it to finish, or rerun it (it removes what the killed one left)",
+            )
+        )
+    return found
+
+
+def weights(folder: int, names: set[str]) -> list[Finding]:
+    """The safetensors files: present, named by the index where there is one, and every tensor loading
+    finite."""
+    files = sorted(name for name in names if name.endswith(".safetensors"))
+    if not files:
+        return [Finding("weights", "no weights (*.safetensors): merge again with mergekit-yaml")]
+    found = index_findings(folder, names)
+    for name in files:
+        found += tensor_findings(folder, name)
+    return found
+
+
+def index_findings(folder: int, names: set[str]) -> list[Finding]:
+    if INDEX not in names:
+        return []
+    index = read_file(folder, INDEX, "weights")
+    if index.problem is not None:
+        return [index.problem]
+    data = parsed_json(index)
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict):
+        return [Finding("weights", f"{INDEX} has no weight_map of tensor names to files: merge again")]
+    found = []
+    for shard in sorted({str(shard) for shard in weight_map.values()}):
+        if not plain_name(shard) or shard not in names:
+            found.append(
+                Finding("weights", f"{INDEX} names {shard!r}, which is not a file of this folder: merge again")
+            )
+    return found
+
+
+def tensor_findings(folder: int, name: str) -> list[Finding]:
+    """Every tensor of one safetensors file read with safetensors, one at a time: it loads, and a
+    floating-point one holds no NaN or Inf."""
+    from safetensors import safe_open
+
+    try:
+        with open_regular(name, dir_fd=folder, follow_symlinks=False) as (handle, _):
+            # the descriptor's own file, whatever becomes of the name meanwhile (Linux)
+            path = f"/proc/self/fd/{handle}" if os.path.exists(f"/proc/self/fd/{handle}") else None
+            if path is None:
+                return [Finding("weights", f"{name} cannot be read here (no /proc/self/fd): check it on Linux")]
+            bad = []
+            with safe_open(path, framework="pt") as tensors:
+                for key in tensors.keys():
+                    tensor = tensors.get_tensor(key)
+                    if tensor.is_floating_point() and not bool(tensor.isfinite().all()):
+                        bad.append(key)
+    except (OSError, UnreadableFile) as error:
+        reason = error.strerror if isinstance(error, OSError) and error.strerror else one_line(error)
+        return [Finding("weights", f"{name} cannot be read ({reason}): merge again")]
+    except Exception as error:  # safetensors' own refusal of a damaged file, whatever its type
+        return [Finding("weights", f"{name} does not load with safetensors ({one_line(error)}): merge again")]
+    if not bad:
+        return []
+    shown = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
+    return [
+        Finding(
+            "finite",
+            f"{name}: {len(bad)} tensor(s) hold NaN or Inf ({shown}): do not share it; check the inputs and merge "
+            "again (a wider out_dtype where values overflow it)",
+        )
+    ]
+
+
+def config(folder: int) -> list[Finding]:
+    file = read_file(folder, CONFIG, "config")
+    if file.problem is not None:
+        return [file.problem]
+    if file.text is None:
+        return [
+            Finding(
+                "config",
+                f"no {CONFIG}: transformers cannot load the folder (mergekit-pytorch writes weights only): merge "
+                "with mergekit-yaml",
+            )
+        ]
+    return []
+
+
+def tokenizer(folder: int) -> list[Finding]:
+    """A tokenizer file transformers loads: a regular file of the folder (a link to one is not uploaded as
+    the file everywhere, and is not read here)."""
+    unreadable = []
+    for name in TOKENIZER_FILES:
+        try:
+            with open_regular(name, dir_fd=folder, follow_symlinks=False):
+                return []
+        except FileNotFoundError:
+            continue
+        except (OSError, UnreadableFile) as error:
+            reason = error.strerror if isinstance(error, OSError) and error.strerror else one_line(error)
+            unreadable.append(f"{name} cannot be read ({reason}): copy the file itself into the folder")
+    if unreadable:
+        return [Finding("tokenizer", unreadable[0])]
+    return [
+        Finding(
+            "tokenizer",
+            f"no tokenizer ({', '.join(TOKENIZER_FILES[:-1])} or {TOKENIZER_FILES[-1]}): copy the base model's "
+            "tokenizer files (tokenizer_config.json and the others) into the folder",
+        )
+    ]
+
+
+def parsed_json(file: FolderFile) -> Any:
+    """The file's JSON value; None where there is no file or it is not JSON."""
+    if file.text is None:
+        return None
+    try:
+        return json.loads(file.text)
+    except (ValueError, RecursionError):
+        return None
+
+
+def statistics_findings(statistics: FolderFile, data: Any, accept_warnings: bool) -> list[Finding]:
+    if statistics.problem is not None:
+        return []  # reported with the files
+    if statistics.text is None:
+        return [Finding("statistics", f"no {STATISTICS_FILE}: not a merge with mergekit-ram's methods", note=True)]
+    if not isinstance(data, dict):
+        return [Finding("statistics", f"{STATISTICS_FILE} is not the JSON object a merge writes: merge again")]
+    listed = data.get("warnings")
+    warnings: list[Any] = listed if isinstance(listed, list) else []
+    hint = "" if accept_warnings else " (--accept-warnings once it is understood)"
+    return [
+        Finding("statistics", f"statistics warning: {warning}{hint}", note=accept_warnings)
+        for warning in map(str, warnings)
+    ]
+
+
+def card_findings(card: FolderFile, statistics: Any) -> list[Finding]:
+    """The card's front matter as the Hub reads it: a licence, ``base_model`` with
+    ``base_model_relation: merge``, the ``merge`` tag."""
+    if card.problem is not None:
+        return []
+    if card.text is None:
+        return [Finding("card", f"no {CARD} model card: merge with mergekit-yaml (without --no-write-model-card)")]
+    try:
+        metadata, _ = front_matter(card.text)
+    except (yaml.YAMLError, RecursionError):
+        metadata = None
+    if metadata is None:
+        return [
+            Finding(
+                "card",
+                f"{CARD} has no YAML front matter (between --- lines at its top): merge again with mergekit-yaml",
+            )
+        ]
+    found = license_findings(metadata)
+    if not metadata.get("base_model"):
+        found.append(
+            Finding(
+                "base_model",
+                "the card's front matter has no base_model (mergekit lists only Hub ids there): merge again with "
+                "the models' Hub ids in the recipe, or list them under base_model",
+            )
+        )
+    elif metadata.get("base_model_relation") != "merge":
+        found.append(
+            Finding(
+                "base_model_relation",
+                f"the card's front matter has base_model_relation {metadata.get('base_model_relation')!r}: set "
+                "base_model_relation: merge (the Hub's relation for a merge of the base_model models)",
+            )
+        )
+    tags = metadata.get("tags")
+    if not (isinstance(tags, list) and MERGE_TAG in tags):
+        found.append(
+            Finding(
+                "tags",
+                f"the card's front matter has no tag {MERGE_TAG}: add it under tags (mergekit writes mergekit, "
+                f"{MERGE_TAG}; mergekit-ram adds {CARD_TAG})",
+            )
+        )
+    if isinstance(statistics, dict) and "## RAM statistics" not in card.text:
+        found.append(Finding("card", f"{CARD} has no RAM statistics section", note=True))
+    return found
+
+
+def license_findings(metadata: dict[str, Any]) -> list[Finding]:
+    license_id = metadata.get("license")
+    if not license_id:
+        return [
+            Finding(
+                "license",
+                "the card's front matter has no license: mergekit-ram check OUT --set-license ID, with an id the "
+                "input models' licences allow (apache-2.0, mit, ...)",
+            )
+        ]
+    if license_id == "other" and not (metadata.get("license_name") and metadata.get("license_link")):
+        return [
+            Finding(
+                "license",
+                "the card says license: other without license_name and license_link: add both to its front matter",
+            )
+        ]
+    return []
+
+
+def models_named(recipe: FolderFile, statistics: Any, card: FolderFile) -> list[str]:
+    """Every model the recipe, the statistics and the card's ``base_model`` name."""
+    listed_models = statistics.get("models") if isinstance(statistics, dict) else None
+    names = [str(m["model"]) for m in listed_models or () if isinstance(m, dict) and "model" in m]
+    with contextlib.suppress(yaml.YAMLError, RecursionError):
+        names += recipe_models(yaml.safe_load(recipe.text) if recipe.text else None)
+    with contextlib.suppress(yaml.YAMLError, RecursionError):
+        metadata, _ = front_matter(card.text) if card.text else (None, "")
+        listed = (metadata or {}).get("base_model") or []
+        names += [str(name) for name in (listed if isinstance(listed, list) else [listed])]
+    return names
+
+
+def recipe_models(document: Any) -> list[str]:
+    """Every ``model`` and ``base_model`` a recipe names, at any depth (models, slices, modules); each
+    node once, so a YAML file of aliases cannot make the walk explode."""
+    found, seen, stack = [], set(), [document]
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if key in ("model", "base_model") and isinstance(value, str):
+                    found.append(value)
+                else:
+                    stack.append(value)
+        elif isinstance(node, list):
+            stack.extend(node)
+    return found
+
+
+def local_path(name: str) -> bool:
+    """Whether a model name is a local path rather than a Hub id (``name`` or ``org/name``): it starts
+    with / ~ or ., has more than one /, or is a folder here."""
+    return bool(name) and (name[0] in "/~." or name.count("/") > 1 or os.path.isdir(name))
+
+
+def local_paths(files: Iterable[FolderFile], models: list[str]) -> list[Finding]:
+    """A problem per file that names a local path: readers of the card cannot find those models."""
+    paths = sorted({part.split("@")[0] for name in models for part in name.split("+")} - {""})
+    local = [path for path in paths if local_path(path)]
+    found = []
+    for file in files:
+        named = [path for path in local if file.text is not None and path in file.text]
+        if named:
+            found.append(
+                Finding(
+                    "local_paths",
+                    f"{file.name} names local paths ({', '.join(named)}): merge again with the models' Hub ids in "
+                    f"the recipe, or replace the paths with them in {', '.join(NAMING_FILES)} alike",
+                )
+            )
+    return found
+
+
+def set_license(out: str, license_id: str) -> None:
+    """Write ``license: license_id`` into the front matter of the folder's card (made if it has none), in
+    one rename: the rest of the card stays as it was."""
+    with opened_folder(out) as folder:
+        card = read_file(folder, CARD, "card")
+        if card.text is None:
+            reason = card.problem.message if card.problem is not None else f"there is no {CARD}"
+            raise MergedFolderError(
+                f"cannot set the licence of {out}: {reason} (merge with mergekit-yaml, which writes the card)"
+            )
+        try:
+            metadata, body = front_matter(card.text)
+        except (yaml.YAMLError, RecursionError):
+            metadata, body = None, ""
+        if metadata is None and card.text.startswith("---\n"):
+            raise MergedFolderError(
+                f"cannot set the licence: the front matter of {out}/{CARD} is not a YAML mapping; fix it by hand"
+            )
+        write_atomically(CARD, with_front_matter({**(metadata or {}), "license": license_id}, body), dir_fd=folder)
