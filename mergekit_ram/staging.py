@@ -134,6 +134,7 @@ class _Folder:
         self.locked = False
         self.moves: list[tuple[int, int, str]] = []  # this publish's renames: (from folder, to folder, name)
         self.keep = False  # a publish that could not be undone: its private folder holds OUT's old files
+        self.spare: list[int] = []  # descriptors held for the clean-up, which needs 3 at most: after EMFILE too
 
     def begin(self) -> None:
         """Create (if missing), open and lock OUT; report what earlier runs left; make the private folder."""
@@ -147,6 +148,7 @@ class _Folder:
             self.out = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
             _lock(self.out, self.path)
             self.locked = True
+            self.spare = [os.dup(self.out) for _ in range(3)]
             _check_left_over(self.out, self.path)
             self.private_name = _make_private(self.out)
             self.private = os.open(self.private_name, _FOLDER, dir_fd=self.out)
@@ -239,6 +241,8 @@ class _Folder:
         Never raises: a clean-up that fails is one warning, the merge's own outcome stands.
         """
         holds, opened = self.holds(), self.out >= 0
+        for handle in self.spare:
+            os.close(handle)
         if self.private_name and not self.keep:
             try:
                 if self.private >= 0:

@@ -79,7 +79,6 @@ def test_too_many_open_files_is_one_line(too_many_open_files: LimitedRun) -> Non
     ), message
 
 
-@pytest.mark.xfail(reason="staging clean-up: fixed by the transaction rewrite", strict=True)
 def test_too_many_open_files_leaves_the_folder_as_it_was(too_many_open_files: LimitedRun) -> None:
     assert_as_it_was(too_many_open_files.out)
 
