@@ -23,7 +23,7 @@ import yaml
 from mergekit_ram.errors import MergedFolderError, one_line
 from mergekit_ram.files import UnreadableFile, open_regular, plain_name, read_regular, write_atomically
 from mergekit_ram.published import CARD_TAG, front_matter, with_front_matter
-from mergekit_ram.staging import MARKER_FILE, STAGING_DIR
+from mergekit_ram.staging import MANIFEST_FILE, MARKER_FILE, PRIVATE_PREFIX
 from mergekit_ram.stats.schema import STATISTICS_FILE
 
 CARD = "README.md"
@@ -144,16 +144,16 @@ def incomplete(names: set[str]) -> list[Finding]:
         found.append(
             Finding(
                 "incomplete",
-                f"{MARKER_FILE} is present: a merge into this folder was cut short while publishing; run any "
-                "RAM merge into it again (it completes the publish first)",
+                f"{MARKER_FILE} is present: a merge into this folder was killed while publishing; merge into it "
+                "again (it writes its own complete result)",
             )
         )
-    if STAGING_DIR in names:
+    for name in sorted(name for name in names if name.startswith(PRIVATE_PREFIX) and name != MANIFEST_FILE):
         found.append(
             Finding(
                 "incomplete",
-                f"{STAGING_DIR} is present: a merge is writing into this folder, or was killed before publishing; "
-                "wait for it to finish, or rerun it (it removes what the killed one left)",
+                f"{name} is present: a merge is writing into this folder, or one was killed; wait for it to "
+                "finish, or check that hidden folder and remove it",
             )
         )
     return found

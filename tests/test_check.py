@@ -113,13 +113,13 @@ def _statistics(change: Callable[[dict], None]) -> Callable[[Path], None]:
 CASES: dict[str, tuple[Callable[[Path], None], str]] = {
     "merge not finished": (
         lambda f: (f / "MERGE_INCOMPLETE").write_text("interrupted\n", encoding="utf-8"),
-        "MERGE_INCOMPLETE is present: a merge into this folder was cut short while publishing; run any RAM merge "
-        "into it again (it completes the publish first)",
+        "MERGE_INCOMPLETE is present: a merge into this folder was killed while publishing; merge into it again "
+        "(it writes its own complete result)",
     ),
     "merge running": (
-        lambda f: (f / ".mergekit-ram-partial").mkdir(),
-        ".mergekit-ram-partial is present: a merge is writing into this folder, or was killed before publishing; "
-        "wait for it to finish, or rerun it (it removes what the killed one left)",
+        lambda f: (f / ".mergekit-ram-0123456789abcdef").mkdir(),
+        ".mergekit-ram-0123456789abcdef is present: a merge is writing into this folder, or one was killed; wait "
+        "for it to finish, or check that hidden folder and remove it",
     ),
     "no weights": (
         lambda f: (f / "model.safetensors").unlink(),

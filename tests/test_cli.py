@@ -43,6 +43,8 @@ INTERNAL_RAISES = {
     "MergekitMovedError": "a RamError (checked below through its class)",
     "MergeOverflowError": "kernel.py; integration/methods.py re-raises it as a ParameterError naming the tensor "
     "and the setting",
+    "OSError": "staging.py: a folder named like a file the merge writes, raised inside publish, which turns every "
+    "OSError into an OutputFolderError",
     "Interrupted": "staging.py: a signal as an exception inside the output transaction, re-sent once the folder "
     "is clean",
     "KeyboardInterrupt": "staging.py: SIGINT inside the output transaction, as Python's own handler raises it",

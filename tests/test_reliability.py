@@ -39,6 +39,7 @@ from tests.conftest import (
     merge_in_process,
     run_script,
     script,
+    without_identities,
     write_recipe,
 )
 from tests.test_cli import one_line_error
@@ -488,14 +489,14 @@ def test_interrupted_merge_leaves_nothing_that_looks_finished(tmp_path) -> None:
     deadline = time.monotonic() + 120
     staged: list[str] = []
     while time.monotonic() < deadline and process.poll() is None:
-        staged = glob.glob(str(out / (PRIVATE_PREFIX + "*") / "out"))  # the transaction's private folder
+        staged = glob.glob(str(out / (PRIVATE_PREFIX + "*") / "staged" / "out"))  # the transaction's private folder
         if staged and len(os.listdir(staged[0])) >= 2:
             break
         time.sleep(0.005)
     assert process.poll() is None, "the merge finished before it could be interrupted"
     process.send_signal(signal.SIGKILL)
     process.wait()
-    private = os.path.dirname(staged[0])
+    private = os.path.dirname(os.path.dirname(staged[0]))
     assert sorted(os.listdir(out)) == [os.path.basename(private)]  # nothing but the hidden private folder
     kept = sorted(glob.glob(os.path.join(staged[0], "*.safetensors")))
     assert kept  # the partial shards are there
@@ -536,12 +537,13 @@ def test_same_inputs_give_byte_identical_files(ram_plus_merge: Merged, tmp_path)
 
 
 def _files(folder: str) -> dict[str, bytes]:
-    """Every file under ``folder`` (hidden ones included), by path relative to it."""
+    """Every file under ``folder`` (hidden ones included), by path relative to it; the manifest's weights by
+    name (their device, inode and mtime identify these very files, so they differ between folders)."""
     found = {}
     for root, _, names in os.walk(folder):
         for name in names:
             with open(os.path.join(root, name), "rb") as handle:
-                found[os.path.relpath(os.path.join(root, name), folder)] = handle.read()
+                found[os.path.relpath(os.path.join(root, name), folder)] = without_identities(name, handle.read())
     return found
 
 
