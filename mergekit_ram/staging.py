@@ -180,10 +180,9 @@ class _Folder:
         handles: list[int] = []
         marker: Optional[os.stat_result] = None
         try:
-            staged, replaced = (os.open(name, _FOLDER, dir_fd=self.private) for name in (_STAGED, _REPLACED))
-            handles += [staged, replaced]
-            staged = os.open(self.name, _FOLDER, dir_fd=staged)
-            handles.append(staged)
+            for name in (_STAGED, _REPLACED, os.path.join(_STAGED, self.name)):
+                handles.append(os.open(name, _FOLDER, dir_fd=self.private))
+            replaced, staged = handles[1:]
             names = _publish_order({*os.listdir(staged), MANIFEST_FILE})
             weights = {name: _identity(os.stat(name, dir_fd=staged, follow_symlinks=False))
                        for name in names if name != MANIFEST_FILE and _is_weight(name)}  # fmt: skip
@@ -284,8 +283,10 @@ def _check_left_over(out: int, out_path: str) -> None:
                 f"{os.path.join(out_path, name)} is a folder: it is mergekit-ram's own name; remove it or choose "
                 "another output folder"
             )
-    found = [name for name in sorted(os.listdir(out)) if name.startswith(PRIVATE_PREFIX) or name == MARKER_FILE]
-    if found := [name for name in found if name != MANIFEST_FILE]:
+    left = sorted(os.listdir(out))
+    if found := [
+        name for name in left if name == MARKER_FILE or (name.startswith(PRIVATE_PREFIX) and name != MANIFEST_FILE)
+    ]:
         LOG.warning(
             "%s holds %s, left by a mergekit-ram merge that did not finish (killed, or its clean-up failed): this "
             "merge neither uses nor removes them; remove them once you have checked them (a hidden folder may hold "

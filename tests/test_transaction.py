@@ -24,6 +24,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
@@ -83,13 +84,11 @@ def drive(
     fault: Optional[tuple[int, str]] = None,
     count: Optional[str] = None,
     nohup: bool = False,
-    **extra: str,
 ) -> subprocess.CompletedProcess:
     """The driver in a new process: ``arguments`` are its GENERATION and flags. Every ignored signal
     is set back to its default action there (``nohup`` instead: started as ``nohup`` starts it)."""
     env = {key: value for key, value in os.environ.items() if not key.startswith("MERGEKIT_RAM_TEST_")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [FAULTS, os.environ.get("PYTHONPATH")]))
-    env.update(extra)
     if not nohup:
         env["MERGEKIT_RAM_TEST_SIGNALS"] = "default"
     if fault is not None:
@@ -351,6 +350,7 @@ def _paused(out: str, release: str, generation: str = "new") -> subprocess.Popen
     merge = subprocess.Popen([sys.executable, DRIVER, out, generation, "pause"], env=env, stderr=subprocess.PIPE)
     while not os.path.exists(release + ".waiting"):
         assert merge.poll() is None, merge.stderr.read() if merge.stderr else ""
+        time.sleep(0.02)
     return merge
 
 
