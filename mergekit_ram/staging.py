@@ -1,8 +1,8 @@
 """The output transaction: a RAM merge's output folder holds its old content or the complete new merge.
 
-A mergekit-ram merge into ``OUT`` (``run_merge``, so ``mergekit-yaml`` and every stage of
-``mergekit-multi``; and ``mergekit-pytorch``) runs inside ``output_transaction(OUT)``. The threat
-model is in docs/reliability.md. While the merge runs, ``OUT`` holds besides the user's files:
+A RAM merge into ``OUT`` (``run_merge``: ``mergekit-yaml``, each ``mergekit-multi`` stage; and
+``mergekit-pytorch``) runs inside ``output_transaction(OUT)``; the threat model is in
+docs/reliability.md. While it runs, ``OUT`` holds besides the user's files:
 
     .mergekit-ram-<random>/          this run's private folder, made by this process (mode 0700)
         staged/<name of OUT>/        where mergekit writes (the card's title is this name)
@@ -12,50 +12,44 @@ model is in docs/reliability.md. While the merge runs, ``OUT`` holds besides the
 
 Invariants, each held by tests/test_transaction.py (T) or tests/test_output.py (O):
 
-1. No replay. Nothing another process left is completed, restored or undone: a private folder,
-   a marker or an earlier design's ``.mergekit-ram-partial`` is reported in one warning and left
-   for the user; only a manifest's weights may be removed (invariant 4). [T: crash states, then a
-   merge, a failing merge, another method; O: killed publish]
-2. A private folder per run: a fresh unpredictable name made by this process. mergekit writes
-   into it through ``/proc/self/fd``, which names the folder this process opened, so after
-   ``rm -rf OUT`` or a swapped parent its writes fail instead of landing elsewhere. [T: removed
-   and swapped; O: one writer]
-3. Nothing outside OUT, and names from OUT untrusted: every operation goes through a descriptor of
-   OUT or of the private folder with a plain name; a link is moved or removed as a link, never
-   followed; a manifest is read bounded, without blocking or following a link, and a name in it
-   that is not a plain weight file name is ignored with a warning. [T: crafted]
-4. Only ours is removed: what this run wrote; a file of the same name it replaces; a weight file
-   an earlier merge recorded in its manifest whose (device, inode, size, mtime) still match. A
-   folder only when empty; OUT and its parents only if this run created them. [T, O: user files]
-5. One writer: an ``flock`` on OUT itself, which nothing inside OUT can remove; a merge whose OUT
-   was removed or replaced meanwhile publishes nothing. [O: one writer]
-6. Old or new. Until publishing, OUT holds its old files. Every catchable signal whose default
-   action ends the process, and SIGINT, is held while files move and acted on after; an error
-   while publishing is undone by this process from memory. Only SIGKILL, a crash or a power cut
-   can stop a publish half-way: OUT is then marked MERGE_INCOMPLETE (old, new or mixed files,
-   never config.json beside a mix), and the next merge writes its own complete result. [T: every
-   signal and ENOSPC at every operation]
+1. No replay: what another process left (a private folder, a marker, an earlier design's
+   ``.mergekit-ram-partial``) is named in one warning, never completed, restored or undone.
+   [T: crash states, then a merge, a failing merge, another method; O: killed publish]
+2. A private folder per run, of a fresh unpredictable name, made by this process; mergekit writes
+   through ``/proc/self/fd`` (the folder this process opened), so after ``rm -rf OUT`` or a swapped
+   parent its writes fail instead of landing elsewhere. [T: removed and swapped; O: one writer]
+3. Nothing outside OUT, names from OUT untrusted: every operation is relative to a descriptor of
+   OUT or of the private folder, with a plain name; links are moved or removed, never followed;
+   the manifest is read bounded, and a name in it that is not a plain weight file is ignored.
+   [T: crafted]
+4. Only ours is removed: what this run wrote, files of the names it replaces, and weights an
+   earlier merge recorded whose (device, inode, size, mtime) still match; folders only when empty,
+   OUT and its parents only if this run created them. [T, O: user files]
+5. One writer: an ``flock`` on OUT itself; a merge whose OUT was removed or replaced meanwhile
+   publishes nothing. [O: one writer]
+6. Old or new: until publishing OUT holds its old files; the ending signals are held while files
+   move (``signals.HeldSignals``); an error while publishing is undone from memory. Only SIGKILL, a
+   crash or a power cut stops a publish half-way: OUT is then marked MERGE_INCOMPLETE (old, new or
+   mixed files, never config.json beside a mix) and the next merge writes its own complete result.
+   [T: every signal and ENOSPC at every operation]
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
-import fnmatch
 import json
 import logging
 import os
 import re
 import secrets
-import signal
 import stat
-import threading
-from typing import Any, Iterable, Iterator, Optional
+from typing import Iterable, Iterator, Optional
 
 from mergekit_ram._version import __version__
 from mergekit_ram.errors import RamError
 from mergekit_ram.files import UnreadableFile, plain_name, read_json
+from mergekit_ram.signals import HeldSignals
 
 LOG = logging.getLogger(__name__)
 
@@ -67,7 +61,7 @@ MANIFEST_FILE = ".mergekit-ram-manifest.json"
 _STAGED, _REPLACED = "staged", "replaced"
 #: Leaves OUT first and comes back last: without it no loader takes a half-published folder for a model.
 _CONFIG = "config.json"
-_WEIGHTS = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json")
+_WEIGHT = re.compile(r"(?s:.*)\.(safetensors|bin)(\.index\.json)?")
 #: What transformers and mergekit load as a model's weights: a kept one may shadow the new merge.
 _LOADED = re.compile(r"(model|pytorch_model)(-\d+-of-\d+)?\.(safetensors|bin)(\.index\.json)?")
 _FOLDER = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -78,10 +72,6 @@ MARKER_TEXT = (
     "file). The killed merge's .mergekit-ram-<random>/ holds the rest of its files and those it had moved\n"
     "out of the way; remove it once you have what you need.\n"
 )
-#: Signals that end a process by default and can be caught. SIGSEGV, SIGBUS, SIGFPE and SIGILL mean
-#: the process itself crashed: like SIGKILL, they leave the marker.
-_NOT_ENDING = "SIGKILL SIGSTOP SIGSEGV SIGBUS SIGFPE SIGILL SIGCHLD SIGCONT SIGTSTP SIGTTIN SIGTTOU SIGURG SIGWINCH"
-ENDING_SIGNALS = tuple(sorted(set(signal.valid_signals()) - {getattr(signal, n, 0) for n in _NOT_ENDING.split()}))
 
 
 class OutputBusyError(RamError, RuntimeError):
@@ -92,21 +82,13 @@ class OutputFolderError(RamError, RuntimeError):
     """The output folder cannot be prepared or published into; the message says why and what to do."""
 
 
-class Interrupted(BaseException):
-    """A signal whose default action ends the process: unwinds the merge like Ctrl-C, then is re-sent."""
-
-    def __init__(self, number: int) -> None:
-        super().__init__(f"signal {number}")
-        self.number = number
-
-
 @contextlib.contextmanager
 def output_transaction(out_path: str) -> Iterator[str]:
     """Yield the folder mergekit is to write into; publish it into ``out_path`` once the body returns.
 
     An exception or a signal before that leaves ``out_path`` as it was (invariant 6).
     """
-    with _Signals() as signals:
+    with HeldSignals() as signals:
         folder = _Folder(out_path)
         try:
             with signals.held():
@@ -185,11 +167,10 @@ class _Folder:
             replaced, staged = handles[1:]
             names = _publish_order({*os.listdir(staged), MANIFEST_FILE})
             weights = {name: _identity(os.stat(name, dir_fd=staged, follow_symlinks=False))
-                       for name in names if name != MANIFEST_FILE and _is_weight(name)}  # fmt: skip
-            _write_new(MANIFEST_FILE, _manifest(names, weights), staged)
+                       for name in names if name != MANIFEST_FILE and _WEIGHT.fullmatch(name)}  # fmt: skip
+            manifest = {"written_by": f"mergekit-ram {__version__}", "files": names, "weights": weights}
+            _write_new(MANIFEST_FILE, json.dumps(manifest, indent=1), staged)
             stale = sorted(set(recorded_weights(self.out, self.path)) - set(names))
-            if folder := next((name for name in names if _kind(name, self.out) == "folder"), None):
-                raise OSError(errno.EISDIR, "a folder has the name of a file the merge writes", folder)
             if _kind(MARKER_FILE, self.out) == "file":  # a killed run's, kept aside (a link: OUT stays marked)
                 os.link(MARKER_FILE, MARKER_FILE, src_dir_fd=self.out, dst_dir_fd=replaced, follow_symlinks=False)
                 self.moves.append((self.out, replaced, MARKER_FILE))
@@ -222,8 +203,8 @@ class _Folder:
         self.moves.append((source, target, name))
 
     def _undo(self, marker: Optional[os.stat_result]) -> None:
-        """Every rename of this publish made backwards (a killed run's marker last, over this run's), then this
-        run's marker removed if still there: OUT as it was, marked until it is."""
+        """This publish's renames made backwards (a killed run's marker last, over this run's), then this
+        run's marker removed: OUT as it was, marked until it is."""
         try:
             for source, target, name in reversed(self.moves):
                 os.rename(name, name, src_dir_fd=target, dst_dir_fd=source)
@@ -235,10 +216,8 @@ class _Folder:
             LOG.error("could not undo the publish into %s (%s)", self.path, _reason(error))
 
     def end(self) -> None:
-        """Remove this run's private folder and the folders it created while they are empty; let go of OUT.
-
-        Never raises: a clean-up that fails is one warning, the merge's own outcome stands.
-        """
+        """Remove this run's private folder, and the folders it created while empty; let go of OUT. Never
+        raises: a clean-up that fails is one warning, the merge's own outcome stands."""
         holds, opened = self.holds(), self.out >= 0
         for handle in self.spare:
             os.close(handle)
@@ -275,18 +254,15 @@ def _lock(out: int, out_path: str) -> None:
 
 
 def _check_left_over(out: int, out_path: str) -> None:
-    """A folder with the marker's or the manifest's name is refused; what killed runs left is reported in
-    one warning, never used or removed (invariant 1)."""
+    """Refuse a folder of the marker's or the manifest's name; name what killed runs left (invariant 1)."""
     for name in (MARKER_FILE, MANIFEST_FILE):
         if _kind(name, out) == "folder":
             raise OutputFolderError(
                 f"{os.path.join(out_path, name)} is a folder: it is mergekit-ram's own name; remove it or choose "
                 "another output folder"
             )
-    left = sorted(os.listdir(out))
-    if found := [
-        name for name in left if name == MARKER_FILE or (name.startswith(PRIVATE_PREFIX) and name != MANIFEST_FILE)
-    ]:
+    left = (name for name in sorted(os.listdir(out)) if name.startswith(PRIVATE_PREFIX) or name == MARKER_FILE)
+    if found := [name for name in left if name != MANIFEST_FILE]:
         LOG.warning(
             "%s holds %s, left by a mergekit-ram merge that did not finish (killed, or its clean-up failed): this "
             "merge neither uses nor removes them; remove them once you have checked them (a hidden folder may hold "
@@ -305,18 +281,13 @@ def _make_private(out: int) -> str:
             return name
 
 
-def _manifest(names: list[str], weights: dict[str, dict[str, int]]) -> str:
-    """What the merge wrote; each weight with the identity that lets a later merge remove it (invariant 4)."""
-    return json.dumps({"written_by": f"mergekit-ram {__version__}", "files": names, "weights": weights}, indent=1)
-
-
 def _identity(status: os.stat_result) -> dict[str, int]:
+    """What lets a later merge remove a weight this merge wrote (invariant 4)."""
     return {"device": status.st_dev, "inode": status.st_ino, "size": status.st_size, "mtime_ns": status.st_mtime_ns}
 
 
 def recorded_weights(out: int, out_path: str) -> list[str]:
-    """Weight files of OUT that an earlier merge recorded in its manifest, still as it left them (invariant
-    4): a plain weight file name whose (device, inode, size, mtime) match the record; nothing else."""
+    """Plain weight file names an earlier merge recorded in OUT's manifest, still as it left them (invariant 4)."""
     try:
         manifest = read_json(MANIFEST_FILE, dir_fd=out, follow_symlinks=False)
     except FileNotFoundError:
@@ -327,7 +298,7 @@ def recorded_weights(out: int, out_path: str) -> list[str]:
     weights = manifest.get("weights") if isinstance(manifest, dict) else None
     found = []
     for name, identity in weights.items() if isinstance(weights, dict) else ():
-        if plain_name(name) and _is_weight(name):
+        if plain_name(name) and _WEIGHT.fullmatch(name):
             with contextlib.suppress(OSError):
                 if _identity(os.stat(name, dir_fd=out, follow_symlinks=False)) == identity:
                     found.append(name)
@@ -397,10 +368,6 @@ def _same(a: os.stat_result, b: os.stat_result) -> bool:
     return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
-def _is_weight(name: str) -> bool:
-    return any(fnmatch.fnmatch(name, pattern) for pattern in _WEIGHTS)
-
-
 def _publish_order(names: Iterable[str]) -> list[str]:
     """The manifest first (once it is in, it records every new weight present), config.json last."""
     return sorted(names, key=lambda name: (name != MANIFEST_FILE, name == _CONFIG, name))
@@ -415,57 +382,3 @@ def _aside_order(names: list[str], stale: list[str]) -> list[str]:
 
 def _reason(error: OSError) -> str:
     return f"{error.strerror or error}: {error.filename}" if error.filename else str(error.strerror or error)
-
-
-class _Signals:
-    """Every catchable signal that ends a process by default, and SIGINT, for one transaction's life.
-
-    Outside ``held()`` the first one unwinds the merge: SIGINT raises KeyboardInterrupt (as Python's
-    own handler does), any other ``Interrupted``, re-sent at the end with its default action, so the
-    process ends as it would have. Inside ``held()``, and once the merge is unwinding, signals wait
-    and are delivered afterwards. Signals with another handler (ignored, or a program's own) are
-    left alone; Python runs handlers in the main thread only, so elsewhere nothing changes.
-    """
-
-    def __init__(self) -> None:
-        self.previous: dict[int, Any] = {}
-        self.pending: list[int] = []
-        self.depth = 0
-        self.unwinding = False
-
-    def __enter__(self) -> _Signals:
-        if threading.current_thread() is threading.main_thread():
-            for number in ENDING_SIGNALS:
-                if signal.getsignal(number) in (signal.SIG_DFL, signal.default_int_handler):
-                    self.previous[number] = signal.signal(number, self._arrived)
-        return self
-
-    def _arrived(self, number: int, _frame: Any) -> None:
-        if self.depth or self.unwinding:
-            self.pending.append(number)
-        else:
-            self._act(number)
-
-    def _act(self, number: int) -> None:
-        self.unwinding = True
-        if self.previous[number] is signal.default_int_handler:
-            raise KeyboardInterrupt
-        raise Interrupted(number)
-
-    @contextlib.contextmanager
-    def held(self) -> Iterator[None]:
-        self.depth += 1
-        try:
-            yield
-        finally:
-            self.depth -= 1
-        if self.pending and not self.depth and not self.unwinding:
-            self._act(self.pending.pop(0))
-
-    def __exit__(self, kind: Any, error: Any, traceback: Any) -> None:
-        for number, handler in self.previous.items():
-            signal.signal(number, handler)
-        for number in ([error.number] if isinstance(error, Interrupted) else []) + self.pending:
-            os.kill(os.getpid(), number)
-        if isinstance(error, Interrupted):
-            raise SystemExit(128 + error.number) from None

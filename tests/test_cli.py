@@ -45,10 +45,10 @@ INTERNAL_RAISES = {
     "and the setting",
     "OSError": "staging.py: a folder named like a file the merge writes, raised inside publish, which turns every "
     "OSError into an OutputFolderError",
-    "Interrupted": "staging.py: a signal as an exception inside the output transaction, re-sent once the folder "
+    "Interrupted": "signals.py: a signal as an exception inside the output transaction, re-sent once the folder "
     "is clean",
-    "KeyboardInterrupt": "staging.py: SIGINT inside the output transaction, as Python's own handler raises it",
-    "SystemExit": "staging.py: the exit status after a signal, as its default action would give",
+    "KeyboardInterrupt": "signals.py: SIGINT inside the output transaction, as Python's own handler raises it",
+    "SystemExit": "signals.py: the exit status after a signal, as its default action would give",
     "TypeError": "integration/inmemory.py: a wrong Python call shape (unexpected keyword arguments); "
     "integration/methods.py: mergekit's own check of in-memory groups",
     "UnreadableFile": "files.py: caught by its callers, which name the file (checks.py in an InputError, cache.py "

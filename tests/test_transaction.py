@@ -30,7 +30,8 @@ from typing import Callable, Optional, Sequence
 
 import pytest
 
-from mergekit_ram.staging import ENDING_SIGNALS, MANIFEST_FILE, MARKER_FILE, MARKER_TEXT, PRIVATE_PREFIX
+from mergekit_ram.signals import ENDING_SIGNALS
+from mergekit_ram.staging import MANIFEST_FILE, MARKER_FILE, MARKER_TEXT, PRIVATE_PREFIX
 from tests.conftest import without_identities
 
 FAULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "faults")
@@ -579,7 +580,7 @@ def _crafted(scenario: Scenario, label: str, flags: tuple[str, ...]) -> None:
     elif completed.returncode != 0:
         last = completed.stderr.strip().splitlines()[-1]
         assert last.startswith("mergekit_ram.staging.OutputFolderError: "), (label, completed.stderr[-3000:])
-        assert "mergekit-ram's own name" in last or "a folder has the name of a file the merge writes" in last, last
+        assert "mergekit-ram's own name" in last or "Is a directory" in last, last
         assert snapshot(out) == crafted, label
     else:
         state = snapshot(out) or {}
