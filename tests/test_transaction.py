@@ -320,8 +320,10 @@ def _next_merge_fault(scenario: Scenario, crashed: int, operation: int, ending: 
     assert ended_as_asked(completed, ending) or completed.returncode == 1, (operation, ending, completed.stderr)
     state = snapshot(out)
     files = published(state)  # the crash state's, or the new merge beside the killed run's folder
-    if state != before and files != scenario.new:  # or this run killed too: marked, not loadable
+    if files not in (published(before), scenario.new):  # or this run killed mid-publish too: marked, not loadable
         assert ending == "SIGKILL" and MARKER_FILE in (state or {}) and "config.json" not in files, (crashed, operation)
+    elif state != before and files == published(before):  # or killed before publishing: its private folder left
+        assert ending == "SIGKILL", (crashed, operation, ending)
 
 
 def test_the_next_merge_over_a_crash_with_every_ending(remerge: Scenario, crashes: dict[int, State]) -> None:
