@@ -40,16 +40,17 @@ chunk element and N + 1 tables of 2**16 counters (0.5 MiB each) per worker. Coun
 table of 2**N counters per worker. Beyond these only the output is allocated. With float64
 arithmetic each float buffer is twice as wide.
 
-Mechanisms kept where the kernel benchmark shows they earn their lines (``python -m
-benchmarks.kernel_rules --numel 8M --n 3 --alternatives``: a counting ``ram`` merge against each
-simplification in one run, median of 7 rounds; 2 shared cores at load 4.6, about +-10%): float32
-activity patterns up to 24 models (int64: 1.49x slower, 10 B more per chunk element); int16 codes
-up to 15 (int32: 1.10x, 2 B more); a bincount of 2**N bins up to 20 (torch.unique: 2.15x); whole
-chunks on workers each running torch on one thread (torch's own threads: 1.22x, 3-6x on a busy
-machine). Kept for what they guarantee: OpenMP's per-thread setter (torch.set_num_threads is no
-faster, 1.03x, but would also set the default of threads started later); the radix select (exact
-TIES thresholds in bounded scratch, where torch.kthvalue holds 4 B per element of the tensor per
-model); autograd (docs/method.md; nothing runs without grad).
+Mechanisms kept, measured against their simplifications (``python -m benchmarks.kernel_rules
+--numel 8M --n 3 --alternatives``, a counting ``ram`` merge, medians of three runs in one hour on 2
+shared cores at load 4.6 to 9.7, so noisy): float32 activity patterns up to 24 models (int64:
+1.49x / 1.39x / 1.72x slower, 10 B more per chunk element); a bincount of 2**N bins up to 20
+(torch.unique: 2.15x / 2.13x / 2.55x); int16 codes up to 15 (int32: 1.10x / 0.98x / 1.22x, 2 B
+more). The radix select of the TIES thresholds: exact, 0.75x the time of torch.kthvalue on the
+gathered shared magnitudes and 0.5 against 22 B per element of the tensor. Kept for what they
+guarantee, not for speed: workers each on one intra-op thread (1.22x / 0.49x / 0.88x here: no
+verdict under this load; 3-6x on a busy machine in docs/performance.md), with OpenMP's
+per-thread setter (torch.set_num_threads would also set the default of threads started later);
+autograd (docs/method.md; nothing runs without grad).
 """
 
 from __future__ import annotations
