@@ -11,57 +11,32 @@ Plain data in (``mergekit_ram.planned``), no mergekit.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
+from safetensors import SafetensorError, safe_open
+
 from mergekit_ram.errors import InputError
 from mergekit_ram.files import UnreadableFile, open_regular, plain_name, read_at, read_json
-from mergekit_ram.parameters import METHOD_PARAMETERS
+from mergekit_ram.parameters import METHOD_PARAMETERS, close_match
 from mergekit_ram.planned import ModelIdentity, PlannedTensor
 
 #: mergekit 0.1.5's weights in a model folder, in the order it looks for them (``ShardedTensorIndex.from_disk``).
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 INDEX_SUFFIX = ".index.json"
-#: safetensors' own bound on a header (``MAX_HEADER_SIZE``): a longer one is refused unread.
-HEADER_LIMIT = 100_000_000
-#: Bits per element of each dtype safetensors 0.8 reads.
-DTYPE_BITS = {
-    **dict.fromkeys(("BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0", "F8_E4M3FNUZ", "F8_E5M2FNUZ"), 8),
-    **dict.fromkeys(("F4",), 4),
-    **dict.fromkeys(("F6_E2M3", "F6_E3M2"), 6),
-    **dict.fromkeys(("I16", "U16", "F16", "BF16"), 16),
-    **dict.fromkeys(("I32", "U32", "F32"), 32),
-    **dict.fromkeys(("I64", "U64", "F64", "C64"), 64),
-}
 _LFS_POINTER = b"version https://git-lfs.github.com/spec/"
 
 
 def close_method(name: str) -> Optional[str]:
-    """The method of this plugin (a key of ``METHOD_PARAMETERS``) that ``name`` misspells, if any: within
-    one edit per four letters of it (at least one), compared in lower case with ``-`` read as ``_`` and
-    ``+`` as ``_plus`` (``RAM+``, ``ram-plus``, ``ram_pluss``, ``rma``)."""
+    """The method of this plugin (a key of ``METHOD_PARAMETERS``) that ``name`` misspells, if any: read in
+    lower case with ``-`` as ``_`` and ``+`` as ``_plus`` (``RAM+``, ``ram-plus``), else the parameters'
+    near-miss matcher (``ram_pluss``, ``rma``); none for a method of ours itself."""
     spelled = name.strip().lower().replace("-", "_").replace("+", "_plus")
-    distances = {method: edit_distance(spelled, method) for method in METHOD_PARAMETERS if method != name}
-    near = [method for method, distance in distances.items() if distance <= max(1, len(method) // 4)]
-    return min(near, key=distances.__getitem__, default=None)
-
-
-def edit_distance(first: str, second: str) -> int:
-    """Insertions, deletions, substitutions and swaps of neighbours that turn ``first`` into ``second``."""
-    before: list[int] = []
-    previous = list(range(len(second) + 1))
-    for i, one in enumerate(first, 1):
-        current = [i]
-        for j, other in enumerate(second, 1):
-            cost = min(previous[j] + 1, current[j - 1] + 1, previous[j - 1] + (one != other))
-            if before and j > 1 and one == second[j - 2] and first[i - 2] == other:
-                cost = min(cost, before[j - 2] + 1)
-            current.append(cost)
-        before, previous = previous, current
-    return previous[-1]
+    if name in METHOD_PARAMETERS or spelled in METHOD_PARAMETERS:
+        return None if name in METHOD_PARAMETERS else spelled
+    return close_match(spelled, METHOD_PARAMETERS)
 
 
 @dataclass(frozen=True)
@@ -71,27 +46,24 @@ class TensorHeader:
     dtype: str
 
 
-class CorruptHeader(ValueError):
-    """A safetensors header that safetensors itself would refuse; says why."""
-
-
 def is_safetensors(file: str) -> bool:
     """Whether mergekit reads ``file`` as safetensors (``TensorLoader.get``: by its suffix, any case)."""
     return file.lower().endswith(".safetensors")
 
 
 def read_header(model: str, file: str) -> Optional[dict[str, TensorHeader]]:
-    """The tensors of a safetensors file, from its header, checked as safetensors checks it; None
-    for another file (``.bin``), which is only checked to be a regular file.
+    """The tensors of a safetensors file, from its header as safetensors itself reads and checks it;
+    None for another file (``.bin``), which is only checked to be a regular file.
 
-    Bounded and non-blocking: a FIFO, device or folder is refused without being read or waited
-    on, a header longer than safetensors allows is refused unread, and only the header is read.
-    ``.bin`` files are left to mergekit's own loading, its safe path: ``torch.load`` with
-    ``weights_only`` (torch's default since 2.6, passed explicitly by ``DumbPytorchLoader``), or
-    with ``--lazy-unpickle`` mergekit's ``LazyTorchUnpickler``, which admits tensor types only.
+    Non-blocking: a FIFO, device or folder is refused without being read or waited on, and
+    safetensors maps the very file checked (its descriptor), reading only the header (a longer
+    one than it allows is refused unread). ``.bin`` files are left to mergekit's own loading, its
+    safe path: ``torch.load`` with ``weights_only`` (torch's default since 2.6, passed explicitly
+    by ``DumbPytorchLoader``), or with ``--lazy-unpickle`` mergekit's ``LazyTorchUnpickler``, which
+    admits tensor types only.
     """
     try:
-        with open_regular(file) as (handle, size):
+        with open_regular(file) as (handle, _):
             if not is_safetensors(file):
                 return None
             if read_at(handle, len(_LFS_POINTER), 0) == _LFS_POINTER:
@@ -99,70 +71,20 @@ def read_header(model: str, file: str) -> Optional[dict[str, TensorHeader]]:
                     f"{model}: {file} is a git-LFS pointer, not the weights: run `git lfs pull` in the model's "
                     "folder, or download the model again"
                 )
-            if size < 8:
-                raise CorruptHeader(f"{size} bytes, too few for a safetensors file")
-            length = int.from_bytes(read_at(handle, 8, 0), "little")
-            if length > HEADER_LIMIT:
-                raise CorruptHeader(f"a header of {length:,} bytes, more than the {HEADER_LIMIT:,} safetensors allows")
-            if 8 + length > size:
-                raise CorruptHeader(f"a header of {length:,} bytes in a file of {size:,} bytes")
-            text = read_at(handle, length, 8)
-        return _tensors(file, text, size - 8 - length)
+            with safe_open(f"/dev/fd/{handle}", framework="pt") as opened:
+                slices = {name: opened.get_slice(name) for name in opened.keys()}
+        return {name: TensorHeader(file, tuple(part.get_shape()), part.get_dtype()) for name, part in slices.items()}
     except (UnreadableFile, OSError) as error:
         reason = error.strerror if isinstance(error, OSError) and error.strerror else error
         raise InputError(
             f"{model}: cannot read {file} ({reason}); put the model's weights file there (download or copy the "
             "model again)"
         ) from None
-    except CorruptHeader as error:
+    except SafetensorError as error:
+        reason = str(error).removeprefix("Error while deserializing header: ")
         raise InputError(
-            f"{model}: cannot read {file} ({error}); the file is truncated or corrupt: download or copy it again"
+            f"{model}: cannot read {file} ({reason}); the file is truncated or corrupt: download or copy it again"
         ) from None
-
-
-def _sizes(value: Any, count: Optional[int] = None) -> bool:
-    """A list of unsigned 64-bit integers (of ``count`` items if given), as safetensors reads shapes and offsets."""
-    return (
-        isinstance(value, list)
-        and (count is None or len(value) == count)
-        and all(type(item) is int and 0 <= item < 1 << 64 for item in value)
-    )
-
-
-def _tensors(file: str, text: bytes, data_size: int) -> dict[str, TensorHeader]:
-    """The header's tensors; each dtype, shape and byte range valid, the ranges covering the data exactly."""
-    try:
-        header = json.loads(text.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as error:
-        raise CorruptHeader(f"its header is not JSON: {error}") from None
-    if not isinstance(header, dict):
-        raise CorruptHeader("its header is not a JSON object")
-    metadata = header.pop("__metadata__", None)
-    if metadata is not None and not (isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())):
-        raise CorruptHeader("its __metadata__ is not a map of strings")
-    tensors, spans = {}, []
-    for name, info in header.items():
-        if not (
-            isinstance(info, dict)
-            and info.get("dtype") in DTYPE_BITS
-            and _sizes(info.get("shape"))
-            and _sizes(info.get("data_offsets"), 2)
-        ):
-            raise CorruptHeader(f"tensor {name!r} has no valid dtype, shape and data_offsets")
-        dtype, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
-        bits = math.prod(shape) * DTYPE_BITS[dtype]
-        if bits % 8 or end - begin != bits // 8:
-            raise CorruptHeader(f"tensor {name!r}: {dtype} {shape} does not fill bytes {begin} to {end}")
-        tensors[name] = TensorHeader(file, tuple(shape), dtype)
-        spans.append((begin, end, name))
-    covered = 0
-    for begin, end, name in sorted(spans):
-        if begin != covered:
-            raise CorruptHeader(f"tensor {name!r} starts at byte {begin}, not at {covered} where the one before ends")
-        covered = end
-    if covered != data_size:
-        raise CorruptHeader(f"its tensors take {covered:,} bytes, the file holds {data_size:,} after the header")
-    return tensors
 
 
 class HeaderCache:
@@ -431,8 +353,5 @@ def planned_numel(tensor: PlannedTensor, headers: HeaderCache) -> Optional[int]:
         if source.file is not None:
             header = headers.get(source.model, source.file, source.name)
             if header is not None:
-                size = 1
-                for extent in header.shape:
-                    size *= extent
-                return size
+                return math.prod(header.shape)
     return None

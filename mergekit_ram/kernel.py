@@ -39,6 +39,18 @@ the chunks (two passes of 16 bits in float32, four in float64; none when k == 0)
 chunk element and N + 1 tables of 2**16 counters (0.5 MiB each) per worker. Counting adds a
 table of 2**N counters per worker. Beyond these only the output is allocated. With float64
 arithmetic each float buffer is twice as wide.
+
+Mechanisms kept, measured against their simplifications (``python -m benchmarks.kernel_rules
+--numel 8M --n 3 --alternatives``, a counting ``ram`` merge, medians of three runs in one hour on 2
+shared cores at load 4.6 to 9.7, so noisy): float32 activity patterns up to 24 models (int64:
+1.49x / 1.39x / 1.72x slower, 10 B more per chunk element); a bincount of 2**N bins up to 20
+(torch.unique: 2.15x / 2.13x / 2.55x); int16 codes up to 15 (int32: 1.10x / 0.98x / 1.22x, 2 B
+more). The radix select of the TIES thresholds: exact, 0.75x the time of torch.kthvalue on the
+gathered shared magnitudes and 0.5 against 22 B per element of the tensor. Kept for what they
+guarantee, not for speed: workers each on one intra-op thread (1.22x / 0.49x / 0.88x here: no
+verdict under this load; 3-6x on a busy machine in docs/performance.md), with OpenMP's
+per-thread setter (torch.set_num_threads would also set the default of threads started later);
+autograd (docs/method.md; nothing runs without grad).
 """
 
 from __future__ import annotations
@@ -55,11 +67,7 @@ from typing import Any, Callable, Iterator, Literal, NamedTuple, Optional, Seque
 
 import torch
 
-#: Histograms are gathered from a bit pattern per element (bit t set when model t is active),
-#: each tier measured against its simplification (python -m benchmarks.kernel_rules --alternatives):
-#: float32 patterns up to 24 models, exact there, count 1.7x faster than int64 ones;
-#: their int16 codes up to 15 models, as fast as int32 and 2 bytes per chunk element less;
-#: a bincount over 2**N bins up to 20 models, 2x faster than torch.unique, too big beyond.
+#: The pattern tiers (module docstring): float32 bits, int16 codes, a dense bincount; int64 bits at most.
 _FLOAT_PATTERN_MAX_MODELS = 24
 _INT16_MAX_MODELS = 15
 _BINCOUNT_MAX_MODELS = 20
@@ -479,13 +487,6 @@ class _ActivityPattern:
         self.codes = torch.empty(size, dtype=code_dtype, device=device) if narrow else None
         self.tally = _PatternCounts(n, device)
 
-    def chunk(self, length: int) -> torch.Tensor:
-        """The bits of a chunk of ``length`` elements, for ``mark`` and ``tally_chunk``.
-
-        Taken once per chunk: a slice costs microseconds, a few percent of a chunk if per model.
-        """
-        return self.bits[:length]
-
     @staticmethod
     def mark(bits: torch.Tensor, index: int, active: torch.Tensor) -> None:
         """Set bit ``index`` where ``active`` (0.0 / 1.0) is 1; model 0 starts the chunk's pattern."""
@@ -550,7 +551,7 @@ class _CountScratch:
         """Tally one chunk's activity patterns; a NaN or Inf input is named."""
         base_c = self.base.load(base)
         active = self.active[: base.numel()]
-        bits = self.pattern.chunk(base.numel())
+        bits = self.pattern.bits[: base.numel()]  # sliced once per chunk, not per model
         for index, finetune in enumerate(finetunes):
             _update_and_mask(finetune, base_c, epsilon, active, active, (base, finetunes))
             _ActivityPattern.mark(bits, index, active)
@@ -733,7 +734,7 @@ class _MergeScratch:
         """theta_pre + tau_merged of one chunk into ``out``; its patterns tallied if counting."""
         length = base.numel()
         base_c = self.base.load(base)
-        bits = self.pattern.chunk(length) if self.pattern is not None else None
+        bits = self.pattern.bits[:length] if self.pattern is not None else None
         sums, elected = self._sums_of_updates(base_c, finetunes, self.tau[:length], bits)
         active = self.active[:length]
         update = sums.combine(elected, active, inputs=(base, finetunes)) if finetunes else active.zero_()

@@ -53,7 +53,6 @@ INTERNAL_RAISES = {
     "integration/methods.py: mergekit's own check of in-memory groups",
     "UnreadableFile": "files.py: caught by its callers, which name the file (checks.py in an InputError, cache.py "
     "in a warning)",
-    "CorruptHeader": "checks.py: re-raised as InputError naming the model and the file",
     "UntrustedFolder": "cache.py: caught by cache.opened, which warns once and merges without the cache",
 }
 
@@ -225,6 +224,9 @@ def test_a_misspelt_method_is_one_line_naming_the_method(bf16_models: ModelSet, 
     raw = write_recipe(str(tmp_path / "raw.yml"), files)
     refused = command_refusal(merge_raw_pytorch.main, raw, str(tmp_path / "o"))
     assert refused == "unknown merge method 'rma' (did you mean 'ram'?)"
+    for theirs in ("ties", "ramplus_tl"):  # mergekit's own methods, near ours: never taken for a misspelling
+        probed = write_recipe(str(tmp_path / f"{theirs}.yml"), bf16_models.recipe(theirs))
+        assert command_refusal(cli.probe, probed).startswith("probe reads mergekit-ram recipes")
     other = write_recipe(str(tmp_path / "other.yml"), bf16_models.recipe("frankenmerge"))
     with pytest.raises(RuntimeError, match="^Unimplemented merge method frankenmerge$"):
         run_yaml.main.main(args=[other, str(tmp_path / "o")], standalone_mode=False)

@@ -120,12 +120,16 @@ def test_many_models_use_the_wider_pattern_paths(n: int) -> None:
     assert torch.equal(merged.merged, reference.merge(base, finetunes, EPSILON, [1.1] * n))
 
 
-def test_epsilon_is_strict_and_compared_in_float32() -> None:
+@pytest.mark.parametrize("epsilon", [1e-5, 1e-3])
+def test_epsilon_is_strict_and_compared_in_float32(epsilon: float) -> None:
+    """An update of exactly float32(epsilon) is inactive: float32(1e-5) rounds down, float32(1e-3) up
+    (above 1e-3, so a comparison with the exact epsilon would count it)."""
     base = torch.zeros(4)
-    finetune = torch.tensor([1e-5, 2e-5, -1e-5, -3e-5])
-    result = merge_tensors(base, [finetune], 1e-5, workers=1, count=True)
+    finetune = torch.tensor([epsilon, 2 * epsilon, -epsilon, -3 * epsilon])
+    result = merge_tensors(base, [finetune], epsilon, workers=1, count=True)
     assert result.histograms == ((2,),)
-    assert torch.equal(result.merged, torch.tensor([0.0, 2e-5, 0.0, -3e-5]))
+    assert count_overlaps(base, [finetune], epsilon, workers=1).histograms == ((2,),)
+    assert torch.equal(result.merged, torch.tensor([0.0, 2 * epsilon, 0.0, -3 * epsilon]))
 
 
 def test_epsilon_zero_counts_every_change() -> None:

@@ -8,11 +8,11 @@ from __future__ import annotations
 import logging
 import math
 import os
-from typing import Mapping, Sequence
+from typing import Mapping, NamedTuple, Sequence
 
 from mergekit_ram.parameters import METHOD_PARAMETERS
 from mergekit_ram.stats.arithmetic import by_merged_module, by_module
-from mergekit_ram.stats.data import ModelStatistics, ModuleStatistics, RamStatistics
+from mergekit_ram.stats.data import ModelStatistics, ModuleStatistics, OverlapCounts, RamStatistics
 from mergekit_ram.stats.schema import STATISTICS_FILE
 
 LOG = logging.getLogger("mergekit_ram.stats")
@@ -87,47 +87,60 @@ def factor_name(statistics: RamStatistics) -> str:
     return "scale" if any(info.name == "scale" for info in METHOD_PARAMETERS.get(statistics.method, ())) else "lambda"
 
 
-def pin_mark(stats: ModelStatistics, column: str, mark: str) -> str:
-    """``mark`` where the recipe pinned ``column`` (a rho or a lambda) in place of the one computed; a
-    ``scale`` is a setting, not a pin, and is never marked."""
-    return mark if stats.pinned == column else ""
+class Row(NamedTuple):
+    """One model's figures, formatted once for every rendering (terminal, probe, card, log); the JSON
+    writes the same ``ModelStatistics`` as numbers (``stats.schema``)."""
+
+    stats: ModelStatistics
+    name: str  # as the terminal shows it (``display_names``)
+    figures: tuple[str, str, str, str]  # density, changed, shared, unique
+    rho: str
+    factor: str  # lambda, or ram_unique's scale
+
+    def pin(self, column: str, mark: str) -> str:
+        """``mark`` where the recipe pinned ``column`` (rho or lambda); a ``scale`` is a setting, never marked."""
+        return mark if self.stats.pinned == column else ""
+
+    @property
+    def pins(self) -> str:
+        return self.pin("rho", " (rho pinned)") + self.pin("lambda", " (lambda pinned)")
+
+
+#: The full table's columns before the factor's (``factor_name``).
+COLUMNS = ("model", "density", "changed", "shared", "unique", "rho")
+
+
+def rows(statistics: RamStatistics) -> list[Row]:
+    names = display_names(statistics)
+    return [
+        Row(stats, names[stats.model], figures(stats), format_rho(stats.rho), f"{stats.lambda_:.4f}")
+        for stats in statistics.models
+    ]
+
+
+def figures(counts: OverlapCounts) -> tuple[str, str, str, str]:
+    """Density, changed, shared and unique as the tables show them (a model's or a module's)."""
+    return f"{100 * counts.density:.2f}%", f"{counts.active:,}", f"{counts.shared:,}", f"{counts.unique:,}"
 
 
 def model_table(statistics: RamStatistics) -> str:
     """A fixed-width table: model, density, changed, shared, unique, rho, lambda (or scale)."""
-    names = display_names(statistics)
-    rows = [("model", "density", "changed", "shared", "unique", "rho", factor_name(statistics))]
-    for stats in statistics.models:
-        rows.append(
-            (
-                names[stats.model],
-                f"{100 * stats.density:.2f}%",
-                f"{stats.active:,}",
-                f"{stats.shared:,}",
-                f"{stats.unique:,}",
-                format_rho(stats.rho) + pin_mark(stats, "rho", " (pinned)"),
-                f"{stats.lambda_:.4f}" + pin_mark(stats, "lambda", " (pinned)"),
-            )
+    table = [(*COLUMNS, factor_name(statistics))]
+    for row in rows(statistics):
+        table.append(
+            (row.name, *row.figures, row.rho + row.pin("rho", " (pinned)"), row.factor + row.pin("lambda", " (pinned)"))
         )
-    return format_table(rows)
+    return format_table(table)
 
 
 def compact_table(statistics: RamStatistics) -> str:
     """The table shown after a merge: model, density, rho, lambda (or scale); pins marked *, with a
     footnote only where a row is marked."""
-    names = display_names(statistics)
-    rows = [("model", "density", "rho", factor_name(statistics))]
-    for stats in statistics.models:
-        rows.append(
-            (
-                names[stats.model],
-                f"{100 * stats.density:.2f}%",
-                format_rho(stats.rho) + pin_mark(stats, "rho", "*"),
-                f"{stats.lambda_:.4f}" + pin_mark(stats, "lambda", "*"),
-            )
-        )
-    marked = any(cell.endswith("*") for row in rows[1:] for cell in row[2:])
-    return format_table(rows) + ("\n* pinned in the recipe" if marked else "")
+    table = [("model", "density", "rho", factor_name(statistics))]
+    for row in rows(statistics):
+        table.append((row.name, row.figures[0], row.rho + row.pin("rho", "*"), row.factor + row.pin("lambda", "*")))
+    marked = any(cell.endswith("*") for row in table[1:] for cell in row[2:])
+    return format_table(table) + ("\n* pinned in the recipe" if marked else "")
 
 
 def histogram_table(statistics: RamStatistics) -> str:
@@ -153,18 +166,7 @@ def module_table(statistics: RamStatistics) -> str:
 def _module_rows(groups: Mapping[str, Sequence[ModuleStatistics]], names: Mapping[str, str]) -> list[list[str]]:
     rows = [["module", "model", "density", "changed", "shared", "unique", "local rho"]]
     for module, models in groups.items():
-        for stats in models:
-            rows.append(
-                [
-                    module,
-                    names[stats.model],
-                    f"{100 * stats.density:.2f}%",
-                    f"{stats.active:,}",
-                    f"{stats.shared:,}",
-                    f"{stats.unique:,}",
-                    format_rho(stats.measured_rho),
-                ]
-            )
+        rows += [[module, names[stats.model], *figures(stats), format_rho(stats.measured_rho)] for stats in models]
     return rows
 
 
@@ -192,21 +194,9 @@ def card_markdown(statistics: RamStatistics) -> str:
         f"mergekit-ram {versions.get('mergekit-ram', '?')}, mergekit {versions.get('mergekit', '?')}.",
         "",
     ]
-    rows: list[Sequence[object]] = [("model", "density", "changed", "shared", "unique", "rho", factor_name(statistics))]
-    for stats in statistics.models:
-        pin = pin_mark(stats, "rho", " (rho pinned)") + pin_mark(stats, "lambda", " (lambda pinned)")
-        rows.append(
-            (
-                stats.model,
-                f"{100 * stats.density:.2f}%",
-                f"{stats.active:,}",
-                f"{stats.shared:,}",
-                f"{stats.unique:,}",
-                format_rho(stats.rho),
-                f"{stats.lambda_:.4f}{pin}",
-            )
-        )
-    lines += [markdown_table(rows), ""]
+    table = [(*COLUMNS, factor_name(statistics))]
+    table += [(row.stats.model, *row.figures, row.rho, row.factor + row.pins) for row in rows(statistics)]
+    lines += [markdown_table(table), ""]
     merged_modules = by_merged_module(statistics)
     if merged_modules:
         lines += [
@@ -223,16 +213,16 @@ def log_statistics(statistics: RamStatistics, logger: logging.Logger = LOG) -> N
     """The warnings, then one line per model (density, shared, unique, rho, lambda or scale)."""
     for warning in statistics.warnings:
         logger.warning("%s", warning)
-    for stats in statistics.models:
+    for row in rows(statistics):
         logger.info(
-            "%s: %s: density %.2f%%, shared %d, unique %d, rho %s, %s %.4f%s",
+            "%s: %s: density %s, shared %d, unique %d, rho %s, %s %s%s",
             statistics.method,
-            stats.model,
-            100 * stats.density,
-            stats.shared,
-            stats.unique,
-            format_rho(stats.rho),
+            row.stats.model,
+            row.figures[0],
+            row.stats.shared,
+            row.stats.unique,
+            row.rho,
             factor_name(statistics),
-            stats.lambda_,
-            pin_mark(stats, "rho", " (rho pinned)") + pin_mark(stats, "lambda", " (lambda pinned)"),
+            row.factor,
+            row.pins,
         )
