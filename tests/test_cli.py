@@ -48,7 +48,10 @@ INTERNAL_RAISES = {
     "Interrupted": "staging.py: a signal as an exception inside the output transaction, re-sent once the folder "
     "is clean",
     "KeyboardInterrupt": "staging.py: SIGINT inside the output transaction, as Python's own handler raises it",
-    "SystemExit": "staging.py: the exit status after a signal, as its default action would give",
+    "SystemExit": "staging.py: the exit status after a signal, as its default action would give; interrupts.py: "
+    "130 after Ctrl-C",
+    "transaction.interrupted": "integration/output.py: Ctrl-C in a RAM merge as MergeInterrupted (a "
+    "KeyboardInterrupt), which the console scripts show as one line (tests/test_interrupts.py)",
     "TypeError": "integration/inmemory.py: a wrong Python call shape (unexpected keyword arguments); "
     "integration/methods.py: mergekit's own check of in-memory groups",
     "UnreadableFile": "files.py: caught by its callers, which name the file (checks.py in an InputError, cache.py "
