@@ -10,7 +10,8 @@ has moved, the plugin steps aside as a whole (``mergekit_ram.integration.guard``
 line, nothing of it left in mergekit, and recipes naming its methods refused in one line.
 Every other import passes straight through.
 Set ``MERGEKIT_RAM_AUTOLOAD=0`` to switch it off; ``mergekit_ram.register()`` then does
-the same explicitly.
+the same explicitly. In the commands that run a merge (``MERGE_COMMANDS``), a Ctrl-C before the
+command's callback begins is one line and exit status 130 (``mergekit_ram.interrupts``).
 """
 
 import os
@@ -29,6 +30,12 @@ HOOKS = {
     "mergekit.scripts.multimerge": ("scripts:patch_multimerge", "scripts:patch_script"),
     "mergekit.scripts.merge_raw_pytorch": ("output:patch_raw_pytorch", "scripts:patch_script"),
 }
+
+
+#: The commands whose callback ends the quiet start (``interrupts.merge_started``): mergekit's scripts where
+#: they are hooked, and mergekit-ram's runners of them (which register the plugin themselves).
+MERGE_COMMANDS = ("mergekit-yaml", "mergekit-multi", "mergekit-pytorch")
+RUNNERS = ("yaml", "multi", "pytorch")
 
 
 def enabled():
@@ -130,6 +137,17 @@ class MergekitFinder:
 
         LOG = logging.getLogger("mergekit_ram")
         LOG.warning("%s; set %s=0 to run mergekit without mergekit-ram", message, ENVIRONMENT_VARIABLE)
+        from mergekit_ram.interrupts import merge_started
+
+        merge_started()  # mergekit's callbacks may stay unhooked: its own Ctrl-C from here
+
+
+def runs_a_merge(argv, hooked):
+    """Whether ``argv`` is a command that runs a merge through a callback this plugin hooks."""
+    command = os.path.basename(argv[0]) if argv else ""
+    if command == "mergekit-ram":
+        return len(argv) > 1 and argv[1] in RUNNERS
+    return hooked and command in MERGE_COMMANDS
 
 
 def install():
@@ -140,3 +158,7 @@ def install():
 
 if enabled():
     install()
+if runs_a_merge(getattr(sys, "argv", []), enabled()):
+    from mergekit_ram import interrupts
+
+    interrupts.quiet_start()

@@ -43,12 +43,13 @@ INTERNAL_RAISES = {
     "MergekitMovedError": "a RamError (checked below through its class)",
     "MergeOverflowError": "kernel.py; integration/methods.py re-raises it as a ParameterError naming the tensor "
     "and the setting",
-    "OSError": "staging.py: a folder named like a file the merge writes, raised inside publish, which turns every "
-    "OSError into an OutputFolderError",
     "Interrupted": "signals.py: a signal as an exception inside the output transaction, re-sent once the folder "
     "is clean",
     "KeyboardInterrupt": "signals.py: SIGINT inside the output transaction, as Python's own handler raises it",
-    "SystemExit": "signals.py: the exit status after a signal, as its default action would give",
+    "SystemExit": "signals.py: the exit status after a signal, as its default action would give; interrupts.py: "
+    "130 after Ctrl-C",
+    "transaction.interrupted": "integration/output.py: Ctrl-C in a RAM merge as MergeInterrupted (a "
+    "KeyboardInterrupt), which the console scripts show as one line (tests/test_interrupts.py)",
     "TypeError": "integration/inmemory.py: a wrong Python call shape (unexpected keyword arguments); "
     "integration/methods.py: mergekit's own check of in-memory groups",
     "UnreadableFile": "files.py: caught by its callers, which name the file (checks.py in an InputError, cache.py "

@@ -176,7 +176,10 @@ def test_a_fault_leaves_the_old_folder_or_the_complete_new_merge(world: World, f
     assert completed.returncode != 0, "the fault did not fire"
     action = fault.rsplit(":", 1)[1]
     if action == "SIGINT":
-        assert "Aborted!" in completed.stderr and "Traceback" not in completed.stderr, completed.stderr[-3000:]
+        holds = "holds what it held before" if outcome == "old" else "holds the complete new merge"
+        last = completed.stderr.strip().splitlines()[-1]
+        assert completed.returncode == 130 and holds in last and out in last, completed.stderr[-3000:]
+        assert "Aborted!" not in completed.stderr and "Traceback" not in completed.stderr, completed.stderr[-3000:]
     elif action == "ENOSPC":
         assert completed.stderr.strip().splitlines()[-1].startswith("Error: no space left on the device (errno ENOSPC)")
     else:

@@ -26,6 +26,7 @@ from mergekit_ram.integration.internals import (
     install_command,
     mergekit_found,
 )
+from mergekit_ram.interrupts import merge_started
 from mergekit_ram.parameters import METHOD_PARAMETERS
 
 LOG = logging.getLogger(__name__)
@@ -126,6 +127,7 @@ def _refusing_script(command: Any, original: Callable[..., Any], reason: str) ->
     recipe = next((parameter.name for parameter in command.params if isinstance(parameter, click.Argument)), None)
 
     def callback(*args: Any, **kwargs: Any) -> Any:
+        merge_started()  # mergekit's own Ctrl-C from here
         path = kwargs.get(recipe) if recipe else None
         text = read_text(path) if isinstance(path, str) else None
         method = refused_method(declared_methods(text)) if text is not None else None

@@ -11,6 +11,7 @@ exactly as mergekit has them.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from typing import Any, Callable, Iterable, Iterator, NamedTuple, Optional, Sequence
@@ -25,6 +26,7 @@ from mergekit_ram.integration.internals import MergekitMovedError, check_interna
 from mergekit_ram.integration.planner import RamRun, attach_ram_plan, with_run
 from mergekit_ram.integration.recipes import check_recipe_file
 from mergekit_ram.integration.registry import is_ours
+from mergekit_ram.interrupts import MergeInterrupted
 from mergekit_ram.published import append_card_section, report_summary
 from mergekit_ram.recipe_file import Stage
 
@@ -87,6 +89,47 @@ def _resolved_chain(path: str) -> list[tuple[Any, ...]]:
     return chain
 
 
+class Transaction:
+    """``staging.output_transaction`` into ``out_path`` that can tell, after a Ctrl-C, what OUT holds.
+
+    It records the identity (device, inode) of every file mergekit wrote once it is done; the publish
+    renames them, so OUT holds the complete new merge where all of them are in it, what it held before
+    where none is (an undone publish, or none yet)."""
+
+    def __init__(self, out_path: str) -> None:
+        self.out_path = out_path
+        self.written: Optional[dict[str, Optional[tuple[int, int]]]] = None
+
+    @contextlib.contextmanager
+    def staged(self) -> Iterator[str]:
+        """The transaction; yields the folder mergekit writes into."""
+        with staging.output_transaction(self.out_path) as staged:
+            yield staged
+            self.written = {name: _identity(os.path.join(staged, name)) for name in os.listdir(staged)}
+
+    def interrupted(self) -> MergeInterrupted:
+        """The Ctrl-C that ended the merge, with one line saying what OUT holds now."""
+        out, written = self.out_path, self.written or {}
+        moved = sum(_identity(os.path.join(out, name)) == identity for name, identity in written.items())
+        if self.written is None or not moved:
+            return MergeInterrupted(f"Interrupted: nothing was published; {out} holds what it held before")
+        if moved == len(written):
+            return MergeInterrupted(f"Interrupted after the merge was published: {out} holds the complete new merge")
+        return MergeInterrupted(
+            f"Interrupted while publishing, which could not be undone: {out} is marked {staging.MARKER_FILE}; "
+            "rerun the merge"
+        )
+
+
+def _identity(path: str) -> Optional[tuple[int, int]]:
+    """(device, inode) of the file or link ``path``; None where there is none."""
+    try:
+        status = os.stat(path, follow_symlinks=False)
+    except OSError:
+        return None
+    return status.st_dev, status.st_ino
+
+
 def patch_run_merge(merge: Any) -> None:
     """RAM merges: inputs' folders refused, the recipe checked once, everything staged and published at once."""
 
@@ -94,20 +137,24 @@ def patch_run_merge(merge: Any) -> None:
         def run_merge(merge_config: Any, out_path: str, options: Any, config_source: Optional[str] = None) -> Any:
             if not is_ours(merge_config.merge_method):
                 return original(merge_config, out_path, options=options, config_source=config_source)
-            check_internals()
-            refuse_input_folder(out_path, _model_folders(merge_config, options))
-            run = RamRun.checked(merge_config, options, config_source)
-            with staging.output_transaction(out_path) as staged:
-                result = original(merge_config, staged, options=with_run(options, run), config_source=config_source)
-                if not os.path.isdir(staged):
-                    raise MergekitMovedError(
-                        f"mergekit moved its output out of {staged} (an architecture with post_fill_parameters); "
-                        "mergekit-ram cannot publish it"
-                    )
-                if options.write_model_card and run.statistics is not None:
-                    append_card_section(staged, run.statistics)
-            if not options.quiet and run.statistics is not None:
-                report_summary(out_path, run.statistics)
+            transaction = Transaction(out_path)
+            try:
+                check_internals()
+                refuse_input_folder(out_path, _model_folders(merge_config, options))
+                run = RamRun.checked(merge_config, options, config_source)
+                with transaction.staged() as staged:
+                    result = original(merge_config, staged, options=with_run(options, run), config_source=config_source)
+                    if not os.path.isdir(staged):
+                        raise MergekitMovedError(
+                            f"mergekit moved its output out of {staged} (an architecture with post_fill_parameters); "
+                            "mergekit-ram cannot publish it"
+                        )
+                    if options.write_model_card and run.statistics is not None:
+                        append_card_section(staged, run.statistics)
+                if not options.quiet and run.statistics is not None:
+                    report_summary(out_path, run.statistics)
+            except KeyboardInterrupt:
+                raise transaction.interrupted() from None
             return result
 
         return run_merge
@@ -207,18 +254,22 @@ def patch_raw_pytorch(raw: Any) -> None:
             folders += [InputFolder(file, os.path.dirname(os.path.realpath(file)), False) for file in files]
             folders += [InputFolder(file, file) for file in files if os.path.isdir(file)]
             refuse_input_folder(out_path, folders)
-            options = MergeOptions(**{key: kwargs[key] for key in MergeOptions.model_fields if key in kwargs})
-            run = RamRun.checked(config, options)
-            options.apply_global_options()
-            with staging.output_transaction(out_path) as staged:
-                union, intersection = kwargs["tensor_union"], kwargs["tensor_intersection"]
-                targets = attach_ram_plan(
-                    plan_flat_merge(config, staged, union, intersection, options), options, staged, run
-                )
-                storage = options.device if options.low_cpu_memory else "cpu"
-                Executor(targets, math_device=options.device, storage_device=storage).execute()
-            if not options.quiet and run.statistics is not None:
-                report_summary(out_path, run.statistics)
+            transaction = Transaction(out_path)
+            try:
+                options = MergeOptions(**{key: kwargs[key] for key in MergeOptions.model_fields if key in kwargs})
+                run = RamRun.checked(config, options)
+                options.apply_global_options()
+                with transaction.staged() as staged:
+                    union, intersection = kwargs["tensor_union"], kwargs["tensor_intersection"]
+                    targets = attach_ram_plan(
+                        plan_flat_merge(config, staged, union, intersection, options), options, staged, run
+                    )
+                    storage = options.device if options.low_cpu_memory else "cpu"
+                    Executor(targets, math_device=options.device, storage_device=storage).execute()
+                if not options.quiet and run.statistics is not None:
+                    report_summary(out_path, run.statistics)
+            except KeyboardInterrupt:
+                raise transaction.interrupted() from None
 
         return command
 

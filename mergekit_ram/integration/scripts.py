@@ -17,6 +17,7 @@ from mergekit_ram.integration.internals import internal, wrap
 from mergekit_ram.integration.output import refuse_stage_outputs
 from mergekit_ram.integration.recipes import check_method_name, check_raw_keys, read_stages
 from mergekit_ram.integration.registry import is_ours
+from mergekit_ram.interrupts import exit_interrupted, merge_started
 from mergekit_ram.recipe_file import declared_methods, read_single_document, read_text, validate
 
 #: mergekit's console scripts: module -> (command name, the argument that names the recipe file)
@@ -39,17 +40,24 @@ def patch_script(script: ModuleType) -> None:
     and a misspelling of their names for any file: for every other recipe mergekit's output stays
     as it was. ``mergekit-pytorch`` (which has no ``run_merge``) also shows the statistics table here.
     A failed ``mergekit-multi`` run of a RAM recipe removes the ``-I`` folder it made, if empty
-    (the failed stage has removed its own folder).
+    (the failed stage has removed its own folder). Ctrl-C, but during a merge of another method, is one line
+    saying what the output folder holds and exit status 130 (``mergekit_ram.interrupts``).
     """
     name, recipe_argument = SCRIPTS[script.__name__]
 
     def make(original: Callable[..., Any]) -> Callable[..., Any]:
         def callback(*args: Any, **kwargs: Any) -> Any:
-            options = None
+            merge_started()
+            options, theirs = None, False
             try:
                 options = check_script_recipe(script, name, kwargs.get(recipe_argument), kwargs)
+                theirs = options is None  # mergekit's own recipe: mergekit's own Ctrl-C
                 with removed_if_failed(kwargs.get("intermediate_dir") if options is not None else None):
                     result = original(*args, **kwargs)  # mergekit-multi makes its -I folder itself
+            except KeyboardInterrupt as interrupt:
+                if not theirs:
+                    exit_interrupted(interrupt, kwargs.get("out_path") or kwargs.get("intermediate_dir"))
+                raise
             except Exception as error:
                 if options is not None or isinstance(error, RamError):
                     exit_if_reported(error, bool(kwargs.get("verbosity")), "merging")

@@ -11,7 +11,8 @@
   at exit, and each (its number, call and first argument) to FILE.trace (tests/test_transaction.py
   enumerates them);
 - ``kernel:prepass`` / ``kernel:merge``: the RAM kernel counting (``count_overlaps``, the pre-pass)
-  or merging (``merge_tensors``) a tensor.
+  or merging (``merge_tensors``) a tensor;
+- ``import:MODULE``: the module MODULE starting to import (a Ctrl-C during mergekit's imports).
 
 ACTION: a signal's name (``SIGINT``, ``SIGHUP``, ``SIGKILL``, ...: sent to this process), ``ENOSPC``
 (raise ``OSError(ENOSPC)`` instead, as a full disk does), or ``wait`` (block until the file named by
@@ -92,6 +93,15 @@ def _install(where, what, target, action):
             return original_kernel(*args, **kwargs)
 
         setattr(methods, name, fault_kernel)
+    elif where == "import":
+
+        class Importing:
+            def find_spec(self, fullname, path=None, target=None):
+                if fullname == what and hit():
+                    _act(action)
+                return None
+
+        sys.meta_path.insert(0, Importing())
 
 
 def _in_transaction():
