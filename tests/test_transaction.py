@@ -319,11 +319,13 @@ def _next_merge_fault(scenario: Scenario, crashed: int, operation: int, ending: 
     completed = drive(out, "new", fault=(operation, ending))
     assert ended_as_asked(completed, ending) or completed.returncode == 1, (operation, ending, completed.stderr)
     state = snapshot(out)
-    files = published(state)  # the crash state's, or the new merge beside the killed run's folder
-    if files not in (published(before), scenario.new):  # or this run killed mid-publish too: marked, not loadable
-        assert ending == "SIGKILL" and MARKER_FILE in (state or {}) and "config.json" not in files, (crashed, operation)
-    elif state != before and files == published(before):  # or killed before publishing: its private folder left
-        assert ending == "SIGKILL", (crashed, operation, ending)
+    files = published(state)
+    if completed.returncode == 0:  # it finished (Python ignores SIGPIPE and SIGXFSZ): its merge, no marker
+        assert files == scenario.new and MARKER_FILE not in (state or {}), (crashed, operation, ending)
+    elif state != before and (files != scenario.new or MARKER_FILE in (state or {})):
+        # only SIGKILL leaves something: its private folder (OUT's files as they were), or a marked mix
+        marked = MARKER_FILE in (state or {}) and "config.json" not in files
+        assert ending == "SIGKILL" and (files == published(before) or marked), (crashed, operation, ending)
 
 
 def test_the_next_merge_over_a_crash_with_every_ending(remerge: Scenario, crashes: dict[int, State]) -> None:
