@@ -242,7 +242,8 @@ def statistics_findings(statistics: FolderFile, data: Any, accept_warnings: bool
         return [Finding("statistics", f"no {STATISTICS_FILE}: not a merge with mergekit-ram's methods", note=True)]
     if not isinstance(data, dict):
         return [Finding("statistics", f"{STATISTICS_FILE} is not the JSON object a merge writes: merge again")]
-    warnings = data.get("warnings") if isinstance(data.get("warnings"), list) else []
+    listed = data.get("warnings")
+    warnings: list[Any] = listed if isinstance(listed, list) else []
     hint = "" if accept_warnings else " (--accept-warnings once it is understood)"
     return [
         Finding("statistics", f"statistics warning: {warning}{hint}", note=accept_warnings)
@@ -272,48 +273,41 @@ def card_findings(card: FolderFile, statistics: Any) -> list[Finding]:
                 f"{CARD} has no YAML front matter (between --- lines at its top): merge again with mergekit-yaml",
             )
         ]
-    found = []
-    license_id = metadata.get("license")
-    if not license_id:
-        found.append(
-            Finding(
-                "license",
-                "the card's front matter has no license: mergekit-ram check OUT --set-license ID, with an id the "
-                "input models' licences allow (apache-2.0, mit, ...)",
-            )
-        )
-    elif license_id == "other" and not (metadata.get("license_name") and metadata.get("license_link")):
-        found.append(
-            Finding(
-                "license",
-                "the card says license: other without license_name and license_link: add both to its front matter",
-            )
-        )
-    if not metadata.get("base_model"):
-        found.append(
-            Finding(
-                "base_model",
-                "the card's front matter has no base_model (mergekit lists only Hub ids there): merge again with the "
-                "models' Hub ids in the recipe, or list them under base_model",
-            )
-        )
-    elif metadata.get("base_model_relation") != "merge":
-        found.append(
-            Finding(
-                "base_model_relation",
-                f"the card's front matter has base_model_relation {metadata.get('base_model_relation')!r}: set "
-                "base_model_relation: merge (the Hub's relation for a merge of the base_model models)",
-            )
-        )
-    tags = metadata.get("tags")
-    if not (isinstance(tags, list) and MERGE_TAG in tags):
-        found.append(
-            Finding(
-                "tags",
-                f"the card's front matter has no tag {MERGE_TAG}: add it under tags (mergekit writes mergekit, "
-                f"{MERGE_TAG}; mergekit-ram adds {CARD_TAG})",
-            )
-        )
+    license_id, base_model, relation, tags = (
+        metadata.get(key) for key in ("license", "base_model", "base_model_relation", "tags")
+    )
+    checks = [
+        (
+            "license",
+            not license_id,
+            "the card's front matter has no license: mergekit-ram check OUT --set-license ID, with an id the "
+            "input models' licences allow (apache-2.0, mit, ...)",
+        ),
+        (
+            "license",
+            license_id == "other" and not (metadata.get("license_name") and metadata.get("license_link")),
+            "the card says license: other without license_name and license_link: add both to its front matter",
+        ),
+        (
+            "base_model",
+            not base_model,
+            "the card's front matter has no base_model (mergekit lists only Hub ids there): merge again with the "
+            "models' Hub ids in the recipe, or list them under base_model",
+        ),
+        (
+            "base_model_relation",
+            bool(base_model) and relation != "merge",
+            f"the card's front matter has base_model_relation {relation!r}: set base_model_relation: merge (the "
+            "Hub's relation for a merge of the base_model models)",
+        ),
+        (
+            "tags",
+            not (isinstance(tags, list) and MERGE_TAG in tags),
+            f"the card's front matter has no tag {MERGE_TAG}: add it under tags (mergekit writes mergekit, "
+            f"{MERGE_TAG}; mergekit-ram adds {CARD_TAG})",
+        ),
+    ]
+    found = [Finding(check, message) for check, failed, message in checks if failed]
     if isinstance(statistics, dict) and "## RAM statistics" not in card.text:
         found.append(Finding("card", f"{CARD} has no RAM statistics section", note=True))
     return found
