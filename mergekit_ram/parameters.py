@@ -4,7 +4,8 @@ the recipe checks and the in-memory API, so each is refused with the same messag
 from __future__ import annotations
 
 import difflib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Iterable, Literal, Optional
 
 from pydantic import BeforeValidator, Field, TypeAdapter, ValidationError
@@ -37,13 +38,10 @@ class ParameterInfo:
     default: Any
     requirement: str
     per_model: bool = False
-    _adapter: TypeAdapter = field(init=False, repr=False, compare=False)
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "_adapter", TypeAdapter(self.value_type))
-
-    def validate(self, value: Any) -> Any:
-        return self._adapter.validate_python(value)
+    @cached_property
+    def adapter(self) -> TypeAdapter:
+        return TypeAdapter(self.value_type)
 
 
 _DEFAULT_RESCALING = Rescaling()
@@ -128,7 +126,7 @@ def check_parameter(method: str, name: str, value: Any, where: str = "parameters
     float32 (the arithmetic's precision): 1e300 would become inf."""
     info = parameter_info(method, name, where)
     try:
-        validated = info.validate(value)
+        validated = info.adapter.validate_python(value)
     except ValidationError:
         boolean = " (true/false is a boolean, not a number)" if isinstance(value, bool) else ""
         raise ParameterError(
