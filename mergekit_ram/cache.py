@@ -1,41 +1,11 @@
-"""A cache of pre-pass counts, so a sweep over r, alpha or the rule reads the models once.
+"""A cache of pre-pass counts, so a sweep over r, alpha or the rule reads the models once
+(docs/method.md, "The cache", says what the key covers and whose folders are trusted).
 
-The key covers everything the counts depend on and nothing else: every merge task's
-input sub-graph as planned (models, tensor names after slices and layer remapping,
-dtype casts, tokenizer alignment settings, LoRA references), the file and name each model's
-input is read from, its resolved epsilon, a fingerprint of every file read and of every
-index the models are read through, and the versions of mergekit-ram and mergekit. r, alpha,
-the rule and pinned values are not in it.
-
-A file's fingerprint is its resolved path, its identity (device and inode), size,
-modification time, change time and a hash of its first megabyte (the safetensors header)
-and 16 blocks spread over the rest. Replacing a file (``rsync -a``: a new inode) or
-rewriting it in place (``cp -p``: the same inode, but a new change time, which no user
-call can set back) changes it even when size and modification time are kept, without
-hashing whole checkpoints.
-
-The cache only ever helps: an entry that cannot be read (a symbolic link is not followed),
-has the wrong shape, does not match its own checksum, or does not match the planned merge
-(tensors in order, models, element counts) is ignored, and a cache that cannot be written is
-skipped, each with a warning naming the path and ``MERGEKIT_RAM_CACHE=off``; the pre-pass then
-runs as if there were no cache. The checksum catches damage and careless edits, not a forger:
-whoever can write the cache folder can change the counts, and so the merge.
-
-Whoever can write the cache can change results, so a merge uses only a cache no one else can
-write, as OpenSSH's StrictModes treats its files: every folder from ``/`` down to
-``<dir>/prepass`` must be owned by the user or root and not writable by group or others (unless
-sticky, as ``/tmp``). The folders above ``<dir>`` count too: whoever can write one of them can
-replace ``<dir>`` itself. Each folder is opened relative to the one above it without following a
-link (a link on the way to ``<dir>`` was the user's choice and is resolved first; below it, none
-is followed), and missing ones are made with mode 0700. Anything else is one warning, and the
-merge goes on without the cache; ``MERGEKIT_RAM_CACHE_SHARED=1`` trusts a cache that others may
-write (a team's), links below ``<dir>`` still refused.
-
-``CacheSettings`` says where the cache is and how to use it; a command reads them from the
-environment once (``CacheSettings.from_environment``): ``MERGEKIT_RAM_CACHE`` = ``on``
-(default), ``off``, or ``refresh`` (recompute and overwrite); ``MERGEKIT_RAM_CACHE_DIR``
-(default ``$XDG_CACHE_HOME/mergekit-ram`` or ``~/.cache/mergekit-ram``);
-``MERGEKIT_RAM_CACHE_SHARED`` = ``0`` (default) or ``1``. A merge opens its entry with ``opened``.
+The key: every merge task's planned input sub-graph, the file and name each input is read from, its
+epsilon, a fingerprint of every file and index read, the versions; never r, alpha, the rule or pins.
+The cache only ever helps: an entry that cannot be read, fails its checksum or does not fit the
+planned merge, and a folder that is a link or that others may write (OpenSSH's StrictModes, from ``/``
+down), are skipped with one warning, and the pre-pass runs as without a cache.
 """
 
 from __future__ import annotations
@@ -66,7 +36,7 @@ DIRECTORY_VARIABLE = "MERGEKIT_RAM_CACHE_DIR"
 SHARED_VARIABLE = "MERGEKIT_RAM_CACHE_SHARED"
 ENTRIES_DIR = "prepass"
 #: A folder of the cache's path: opened only to reach the next one (no read permission needed), never through a link.
-_FOLDER_FLAGS = getattr(os, "O_PATH", os.O_RDONLY) | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+_FOLDER_FLAGS = getattr(os, "O_PATH", os.O_RDONLY) | os.O_DIRECTORY | os.O_NOFOLLOW
 _HEAD_BYTES = 1 << 20
 _SAMPLES = 16
 _SAMPLE_BYTES = 1 << 16
@@ -154,26 +124,14 @@ def checksum(tensors: Any) -> str:
 
 @contextlib.contextmanager
 def opened(settings: CacheSettings, planned: Sequence[PlannedTensor]) -> Iterator[Optional[CacheEntry]]:
-    """The cache entry of the merge that plans ``planned``, its folder opened once and checked; None
-    (after one warning, or none when the cache is off) where the merge goes on without the cache."""
+    """The merge's cache entry, its folder opened once and checked; None (after one warning, or none when
+    the cache is off) where the merge goes on without the cache."""
     if settings.mode == "off":
         yield None
         return
     key = cache_key(planned)
-    folder = _usable_entries(settings, key)
-    if folder is None:
-        yield None
-        return
     try:
-        yield CacheEntry(settings, folder, key)
-    finally:
-        os.close(folder)
-
-
-def _usable_entries(settings: CacheSettings, key: str) -> Optional[int]:
-    """``_open_entries``, or None after one warning saying why the merge goes on without the cache."""
-    try:
-        return _open_entries(settings)
+        folder = _open_entries(settings)
     except UntrustedFolder as untrusted:
         LOG.warning(
             "not using the pre-pass cache %s: %s; the merge goes on without it (%s)",
@@ -182,9 +140,18 @@ def _usable_entries(settings: CacheSettings, key: str) -> Optional[int]:
             untrusted.advice,
         )
     except OSError as error:
-        entry = settings.entry(key)
-        LOG.warning("could not write the pre-pass cache entry %s (%s); the merge goes on (%s)", entry, error, _ADVICE)
-    return None
+        _not_written(settings.entry(key), error)
+    else:
+        try:
+            yield CacheEntry(settings, folder, key)
+        finally:
+            os.close(folder)
+        return
+    yield None
+
+
+def _not_written(path: str, error: OSError) -> None:
+    LOG.warning("could not write the pre-pass cache entry %s (%s); the merge goes on (%s)", path, error, _ADVICE)
 
 
 def _open_entries(settings: CacheSettings) -> int:
@@ -272,10 +239,7 @@ class CacheEntry:
         try:
             write_atomically(self.name, text, dir_fd=self.folder)
         except OSError as error:
-            LOG.warning(
-                "could not write the pre-pass cache entry %s (%s); the merge goes on (%s)", self.path, error, _ADVICE
-            )
-            return
+            return _not_written(self.path, error)
         LOG.info("ram_plus pre-pass: counts cached in %s", self.path)
 
 

@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import time
+from typing import Any
 
 import click
 
@@ -98,10 +99,7 @@ for _kind in MERGEKIT_SCRIPTS:
 
 def console_script(name: str) -> str:
     """The path of an installed console script, next to this interpreter first."""
-    candidate = os.path.join(os.path.dirname(sys.executable), name)
-    if os.path.exists(candidate):
-        return candidate
-    found = shutil.which(name)
+    found = shutil.which(name, path=os.path.dirname(sys.executable)) or shutil.which(name)
     if found is None:
         raise click.ClickException(
             f"{name} is not installed; install mergekit into this environment (pip install mergekit), "
@@ -222,13 +220,8 @@ def probe(
     by_module: bool,
     plot_path: str | None,
     refresh: bool,
-    cuda: bool,
-    device: str | None,
-    lora_merge_cache: str | None,
-    trust_remote_code: bool,
-    allow_crimes: bool,
-    num_threads: int | None,
     verbose: bool,
+    **mergekit_options: Any,
 ) -> None:
     """Run only the pre-pass of a mergekit-ram RECIPE (ram, ram_plus, ram_ties, ram_unique) and report what RAM sees.
 
@@ -244,23 +237,15 @@ def probe(
     from mergekit_ram.stats.render import histogram_table, model_table, module_table
 
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING)
-    options = merge_options(
-        cuda=cuda,
-        device=device,
-        lora_merge_cache=lora_merge_cache,
-        trust_remote_code=trust_remote_code,
-        allow_crimes=allow_crimes,
-        num_threads=num_threads,
-        quiet=as_json or not verbose,
-    )
+    options = merge_options(**mergekit_options, quiet=as_json or not verbose)
     try:
         if plot_path is not None:
             check_plot_extra()  # before any work, and before the cache can answer
         check_options_device(options)
-        if num_threads is not None:
+        if options.num_threads is not None:
             import torch
 
-            torch.set_num_threads(num_threads)
+            torch.set_num_threads(options.num_threads)
         selection = select_stages(recipe, stage, intermediate_dir)
         for note in selection.not_probed:
             click.echo(f"note: {note}", err=True)

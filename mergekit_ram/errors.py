@@ -1,10 +1,6 @@
-"""The plugin's errors share one base class, so a command tells them from mergekit's by type.
-
-``mergekit-yaml``, ``mergekit-multi``, ``mergekit-pytorch`` and ``mergekit-ram`` show a
-``RamError`` as one line (``Error: ...``, exit code 1) and its traceback only under ``-v``;
-so is a resource failure (too many open files, no memory, a full disk: ``resource_message``)
-in a RAM merge or probe. Every other exception keeps mergekit's own output. Standard library
-only: the start-up hook and the command wrappers import this without torch or mergekit.
+"""The plugin's errors share one base class, so the console scripts tell them from mergekit's by type and
+show them (and a resource failure, ``resource_message``) as one ``Error:`` line, exit 1, the traceback only
+under ``-v``. Standard library only: the start-up hook imports this without torch or mergekit.
 """
 
 from __future__ import annotations
@@ -23,16 +19,15 @@ class RamError(Exception):
 
 
 class RecipeError(RamError, ValueError):
-    """A RAM recipe that cannot be read (YAML syntax, documents, schema, stages) or would silently
-    merge something else; the message names the place and the fix."""
+    """A RAM recipe that cannot be read or would silently merge something else."""
 
 
 class InputError(RamError, ValueError):
-    """A model or tensor a RAM merge cannot use; the message names it."""
+    """A model or tensor a RAM merge cannot use."""
 
 
 class DeviceError(RamError, RuntimeError):
-    """The torch device a RAM merge or probe was asked to use is not available."""
+    """The torch device asked for is not available."""
 
 
 class SettingError(RamError, ValueError):
@@ -40,7 +35,7 @@ class SettingError(RamError, ValueError):
 
 
 class MergedFolderError(RamError, ValueError):
-    """A merged model folder that ``mergekit-ram check`` cannot open, or whose card it cannot change."""
+    """A folder ``mergekit-ram check`` cannot open, or whose card it cannot change."""
 
 
 class MissingExtraError(RamError, ImportError):
@@ -76,15 +71,9 @@ RESOURCE_FAILURES = {
 
 
 def resource_message(error: BaseException, doing: str) -> Optional[str]:
-    """One line naming the resource that ran out while ``doing`` (``merging``) and its fix, when the error
-    at the root of ``error``'s chain is such a failure; None for any other error.
-
-    The root is the first failure: an error raised while cleaning up after it (which may fail alike)
-    is not the cause. It counts as a resource failure as an ``OSError`` with one of the errno values of
-    ``RESOURCE_FAILURES``, a ``MemoryError``, or another exception (safetensors', torch's) whose message
-    holds the system's text for one of them (``Too many open files (os error 24)``); the line quotes
-    the failing file, or that message without the system's text.
-    """
+    """One line naming the resource that ran out while ``doing`` and its fix, when the first error of
+    ``error``'s chain (not one raised while cleaning up) is an ``OSError`` of ``RESOURCE_FAILURES``, a
+    ``MemoryError``, or quotes the system's text for one (safetensors', torch's); else None."""
     root = _root(error)
     code: Optional[int]
     if isinstance(root, OSError) and root.errno in RESOURCE_FAILURES:
@@ -101,7 +90,7 @@ def resource_message(error: BaseException, doing: str) -> Optional[str]:
 
 
 def _root(error: BaseException) -> BaseException:
-    """The first exception of ``error``'s chain: its cause, or the one it was raised while handling, and so on."""
+    """The first exception of ``error``'s chain (causes and contexts)."""
     seen = {id(error)}
     while True:
         earlier = error.__cause__ or error.__context__
@@ -112,8 +101,8 @@ def _root(error: BaseException) -> BaseException:
 
 
 def _quoted_failure(message: str) -> tuple[Optional[int], str]:
-    """(errno, the message without the system's text and its code) for a message quoting a resource
-    failure (the longest text first: ENFILE's holds EMFILE's); (None, "") for any other."""
+    """(errno, the message without the system's text) for a message quoting a resource failure (the longest
+    text first: ENFILE's holds EMFILE's); (None, "") for any other."""
     for code in sorted(RESOURCE_FAILURES, key=lambda code: -len(os.strerror(code))):
         found = re.search(re.escape(os.strerror(code)), message, re.IGNORECASE)
         if found:
@@ -122,11 +111,8 @@ def _quoted_failure(message: str) -> tuple[Optional[int], str]:
 
 
 def exit_on_one_line(error: BaseException, verbose: bool, message: Optional[str] = None) -> NoReturn:
-    """click's ``Error: <message>`` on one line (the error's own by default), exit code 1; under ``-v`` the
-    traceback first.
-
-    Call it inside the ``except`` block that caught ``error``.
-    """
+    """click's ``Error: <message>`` (the error's own by default), exit 1; under ``-v`` the traceback first.
+    Call it inside the ``except`` block that caught ``error``."""
     import click
 
     if verbose:
@@ -135,11 +121,8 @@ def exit_on_one_line(error: BaseException, verbose: bool, message: Optional[str]
 
 
 def exit_if_reported(error: BaseException, verbose: bool, doing: str) -> None:
-    """``exit_on_one_line`` for a ``RamError`` or a resource failure while ``doing`` (``resource_message``);
-    returns for any other error, which the caller re-raises as it is.
-
-    Call it inside the ``except`` block that caught ``error``.
-    """
+    """``exit_on_one_line`` for a ``RamError`` or a resource failure; returns for any other error, which the
+    caller re-raises. Call it inside the ``except`` block that caught ``error``."""
     message = one_line(error) if isinstance(error, RamError) else resource_message(error, doing)
     if message is not None:
         exit_on_one_line(error, verbose, message)

@@ -1,10 +1,6 @@
-"""Reading and writing files whose names and contents come from a stranger's folder.
-
-Every name the plugin reads from a folder (an output folder's manifest or index, a journal, an
-input model's index, a cache entry) is untrusted: ``plain_name`` tells whether it names a file
-directly in that folder. Every file it reads is opened without blocking (a FIFO does not hang
-the merge), must be a regular file (not a device, FIFO or folder) and is read up to a size
-limit (a crafted file cannot exhaust memory). Standard library only.
+"""Files whose names and contents come from a stranger's folder: a name read from one must be
+``plain_name``; a file is opened without blocking (a FIFO does not hang the merge), must be regular, and
+is read up to a limit (a crafted file cannot exhaust memory). Standard library only.
 """
 
 from __future__ import annotations
@@ -28,31 +24,16 @@ class UnreadableFile(ValueError):
 
 
 def plain_name(name: object) -> bool:
-    """Whether ``name`` names an entry directly inside a folder: a non-empty string without a
-    path separator or NUL, and not ``.`` or ``..``."""
-    return (
-        isinstance(name, str)
-        and name not in ("", ".", "..")
-        and "/" not in name
-        and "\0" not in name
-        and (os.altsep is None or os.altsep not in name)
-    )
+    """Whether ``name`` names an entry directly inside a folder: no separator or NUL, not ``.`` or ``..``."""
+    return isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\0" not in name
 
 
 @contextlib.contextmanager
 def open_regular(path: str, *, dir_fd: Optional[int] = None, follow_symlinks: bool = True) -> Iterator[tuple[int, int]]:
-    """A descriptor of the regular file at ``path`` (relative to ``dir_fd`` if given) and its size,
-    closed on exit.
-
-    Opened non-blocking, so a FIFO is refused instead of waited on; with ``follow_symlinks``
-    False a symbolic link is refused too. Raises ``UnreadableFile`` for a file that is not what
-    it should be, and ``OSError`` (``FileNotFoundError``, an I/O error) where it cannot be read.
-    """
-    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
-    if not follow_symlinks:
-        flags |= os.O_NOFOLLOW
+    """A descriptor of the regular file at ``path`` and its size, opened non-blocking (a FIFO is refused, not
+    waited on); ``UnreadableFile`` for a link (without ``follow_symlinks``) or a file that is not regular."""
     try:
-        handle = os.open(path, flags, dir_fd=dir_fd)
+        handle = os.open(path, os.O_RDONLY | os.O_NONBLOCK | (0 if follow_symlinks else os.O_NOFOLLOW), dir_fd=dir_fd)
     except OSError as error:
         if error.errno == errno.ELOOP:
             raise UnreadableFile("it is a symbolic link") from None
@@ -88,7 +69,7 @@ def read_regular(path: str, limit: int, *, dir_fd: Optional[int] = None, follow_
 
 
 def read_json(path: str, *, dir_fd: Optional[int] = None, follow_symlinks: bool = True, limit: int = JSON_LIMIT) -> Any:
-    """The JSON value in the file at ``path`` (see ``read_regular``); ``UnreadableFile`` says what is wrong."""
+    """The JSON value in the file at ``path`` (``read_regular``); ``UnreadableFile`` says what is wrong."""
     data = read_regular(path, limit, dir_fd=dir_fd, follow_symlinks=follow_symlinks)
     try:
         return json.loads(data.decode("utf-8"))
@@ -97,13 +78,12 @@ def read_json(path: str, *, dir_fd: Optional[int] = None, follow_symlinks: bool 
 
 
 def write_atomically(path: str, text: str, *, dir_fd: Optional[int] = None) -> None:
-    """Write ``text`` to ``path`` through a new temporary file and one rename: readers see all or
-    nothing, and a symbolic link at ``path`` is replaced, never written through."""
+    """Write ``text`` through a new temporary file and one rename: readers see all or nothing, and a link
+    at ``path`` is replaced, never written through."""
     partial = f"{path}.{os.getpid()}.partial"
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
     with contextlib.suppress(FileNotFoundError):
         os.unlink(partial, dir_fd=dir_fd)  # left by a killed process that had this pid
-    handle = os.open(partial, flags, 0o644, dir_fd=dir_fd)
+    handle = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644, dir_fd=dir_fd)
     try:
         with os.fdopen(handle, "w", encoding="utf-8") as stream:
             stream.write(text)
@@ -118,9 +98,8 @@ def write_atomically(path: str, text: str, *, dir_fd: Optional[int] = None) -> N
 
 @contextlib.contextmanager
 def removed_if_failed(path: Optional[str]) -> Iterator[None]:
-    """The folders of ``path`` (if given) that do not exist before the block and that it creates are
-    removed again if it fails, innermost first and only while empty: a failed command leaves nothing
-    it made, and never anything else."""
+    """The folders of ``path`` that the block creates are removed again if it fails, innermost first and
+    only while empty: a failed command leaves nothing it made, and never anything else."""
     missing = []
     folder = os.path.abspath(path) if path else ""
     while folder and not os.path.lexists(folder):

@@ -1,13 +1,11 @@
-"""The parameters of ``ram`` and ``ram_plus``: names, types, defaults, and clear refusals.
-
-One table serves the mergekit method specs, recipe checking, and the in-memory API, so
-a parameter is declared once and refused with the same message everywhere.
-"""
+"""The parameters of the four methods, declared once (``METHOD_PARAMETERS``) for mergekit's method specs,
+the recipe checks and the in-memory API, so each is refused with the same message everywhere."""
 
 from __future__ import annotations
 
 import difflib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Iterable, Literal, Optional
 
 from pydantic import BeforeValidator, Field, TypeAdapter, ValidationError
@@ -40,13 +38,10 @@ class ParameterInfo:
     default: Any
     requirement: str
     per_model: bool = False
-    _adapter: TypeAdapter = field(init=False, repr=False, compare=False)
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "_adapter", TypeAdapter(self.value_type))
-
-    def validate(self, value: Any) -> Any:
-        return self._adapter.validate_python(value)
+    @cached_property
+    def adapter(self) -> TypeAdapter:
+        return TypeAdapter(self.value_type)
 
 
 _DEFAULT_RESCALING = Rescaling()
@@ -127,13 +122,11 @@ def parameter_info(method: str, name: str, where: str = "parameters") -> Paramet
 
 
 def check_parameter(method: str, name: str, value: Any, where: str = "parameters") -> Any:
-    """Validate one scalar value, naming the parameter and where it was set on refusal.
-
-    Numbers must also fit float32 (the arithmetic's precision): 1e300 would become inf.
-    """
+    """The validated value, or a refusal naming the parameter and where it was set; a number must also fit
+    float32 (the arithmetic's precision): 1e300 would become inf."""
     info = parameter_info(method, name, where)
     try:
-        validated = info.validate(value)
+        validated = info.adapter.validate_python(value)
     except ValidationError:
         boolean = " (true/false is a boolean, not a number)" if isinstance(value, bool) else ""
         raise ParameterError(
@@ -147,15 +140,9 @@ def check_parameter(method: str, name: str, value: Any, where: str = "parameters
     return validated
 
 
-def largest_lambda(r: float, alphas: Iterable[float], rules: Iterable[str]) -> float:
-    """The largest lambda_t any of these alpha and rule values allows with ``r``, over every rho."""
-    return max(Rescaling(r, alpha, rule).largest_lambda() for alpha in list(alphas) for rule in set(rules))
-
-
 def check_lambda_range(method: str, r: float, alphas: Iterable[float], rules: Iterable[str], where: str) -> None:
-    """lambda_t (largest under the settings' rules) must fit float32, or the merged values overflow."""
-    alphas, rules = list(alphas), list(rules)
-    bound = largest_lambda(r, alphas, rules)
+    """The largest lambda_t these settings allow must fit float32, or the merged values overflow."""
+    bound = max(Rescaling(r, alpha, rule).largest_lambda() for alpha in list(alphas) for rule in set(rules))
     if bound > FLOAT32_MAX:
         raise ParameterError(
             f"{method}: r = {r:g} in {where} allows lambda up to {bound:g}, above the largest float32 "

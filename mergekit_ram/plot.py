@@ -1,7 +1,4 @@
-"""The paper's Figure 2 for a probe: density per model, and its changes by overlap count.
-
-Needs matplotlib (``pip install matplotlib``, or the extra ``mergekit-ram[plot]``).
-"""
+"""The paper's Figure 2 for a probe (needs matplotlib, the extra ``mergekit-ram[plot]``)."""
 
 from __future__ import annotations
 
@@ -23,8 +20,8 @@ def check_plot_extra() -> None:
 
 
 def plot_statistics(statistics: RamStatistics, path: str) -> None:
-    """Left: share of parameters each model changed. Right: how many models changed them."""
-    check_plot_extra()
+    """Left: share of parameters each model changed. Right: how many models changed them (after
+    ``check_plot_extra``)."""
     import matplotlib
 
     matplotlib.use("Agg")

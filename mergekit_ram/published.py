@@ -38,10 +38,9 @@ def with_sorted_model_list(card: str) -> str:
 
 
 def with_card_metadata(card: str, tag: str) -> str:
-    """``card`` with ``tag`` appended to the ``tags`` of its YAML front matter (as mergekit dumps it), its
-    ``base_model`` list sorted (mergekit's comes from a set, see ``with_sorted_model_list``) and, where
-    that list names models, ``base_model_relation: merge``: the Hub's model-card metadata for a merge of
-    them (https://huggingface.co/docs/hub/model-cards#specifying-a-base-model)."""
+    """``card`` with ``tag`` in its front matter's ``tags``, its ``base_model`` list sorted (mergekit's comes
+    from a set) and, where it names models, ``base_model_relation: merge``: the Hub's metadata for a merge
+    (https://huggingface.co/docs/hub/model-cards#specifying-a-base-model)."""
     metadata, body = front_matter(card)
     if metadata is None:
         return card
@@ -55,9 +54,8 @@ def with_card_metadata(card: str, tag: str) -> str:
 
 
 def front_matter(card: str) -> tuple[Optional[dict[str, Any]], str]:
-    """(the YAML front matter of a model card as a mapping, the text after it); (None, ``card``) where
-    the card has none that reads as one. Raises ``yaml.YAMLError`` (or ``RecursionError``) for a front
-    matter that is not YAML."""
+    """(the card's YAML front matter as a mapping, the text after it); (None, ``card``) where it has none
+    that reads as one; ``yaml.YAMLError`` (or ``RecursionError``) for one that is not YAML."""
     end = card.find("\n---\n", 4) if card.startswith("---\n") else -1
     if end < 0:
         return None, card
@@ -71,8 +69,7 @@ def with_front_matter(metadata: dict[str, Any], body: str) -> str:
 
 
 def report_summary(out_path: str, statistics: RamStatistics) -> None:
-    """After a RAM merge: model, density, rho and lambda on stderr, next to mergekit's own
-    progress output (the caller leaves it out under ``--quiet``, as mergekit does its own)."""
+    """Model, density, rho and lambda on stderr after a merge (not under ``--quiet``, as mergekit's own)."""
     settings = ", ".join(f"{key} = {value}" for key, value in statistics.parameters.items())
     click.echo(
         f"{statistics.method} merge written to {out_path} ({settings}); "

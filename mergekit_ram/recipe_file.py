@@ -1,18 +1,13 @@
-"""Reading recipe files as mergekit's scripts do, with one-line errors for RAM recipes.
-
-``mergekit-yaml`` and ``mergekit-pytorch`` read one YAML document, ``mergekit-multi`` a
-file of stages (documents with a ``name``; a stage may merge an earlier stage's output by
-naming it; ``mergekit_ram.integration.recipes.read_stages`` reads them with mergekit's own
-classes). The probe reads both. Syntax errors, nesting too deep to load, a file of several
-documents given where one is expected, and recipes that do not validate become a ``RecipeError``
-naming the file, the place and the fix, instead of a yaml, recursion or pydantic traceback.
+"""Recipe files read as mergekit's scripts read them (one document, or ``mergekit-multi``'s stages), with a
+one-line ``RecipeError`` naming the file, the place and the fix instead of a yaml, recursion or pydantic
+traceback.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import yaml
 from pydantic import BaseModel, ValidationError
@@ -35,17 +30,13 @@ class Stage:
         return self.name if self.name is not None else "(unnamed final stage)"
 
 
-#: The deepest nesting of lists and mappings a recipe file may have. A recipe needs about ten levels
-#: (``slices[0].sources[0].parameters.weight[0].value``); far deeper YAML exhausts Python's recursion in
-#: yaml's composer (a RecursionError, not a YAML error) and in the recipe's validation, so it is refused
-#: first, from the parser's events, which need no recursion.
+#: The deepest nesting a recipe may have (it needs about ten levels): far deeper YAML exhausts Python's
+#: recursion in yaml's composer and in validation, so it is refused first, from the parser's events.
 MAX_NESTING = 64
 
 
-@dataclass(frozen=True)
-class _Scan:
-    """What the parser's events of a recipe's text say, read as far as the text is valid YAML and nested at
-    most ``MAX_NESTING`` deep."""
+class _Scan(NamedTuple):
+    """What the parser's events say, read as far as the text is valid YAML and not nested too deep."""
 
     methods: list[str]  # the ``merge_method`` scalar of each document, as spelt (no merge keys, no aliases)
     too_deep: Optional[yaml.Mark]  # where the nesting goes beyond MAX_NESTING (the scan stops there)
@@ -53,8 +44,8 @@ class _Scan:
 
 
 def _scan(text: str) -> _Scan:
-    """One pass over the parser's events: iterative, and stopped where the nesting goes too deep (yaml's
-    scanner takes time in proportion to the depth for each token: 20,000 levels would take minutes)."""
+    """One iterative pass over the parser's events, stopped where the nesting goes too deep (yaml's scanner
+    takes time in proportion to the depth for each token: 20,000 levels would take minutes)."""
     methods: list[str] = []
     open_nodes: list[Optional[int]] = []  # per open collection: nodes read so far in a mapping, None in a list
     key: Optional[str] = None
@@ -81,10 +72,8 @@ def _scan(text: str) -> _Scan:
 
 
 def declared_methods(text: str) -> list[str]:
-    """The ``merge_method`` of each YAML document of a recipe's text, as mergekit's loader (``yaml.safe_load``)
-    reads it: through merge keys (``<<: *defaults``) and aliases. A text that loader cannot read is read as
-    far as it is valid YAML and not nested too deep (``MAX_NESTING``), as spelt: a file with a syntax error
-    or 20,000 brackets after its ``merge_method`` still says which method it asks for."""
+    """The ``merge_method`` of each document as ``yaml.safe_load`` reads it (merge keys, aliases); in a text it
+    cannot read, as spelt as far as the text is valid and not too deep (it still says which method it asks)."""
     scan = _scan(text)
     if scan.complete:
         try:

@@ -1,12 +1,6 @@
-"""``mergekit-ram check OUT``: what stops a merged model folder from being shared on the Hub.
-
-Each problem is one line with its fix: a merge that did not finish, weights that do not load or
-hold NaN or Inf (every tensor is read, one at a time), no ``config.json``, no tokenizer, a card
-without a licence or without the Hub's metadata for a merge (``base_model``,
-``base_model_relation: merge``, the ``merge`` tag), local paths in the card, the recipe or the
-statistics, statistics warnings. Notes do not stop sharing. The folder is a stranger's: its names
-and files are read through a descriptor of it, never through a symbolic link, bounded, and
-without waiting on a FIFO (``mergekit_ram.files``).
+"""``mergekit-ram check OUT``: what stops a merged model folder from being shared on the Hub, one line
+each with its fix; notes do not stop sharing. The folder is a stranger's: read through a descriptor of
+it, never through a symbolic link, bounded, never waiting on a FIFO (``mergekit_ram.files``).
 """
 
 from __future__ import annotations
@@ -16,7 +10,7 @@ import json
 import os
 import re
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any, Iterator, NamedTuple, Optional
 
 import yaml
 
@@ -26,10 +20,7 @@ from mergekit_ram.published import CARD_TAG, front_matter, with_front_matter
 from mergekit_ram.staging import MANIFEST_FILE, MARKER_FILE, PRIVATE_PREFIX
 from mergekit_ram.stats.schema import STATISTICS_FILE
 
-CARD = "README.md"
-RECIPE = "mergekit_config.yml"
-CONFIG = "config.json"
-INDEX = "model.safetensors.index.json"
+CARD, RECIPE, CONFIG, INDEX = "README.md", "mergekit_config.yml", "config.json", "model.safetensors.index.json"
 #: Files that make a tokenizer transformers can load (with ``tokenizer_config.json``).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 #: The files that name the merged models, in the order they are reported.
@@ -38,14 +29,12 @@ NAMING_FILES = (CARD, RECIPE, STATISTICS_FILE)
 TEXT_LIMIT = 64 << 20
 #: What the Hub takes as a licence id (``apache-2.0``, ``llama3.1``, ``cc-by-nc-4.0``, ``other``).
 LICENSE_ID = re.compile(r"[a-z0-9][a-z0-9.+-]*")
-#: The Hub's tag for merged models; mergekit writes it with ``mergekit``.
-MERGE_TAG = "merge"
+MERGE_TAG = "merge"  # the Hub's tag for merged models
 
 
 @dataclass(frozen=True)
 class Finding:
-    """One line of the report: ``check`` names what was checked (for scripts), ``message`` says what is
-    wrong and how to fix it; a ``note`` does not stop sharing."""
+    """One line of the report: ``check`` names what was checked (for scripts); a ``note`` does not stop sharing."""
 
     check: str
     message: str
@@ -55,45 +44,50 @@ class Finding:
 @dataclass(frozen=True)
 class Report:
     folder: str
-    problems: tuple[Finding, ...]
-    notes: tuple[Finding, ...]
+    findings: tuple[Finding, ...]
+
+    def of(self, note: bool) -> list[Finding]:
+        return [finding for finding in self.findings if finding.note == note]
 
     @property
     def ready(self) -> bool:
-        return not self.problems
+        return not self.of(note=False)
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "folder": self.folder,
-            "ready": self.ready,
-            "problems": [{"check": f.check, "message": f.message} for f in self.problems],
-            "notes": [{"check": f.check, "message": f.message} for f in self.notes],
+        listed = {
+            key: [{"check": f.check, "message": f.message} for f in self.of(key == "notes")]
+            for key in ("problems", "notes")
         }
+        return {"folder": self.folder, "ready": self.ready, **listed}
 
     def lines(self) -> list[str]:
-        """The report for a terminal: notes, problems, then the verdict."""
-        verdict = "ready to upload" if self.ready else f"{len(self.problems)} problem(s): do not upload yet"
+        """Notes, problems, then the verdict."""
+        problems = self.of(note=False)
+        verdict = f"{len(problems)} problem(s): do not upload yet" if problems else "ready to upload"
         return [
-            *(f"note: {f.message}" for f in self.notes),
-            *(f"problem: {f.message}" for f in self.problems),
+            *(f"note: {f.message}" for f in self.of(note=True)),
+            *(f"problem: {f.message}" for f in problems),
             verdict,
         ]
 
 
-@dataclass(frozen=True)
-class FolderFile:
-    """A file of the folder read as text: ``text`` None where it is absent or unreadable (``problem``)."""
+class FolderFile(NamedTuple):
+    """A file of the folder as text: ``text`` None where it is absent or unreadable (``problem``)."""
 
     name: str
     text: Optional[str]
     problem: Optional[Finding] = None
 
 
+def _reason(error: Exception) -> str:
+    return error.strerror if isinstance(error, OSError) and error.strerror else one_line(error)
+
+
 @contextlib.contextmanager
 def opened_folder(out: str) -> Iterator[int]:
     """A descriptor of the folder ``out`` (the user's own path, so a link to a folder is followed)."""
     try:
-        folder = os.open(out, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
+        folder = os.open(out, os.O_RDONLY | os.O_DIRECTORY)
     except OSError as error:
         raise MergedFolderError(f"cannot open the folder {out} ({error.strerror or error})") from None
     try:
@@ -105,75 +99,80 @@ def opened_folder(out: str) -> Iterator[int]:
 def read_file(folder: int, name: str, check: str) -> FolderFile:
     """The text of ``name`` in the folder: a regular file (not a link), bounded, UTF-8."""
     try:
-        data = read_regular(name, TEXT_LIMIT, dir_fd=folder, follow_symlinks=False)
-        return FolderFile(name, data.decode("utf-8"))
+        return FolderFile(name, read_regular(name, TEXT_LIMIT, dir_fd=folder, follow_symlinks=False).decode("utf-8"))
     except FileNotFoundError:
         return FolderFile(name, None)
     except (OSError, UnreadableFile, UnicodeDecodeError) as error:
-        reason = error.strerror if isinstance(error, OSError) and error.strerror else one_line(error)
-        return FolderFile(
-            name, None, Finding(check, f"{name} cannot be read ({reason}): replace it with the merge's own")
-        )
+        message = f"{name} cannot be read ({_reason(error)}): replace it with the merge's own"
+        return FolderFile(name, None, Finding(check, message))
+
+
+def parsed_json(file: FolderFile) -> Any:
+    """The file's JSON value; None where there is no file or it is not JSON."""
+    with contextlib.suppress(ValueError, RecursionError):
+        return json.loads(file.text) if file.text is not None else None
+    return None
 
 
 def check_folder(out: str, accept_warnings: bool = False) -> Report:
     """Every check of the merged folder ``out``; ``accept_warnings`` makes statistics warnings notes."""
     with opened_folder(out) as folder:
         names = set(os.listdir(folder))
-        card = read_file(folder, CARD, "card")
-        recipe = read_file(folder, RECIPE, "recipe")
-        statistics = read_file(folder, STATISTICS_FILE, "statistics")
-        statistics_data = parsed_json(statistics)
+        files = card, recipe, statistics = [
+            read_file(folder, name, check) for name, check in zip(NAMING_FILES, ("card", "recipe", "statistics"))
+        ]
+        data = parsed_json(statistics)
         findings = [
             *incomplete(names),
             *weights(folder, names),
             *config(folder),
             *tokenizer(folder),
-            *(file.problem for file in (card, recipe, statistics) if file.problem is not None),
-            *statistics_findings(statistics, statistics_data, accept_warnings),
-            *card_findings(card, statistics_data),
-            *local_paths((card, recipe, statistics), models_named(recipe, statistics_data, card)),
+            *(file.problem for file in files if file.problem is not None),
+            *statistics_findings(statistics, data, accept_warnings),
+            *card_findings(card, data),
+            *local_paths(files, models_named(recipe, data, card)),
         ]
-    return Report(out, tuple(f for f in findings if not f.note), tuple(f for f in findings if f.note))
+    return Report(out, tuple(findings))
+
+
+def config(folder: int) -> list[Finding]:
+    file = read_file(folder, CONFIG, "config")
+    missing = (
+        f"no {CONFIG}: transformers cannot load the folder (mergekit-pytorch writes weights only): merge with "
+        "mergekit-yaml"
+    )
+    return [file.problem or Finding("config", missing)] if file.text is None else []
 
 
 def incomplete(names: set[str]) -> list[Finding]:
     """The plugin's transaction marks a folder it has not finished publishing into."""
-    found = []
-    if MARKER_FILE in names:
-        found.append(
-            Finding(
-                "incomplete",
-                f"{MARKER_FILE} is present: a merge into this folder was killed while publishing; merge into it "
-                "again (it writes its own complete result)",
-            )
+    killed = (
+        f"{MARKER_FILE} is present: a merge into this folder was killed while publishing; merge into it again (it "
+        "writes its own complete result)"
+    )
+    private = sorted(name for name in names if name.startswith(PRIVATE_PREFIX) and name != MANIFEST_FILE)
+    return [Finding("incomplete", killed)] * (MARKER_FILE in names) + [
+        Finding(
+            "incomplete",
+            f"{name} is present: a merge is writing into this folder, or one was killed; wait for it to finish, or "
+            "check that hidden folder and remove it",
         )
-    for name in sorted(name for name in names if name.startswith(PRIVATE_PREFIX) and name != MANIFEST_FILE):
-        found.append(
-            Finding(
-                "incomplete",
-                f"{name} is present: a merge is writing into this folder, or one was killed; wait for it to "
-                "finish, or check that hidden folder and remove it",
-            )
-        )
-    return found
+        for name in private
+    ]
 
 
 def weights(folder: int, names: set[str]) -> list[Finding]:
-    """The safetensors files: present, named by the index where there is one, and every tensor loading
-    finite."""
+    """The safetensors files: present, named by the index where there is one, every tensor loading finite."""
     files = sorted(name for name in names if name.endswith(".safetensors"))
     if not files:
         return [Finding("weights", "no weights (*.safetensors): merge again with mergekit-yaml")]
-    found = index_findings(folder, names)
+    found = index_findings(folder, names) if INDEX in names else []
     for name in files:
         found += tensor_findings(folder, name)
     return found
 
 
 def index_findings(folder: int, names: set[str]) -> list[Finding]:
-    if INDEX not in names:
-        return []
     index = read_file(folder, INDEX, "weights")
     if index.problem is not None:
         return [index.problem]
@@ -181,35 +180,26 @@ def index_findings(folder: int, names: set[str]) -> list[Finding]:
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(weight_map, dict):
         return [Finding("weights", f"{INDEX} has no weight_map of tensor names to files: merge again")]
-    found = []
-    for shard in sorted({str(shard) for shard in weight_map.values()}):
-        if not plain_name(shard) or shard not in names:
-            found.append(
-                Finding("weights", f"{INDEX} names {shard!r}, which is not a file of this folder: merge again")
-            )
-    return found
+    return [
+        Finding("weights", f"{INDEX} names {shard!r}, which is not a file of this folder: merge again")
+        for shard in sorted({str(shard) for shard in weight_map.values()})
+        if not plain_name(shard) or shard not in names
+    ]
 
 
 def tensor_findings(folder: int, name: str) -> list[Finding]:
-    """Every tensor of one safetensors file read with safetensors, one at a time: it loads, and a
-    floating-point one holds no NaN or Inf."""
+    """Every tensor read with safetensors, one at a time: it loads, and a floating one holds no NaN or Inf."""
     from safetensors import safe_open
 
     try:
         with open_regular(name, dir_fd=folder, follow_symlinks=False) as (handle, _):
-            # the descriptor's own file, whatever becomes of the name meanwhile (Linux)
-            path = f"/proc/self/fd/{handle}" if os.path.exists(f"/proc/self/fd/{handle}") else None
-            if path is None:
+            path = f"/proc/self/fd/{handle}"  # the descriptor's own file, whatever becomes of the name (Linux)
+            if not os.path.exists(path):
                 return [Finding("weights", f"{name} cannot be read here (no /proc/self/fd): check it on Linux")]
-            bad = []
             with safe_open(path, framework="pt") as tensors:
-                for key in tensors.keys():
-                    tensor = tensors.get_tensor(key)
-                    if tensor.is_floating_point() and not bool(tensor.isfinite().all()):
-                        bad.append(key)
+                bad = [key for key in tensors.keys() if not is_finite(tensors.get_tensor(key))]
     except (OSError, UnreadableFile) as error:
-        reason = error.strerror if isinstance(error, OSError) and error.strerror else one_line(error)
-        return [Finding("weights", f"{name} cannot be read ({reason}): merge again")]
+        return [Finding("weights", f"{name} cannot be read ({_reason(error)}): merge again")]
     except Exception as error:  # safetensors' own refusal of a damaged file, whatever its type
         return [Finding("weights", f"{name} does not load with safetensors ({one_line(error)}): merge again")]
     if not bad:
@@ -224,53 +214,25 @@ def tensor_findings(folder: int, name: str) -> list[Finding]:
     ]
 
 
-def config(folder: int) -> list[Finding]:
-    file = read_file(folder, CONFIG, "config")
-    if file.problem is not None:
-        return [file.problem]
-    if file.text is None:
-        return [
-            Finding(
-                "config",
-                f"no {CONFIG}: transformers cannot load the folder (mergekit-pytorch writes weights only): merge "
-                "with mergekit-yaml",
-            )
-        ]
-    return []
+def is_finite(tensor: Any) -> bool:
+    return not tensor.is_floating_point() or bool(tensor.isfinite().all())
 
 
 def tokenizer(folder: int) -> list[Finding]:
-    """A tokenizer file transformers loads: a regular file of the folder (a link to one is not uploaded as
-    the file everywhere, and is not read here)."""
-    unreadable = []
+    """A tokenizer file as a regular file of the folder (a link is not uploaded as the file everywhere)."""
+    unreadable = [
+        f"no tokenizer ({', '.join(TOKENIZER_FILES[:-1])} or {TOKENIZER_FILES[-1]}): copy the base model's "
+        "tokenizer files (tokenizer_config.json and the others) into the folder"
+    ]
     for name in TOKENIZER_FILES:
         try:
             with open_regular(name, dir_fd=folder, follow_symlinks=False):
                 return []
         except FileNotFoundError:
-            continue
+            pass
         except (OSError, UnreadableFile) as error:
-            reason = error.strerror if isinstance(error, OSError) and error.strerror else one_line(error)
-            unreadable.append(f"{name} cannot be read ({reason}): copy the file itself into the folder")
-    if unreadable:
-        return [Finding("tokenizer", unreadable[0])]
-    return [
-        Finding(
-            "tokenizer",
-            f"no tokenizer ({', '.join(TOKENIZER_FILES[:-1])} or {TOKENIZER_FILES[-1]}): copy the base model's "
-            "tokenizer files (tokenizer_config.json and the others) into the folder",
-        )
-    ]
-
-
-def parsed_json(file: FolderFile) -> Any:
-    """The file's JSON value; None where there is no file or it is not JSON."""
-    if file.text is None:
-        return None
-    try:
-        return json.loads(file.text)
-    except (ValueError, RecursionError):
-        return None
+            unreadable.append(f"{name} cannot be read ({_reason(error)}): copy the file itself into the folder")
+    return [Finding("tokenizer", unreadable[min(1, len(unreadable) - 1)])]  # the first unreadable, else none
 
 
 def statistics_findings(statistics: FolderFile, data: Any, accept_warnings: bool) -> list[Finding]:
@@ -289,6 +251,13 @@ def statistics_findings(statistics: FolderFile, data: Any, accept_warnings: bool
     ]
 
 
+def card_metadata(text: Optional[str]) -> Optional[dict[str, Any]]:
+    """The card's YAML front matter; None where it has none that reads as a mapping."""
+    with contextlib.suppress(yaml.YAMLError, RecursionError):
+        return front_matter(text)[0] if text is not None else None
+    return None
+
+
 def card_findings(card: FolderFile, statistics: Any) -> list[Finding]:
     """The card's front matter as the Hub reads it: a licence, ``base_model`` with
     ``base_model_relation: merge``, the ``merge`` tag."""
@@ -296,10 +265,7 @@ def card_findings(card: FolderFile, statistics: Any) -> list[Finding]:
         return []
     if card.text is None:
         return [Finding("card", f"no {CARD} model card: merge with mergekit-yaml (without --no-write-model-card)")]
-    try:
-        metadata, _ = front_matter(card.text)
-    except (yaml.YAMLError, RecursionError):
-        metadata = None
+    metadata = card_metadata(card.text)
     if metadata is None:
         return [
             Finding(
@@ -307,73 +273,59 @@ def card_findings(card: FolderFile, statistics: Any) -> list[Finding]:
                 f"{CARD} has no YAML front matter (between --- lines at its top): merge again with mergekit-yaml",
             )
         ]
-    found = license_findings(metadata)
-    if not metadata.get("base_model"):
-        found.append(
-            Finding(
-                "base_model",
-                "the card's front matter has no base_model (mergekit lists only Hub ids there): merge again with "
-                "the models' Hub ids in the recipe, or list them under base_model",
-            )
-        )
-    elif metadata.get("base_model_relation") != "merge":
-        found.append(
-            Finding(
-                "base_model_relation",
-                f"the card's front matter has base_model_relation {metadata.get('base_model_relation')!r}: set "
-                "base_model_relation: merge (the Hub's relation for a merge of the base_model models)",
-            )
-        )
-    tags = metadata.get("tags")
-    if not (isinstance(tags, list) and MERGE_TAG in tags):
-        found.append(
-            Finding(
-                "tags",
-                f"the card's front matter has no tag {MERGE_TAG}: add it under tags (mergekit writes mergekit, "
-                f"{MERGE_TAG}; mergekit-ram adds {CARD_TAG})",
-            )
-        )
+    license_id, base_model, relation, tags = (
+        metadata.get(key) for key in ("license", "base_model", "base_model_relation", "tags")
+    )
+    checks = [
+        (
+            "license",
+            not license_id,
+            "the card's front matter has no license: mergekit-ram check OUT --set-license ID, with an id the "
+            "input models' licences allow (apache-2.0, mit, ...)",
+        ),
+        (
+            "license",
+            license_id == "other" and not (metadata.get("license_name") and metadata.get("license_link")),
+            "the card says license: other without license_name and license_link: add both to its front matter",
+        ),
+        (
+            "base_model",
+            not base_model,
+            "the card's front matter has no base_model (mergekit lists only Hub ids there): merge again with the "
+            "models' Hub ids in the recipe, or list them under base_model",
+        ),
+        (
+            "base_model_relation",
+            bool(base_model) and relation != "merge",
+            f"the card's front matter has base_model_relation {relation!r}: set base_model_relation: merge (the "
+            "Hub's relation for a merge of the base_model models)",
+        ),
+        (
+            "tags",
+            not (isinstance(tags, list) and MERGE_TAG in tags),
+            f"the card's front matter has no tag {MERGE_TAG}: add it under tags (mergekit writes mergekit, "
+            f"{MERGE_TAG}; mergekit-ram adds {CARD_TAG})",
+        ),
+    ]
+    found = [Finding(check, message) for check, failed, message in checks if failed]
     if isinstance(statistics, dict) and "## RAM statistics" not in card.text:
         found.append(Finding("card", f"{CARD} has no RAM statistics section", note=True))
     return found
 
 
-def license_findings(metadata: dict[str, Any]) -> list[Finding]:
-    license_id = metadata.get("license")
-    if not license_id:
-        return [
-            Finding(
-                "license",
-                "the card's front matter has no license: mergekit-ram check OUT --set-license ID, with an id the "
-                "input models' licences allow (apache-2.0, mit, ...)",
-            )
-        ]
-    if license_id == "other" and not (metadata.get("license_name") and metadata.get("license_link")):
-        return [
-            Finding(
-                "license",
-                "the card says license: other without license_name and license_link: add both to its front matter",
-            )
-        ]
-    return []
-
-
 def models_named(recipe: FolderFile, statistics: Any, card: FolderFile) -> list[str]:
-    """Every model the recipe, the statistics and the card's ``base_model`` name."""
+    """Every model the statistics, the recipe and the card's ``base_model`` name."""
     listed_models = statistics.get("models") if isinstance(statistics, dict) else None
     names = [str(m["model"]) for m in listed_models or () if isinstance(m, dict) and "model" in m]
     with contextlib.suppress(yaml.YAMLError, RecursionError):
         names += recipe_models(yaml.safe_load(recipe.text) if recipe.text else None)
-    with contextlib.suppress(yaml.YAMLError, RecursionError):
-        metadata, _ = front_matter(card.text) if card.text else (None, "")
-        listed = (metadata or {}).get("base_model") or []
-        names += [str(name) for name in (listed if isinstance(listed, list) else [listed])]
-    return names
+    listed = (card_metadata(card.text) or {}).get("base_model") or []
+    return names + [str(name) for name in (listed if isinstance(listed, list) else [listed])]
 
 
 def recipe_models(document: Any) -> list[str]:
-    """Every ``model`` and ``base_model`` a recipe names, at any depth (models, slices, modules); each
-    node once, so a YAML file of aliases cannot make the walk explode."""
+    """Every ``model`` and ``base_model`` a recipe names, at any depth; each node once, so a YAML file of
+    aliases cannot make the walk explode."""
     found, seen, stack = [], set(), [document]
     while stack:
         node = stack.pop()
@@ -392,12 +344,11 @@ def recipe_models(document: Any) -> list[str]:
 
 
 def local_path(name: str) -> bool:
-    """Whether a model name is a local path rather than a Hub id (``name`` or ``org/name``): it starts
-    with / ~ or ., has more than one /, or is a folder here."""
+    """Not a Hub id (``name`` or ``org/name``): starts with / ~ or ., has more than one /, or is a folder here."""
     return bool(name) and (name[0] in "/~." or name.count("/") > 1 or os.path.isdir(name))
 
 
-def local_paths(files: Iterable[FolderFile], models: list[str]) -> list[Finding]:
+def local_paths(files: list[FolderFile], models: list[str]) -> list[Finding]:
     """A problem per file that names a local path: readers of the card cannot find those models."""
     paths = sorted({part.split("@")[0] for name in models for part in name.split("+")} - {""})
     local = [path for path in paths if local_path(path)]
@@ -416,8 +367,7 @@ def local_paths(files: Iterable[FolderFile], models: list[str]) -> list[Finding]
 
 
 def set_license(out: str, license_id: str) -> None:
-    """Write ``license: license_id`` into the front matter of the folder's card (made if it has none), in
-    one rename: the rest of the card stays as it was."""
+    """Write ``license: license_id`` into the card's front matter (made if it has none) in one rename."""
     with opened_folder(out) as folder:
         card = read_file(folder, CARD, "card")
         if card.text is None:
@@ -425,12 +375,10 @@ def set_license(out: str, license_id: str) -> None:
             raise MergedFolderError(
                 f"cannot set the licence of {out}: {reason} (merge with mergekit-yaml, which writes the card)"
             )
-        try:
-            metadata, body = front_matter(card.text)
-        except (yaml.YAMLError, RecursionError):
-            metadata, body = None, ""
+        metadata = card_metadata(card.text)
         if metadata is None and card.text.startswith("---\n"):
             raise MergedFolderError(
                 f"cannot set the licence: the front matter of {out}/{CARD} is not a YAML mapping; fix it by hand"
             )
+        body = card.text if metadata is None else front_matter(card.text)[1]
         write_atomically(CARD, with_front_matter({**(metadata or {}), "license": license_id}, body), dir_fd=folder)

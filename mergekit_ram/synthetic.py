@@ -1,9 +1,6 @@
-"""Tiny base models and sparse synthetic "agents" with known active sets, built locally.
-
-Used by ``mergekit-ram demo``, the tests and the benchmarks: nothing is downloaded.
-Each element of each floating tensor draws which agents change it from a joint
-distribution over subsets of agents, so densities and overlaps are set by construction
-and the drawn masks are returned for checking.
+"""Tiny base models and sparse synthetic "agents", built locally for the demo, tests and benchmarks: each
+element draws which agents change it from a joint distribution over subsets, so densities and overlaps
+are set by construction, and the masks drawn are returned for checking.
 """
 
 from __future__ import annotations
@@ -20,9 +17,8 @@ from safetensors.torch import save_file
 
 Subset = tuple[int, ...]
 
-#: The paper's three Qwen2.5-7B agents (coding, tool use, memory): densities 3.2%,
-#: 46.2%, 54.3% and unique shares 6.3%, 40.8%, 47.5% (section 3, Figure 2). One joint
-#: distribution with those marginals; the empty subset takes the rest.
+#: The paper's three Qwen2.5-7B agents (section 3, Figure 2): densities 3.2%, 46.2%, 54.3%, unique shares
+#: 6.3%, 40.8%, 47.5%; the empty subset takes the rest.
 PAPER_OVERLAP: dict[Subset, float] = {
     (0,): 0.002,
     (1,): 0.1885,
@@ -119,12 +115,9 @@ def sparse_agents(
     relative_change: tuple[float, float] = (0.02, 0.1),
     minimum_change: float = 1e-3,
 ) -> Agents:
-    """Fine-tunes of ``base`` whose changed elements follow the joint distribution ``overlap``.
-
-    Every change is at least ``minimum_change`` and ``relative_change`` of the weight, so
-    it survives rounding to the base's dtype and exceeds the default epsilon (1e-5);
-    unchanged elements are bit-identical to the base.
-    """
+    """Fine-tunes of ``base`` whose changed elements follow ``overlap``; each change at least
+    ``minimum_change`` and ``relative_change`` of the weight (it survives rounding and the default epsilon),
+    unchanged elements bit-identical to the base."""
     n_agents = 1 + max(max(subset) for subset in overlap)
     if sum(overlap.values()) > 1.0 + 1e-9:
         raise ValueError("overlap probabilities sum to more than 1")

@@ -1,8 +1,5 @@
-"""From per-tensor counts to a merge's statistics: sums per model, rho, lambda, warnings.
-
-rho_t = shared_t / unique_t over every tensor of the merge (``rescaling.rho_of_histogram``);
-lambda_t comes from :func:`model_lambda` alone, so the lambda reported is the one applied.
-"""
+"""From per-tensor counts to a merge's statistics: sums per model, rho_t over every tensor, lambda_t from
+:func:`model_lambda` alone (so the lambda reported is the one applied), the warnings."""
 
 from __future__ import annotations
 
@@ -62,12 +59,8 @@ def build_statistics(
     density: Optional[float] = None,
     modules: Optional[Mapping[str, str]] = None,
 ) -> RamStatistics:
-    """Sum per-tensor counts per model, then rho_t and lambda_t (pins override).
-
-    ``rescaling`` is None for ``ram`` (every lambda 1). A pinned model without counts is
-    listed after the counted ones. ``checkpoint_dtypes`` (safetensors dtype names per model)
-    only feeds the warnings.
-    """
+    """Counts summed per model, then rho_t and lambda_t (pins override; a pinned model without counts comes
+    last); ``checkpoint_dtypes`` (safetensors dtype names per model) only feeds the warnings."""
     # Each output tensor once: mergekit 0.1.5 plans some twice (qwen2_vl's projector "layers" share names).
     named = {counts.name: replace(counts, module=(modules or {}).get(counts.name, counts.module)) for counts in tensors}
     tensors = tuple(named.values())

@@ -1,8 +1,4 @@
-"""What a RAM / RAM+ merge counted and computed, as frozen values (no arithmetic beyond sums).
-
-Built by :mod:`mergekit_ram.stats.arithmetic`, written and read by
-:mod:`mergekit_ram.stats.schema`, shown by :mod:`mergekit_ram.stats.render`.
-"""
+"""What a RAM merge counted and computed, as frozen values (no arithmetic beyond sums)."""
 
 from __future__ import annotations
 
@@ -18,11 +14,8 @@ Pin = Literal["rho", "lambda", "scale"]
 
 @dataclass(frozen=True)
 class TensorCounts:
-    """One output tensor's overlap counts, as the kernel saw them.
-
-    ``histograms[t][k - 1]``: elements of this tensor that ``models[t]`` changed and
-    that exactly k models changed.
-    """
+    """One output tensor's counts: ``histograms[t][k - 1]`` elements ``models[t]`` changed that exactly k
+    models changed."""
 
     name: str
     numel: int
@@ -34,8 +27,7 @@ class TensorCounts:
 
 @dataclass(frozen=True)
 class OverlapCounts:
-    """One model's counts over a set of tensors: ``histogram[k - 1]`` of its changed
-    elements were changed by exactly k models."""
+    """One model's counts over a set of tensors: ``histogram[k - 1]`` of its changes exactly k models made."""
 
     model: str
     numel: int  # elements of the tensors it took part in
@@ -66,11 +58,8 @@ class OverlapCounts:
 
 @dataclass(frozen=True)
 class ModelStatistics(OverlapCounts):
-    """One fine-tuned model over the whole merge: its rho and the lambda applied to it.
-
-    ``rho`` is ``measured_rho`` unless pinned; ``lambda_`` is the factor applied to the model's
-    unique updates (ram_unique: its ``scale``); ``pinned`` says which value the recipe fixed.
-    """
+    """One model over the whole merge: ``rho`` (``measured_rho`` unless pinned), ``lambda_`` applied to its
+    unique updates (ram_unique: its ``scale``), and which value the recipe ``pinned``."""
 
     rho: float
     lambda_: float
@@ -79,19 +68,15 @@ class ModelStatistics(OverlapCounts):
 
 @dataclass(frozen=True)
 class ModuleStatistics(OverlapCounts):
-    """One model's counts over one part of the network (``module``); its ``measured_rho`` is
-    local to that part and sets no lambda."""
+    """One model's counts over one part of the network; its ``measured_rho`` sets no lambda."""
 
     module: str
 
 
 @dataclass(frozen=True)
 class RamStatistics:
-    """What a RAM / RAM+ merge computed: per-model counts, rho and lambda, and per-tensor counts.
-
-    ``rescaling`` is None where lambda does not come from rho (``ram``, ``ram_unique``); ``epsilons``
-    are the distinct epsilon values, sorted; ``density`` is ``ram_ties``'s.
-    """
+    """What a merge computed. ``rescaling`` None where lambda does not come from rho (``ram``, ``ram_unique``);
+    ``epsilons`` the distinct values, sorted; ``density`` is ``ram_ties``'s."""
 
     method: str
     source: Source

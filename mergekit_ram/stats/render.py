@@ -33,14 +33,8 @@ _UNKNOWN_TO_MERGEKIT = "Without mergekit-ram, mergekit refuses `{method}` (an un
 
 
 def terminal_text(text: str) -> str:
-    """``text`` with each unprintable character (a line break, a terminal escape) written as its
-    escape sequence: a model path cannot break a table's rows or drive the terminal."""
+    """Unprintable characters escaped: a model path cannot break a table's rows or drive the terminal."""
     return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
-
-
-def markdown_cell(value: object) -> str:
-    """``str(value)`` as one cell of a markdown table: ``|`` escaped, line breaks as ``<br>``."""
-    return "<br>".join(str(value).replace("|", "\\|").splitlines())
 
 
 def format_table(rows: Sequence[Sequence[str]], left_columns: int = 1) -> str:
@@ -56,16 +50,12 @@ def format_table(rows: Sequence[Sequence[str]], left_columns: int = 1) -> str:
 
 
 def markdown_table(rows: Sequence[Sequence[object]], align: str = "lr") -> str:
-    """A GitHub markdown table; ``rows[0]`` is the header, every cell goes through ``str``.
-
-    ``align`` has one letter per column, ``l`` (``---``) or ``r`` (``---:``); its last letter
-    repeats for the columns beyond it: ``"lr"``, the default, is the first column left-aligned
-    and the rest right-aligned (as :func:`format_table`), ``"l"`` every column left-aligned.
-    Cells go through :func:`markdown_cell`.
-    """
-    width = len(rows[0])
-    letters = align.ljust(width, align[-1])[:width]
-    lines = ["| " + " | ".join(markdown_cell(cell) for cell in row) + " |" for row in rows]
+    """A GitHub table, ``rows[0]`` the header; ``align`` a letter per column, ``l`` or ``r``, its last one
+    repeated (by default the first column left-aligned, the rest right-aligned); each cell ``str(value)``
+    with ``|`` escaped and line breaks as ``<br>``."""
+    letters = align.ljust(len(rows[0]), align[-1])[: len(rows[0])]
+    cells = [["<br>".join(str(cell).replace("|", "\\|").splitlines()) for cell in row] for row in rows]
+    lines = ["| " + " | ".join(row) + " |" for row in cells]
     lines.insert(1, "|" + "|".join("---:" if letter == "r" else "---" for letter in letters) + "|")
     return "\n".join(lines)
 
@@ -145,17 +135,14 @@ def compact_table(statistics: RamStatistics) -> str:
 
 def histogram_table(statistics: RamStatistics) -> str:
     """Per model: how many of its changed parameters k models changed, k = 1..N."""
-    width = max(len(stats.histogram) for stats in statistics.models) if statistics.models else 0
-    names = display_names(statistics)
-    rows = [["model"] + [f"k={k}" for k in range(1, width + 1)]]
-    for stats in statistics.models:
-        cells = [names[stats.model]]
-        for k in range(width):
-            value = stats.histogram[k] if k < len(stats.histogram) else 0
-            share = value / stats.active if stats.active else 0.0
-            cells.append(f"{value:,} ({100 * share:.1f}%)")
-        rows.append(cells)
-    return format_table(rows)
+    width = max((len(stats.histogram) for stats in statistics.models), default=0)
+    table = [["model", *(f"k={k}" for k in range(1, width + 1))]]
+    for row in rows(statistics):
+        active, histogram = row.stats.active, row.stats.histogram + (0,) * (width - len(row.stats.histogram))
+        table.append(
+            [row.name, *(f"{value:,} ({100 * (value / active if active else 0.0):.1f}%)" for value in histogram)]
+        )
+    return format_table(table)
 
 
 def module_table(statistics: RamStatistics) -> str:

@@ -1,8 +1,5 @@
-"""``ram_statistics.json``: the versioned JSON form of :class:`RamStatistics` (docs/method.md).
-
-An infinite rho is the string ``"inf"`` (``float("inf")`` reads it back; JSON has no infinity
-and ``Infinity`` is not standard JSON).
-"""
+"""``ram_statistics.json``, the versioned JSON of :class:`RamStatistics` (docs/method.md); an infinite rho
+is ``"inf"`` (JSON has no infinity)."""
 
 from __future__ import annotations
 
