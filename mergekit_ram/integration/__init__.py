@@ -29,13 +29,11 @@ def register() -> None:
     from mergekit_ram.integration.internals import check_internals
     from mergekit_ram.integration.output import patch_raw_pytorch, patch_run_merge
     from mergekit_ram.integration.registry import register_methods
-    from mergekit_ram.integration.scripts import patch_multimerge, patch_script
+    from mergekit_ram.integration.scripts import patch_scripts
 
     check_internals()
     module = importlib.import_module
     register_methods(module("mergekit.merge_methods"))
     patch_run_merge(module("mergekit.merge"))
     patch_raw_pytorch(module("mergekit.scripts.merge_raw_pytorch"))
-    patch_multimerge(module("mergekit.scripts.multimerge"))
-    for name in ("mergekit.scripts.run_yaml", "mergekit.scripts.multimerge", "mergekit.scripts.merge_raw_pytorch"):
-        patch_script(module(name))
+    patch_scripts(module("mergekit.options"))

@@ -102,14 +102,12 @@ def tensor_modules(planner: Any) -> dict[str, str]:
     decoder, vision tower, ...), from the output model's architecture; empty for one module."""
     if len(planner.config.modules or {}) < 2:
         return {}
-    configured = internal("mergekit.architecture", "ConfiguredModuleArchitecture")
     found: dict[str, str] = {}
     for module in planner.config.modules:
         definition = planner.arch_info.modules[module]
-        architecture = configured(
-            info=definition.architecture, config=planner.out_model_config, weight_prefix=definition.weight_prefix
-        )
-        found.update((weight.name, module) for weight in architecture.all_weights())
+        prefix = definition.weight_prefix or ""
+        weights = definition.architecture.all_weights(config=planner.out_model_config)
+        found.update((prefix + weight.name, module) for weight in weights)
     return found
 
 

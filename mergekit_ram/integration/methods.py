@@ -40,9 +40,9 @@ from mergekit_ram.stats.schema import counts_from_dict, counts_to_dict
 GroupMergeMethod: Any = internal("mergekit.merge_methods.base", "GroupMergeMethod")
 MergeMethodSpec: Any = internal("mergekit.merge_methods.base", "MergeMethodSpec")
 InputContract: Any = internal("mergekit.merge_methods.base", "InputContract")
-BasePolicy: Any = internal("mergekit.merge_methods.base", "BasePolicy")
 ParameterSpec: Any = internal("mergekit.merge_methods.base", "ParameterSpec")
-ParameterScope: Any = internal("mergekit.merge_methods.base", "ParameterScope")
+#: mergekit's ``ParameterScope`` and ``BasePolicy`` are ``str`` enums: their values are enough.
+SHARED, NON_BASE = "shared", "non_base"
 
 REFERENCE_URL = "https://arxiv.org/abs/2601.13572"
 PRETTY_NAMES = {
@@ -74,20 +74,20 @@ class RamMergeMethod(GroupMergeMethod):
             ParameterSpec(
                 name=info.name,
                 value_type=info.value_type,
-                scope=ParameterScope.NON_BASE if info.per_model else ParameterScope.SHARED,
+                scope=NON_BASE if info.per_model else SHARED,
                 default=info.default,
             )
             for info in METHOD_PARAMETERS[name]
         )
         hidden = tuple(
-            ParameterSpec(name=hidden, value_type=Optional[str], scope=ParameterScope.SHARED, default=None)
+            ParameterSpec(name=hidden, value_type=Optional[str], scope=SHARED, default=None)
             for hidden in HIDDEN_PARAMETERS
         )
         self.spec = MergeMethodSpec(
             name=name,
             pretty_name=PRETTY_NAMES[name],
             reference_url=REFERENCE_URL,
-            contract=InputContract(base=BasePolicy.REQUIRED),
+            contract=InputContract(base="required"),
             parameters=declared + hidden,
         )
 
@@ -137,7 +137,7 @@ class RamMergeMethod(GroupMergeMethod):
         models = list(dict.fromkeys(entry.id for group in groups for entry in group.non_base))
         for spec in self.spec.parameters:
             value = parameters.get(spec.name)
-            if spec.scope == ParameterScope.NON_BASE and isinstance(value, Mapping):
+            if spec.scope == NON_BASE and isinstance(value, Mapping):
                 parameters[spec.name] = {**dict.fromkeys(models, spec.default), **value}
         return parameters
 
@@ -147,7 +147,7 @@ class RamMergeMethod(GroupMergeMethod):
         per_model: dict[str, dict[str, Any]] = {str(entry.id): {} for entry in group.non_base}
         for spec in self.spec.parameters:
             value = _for_group(parameters.get(spec.name, spec.default), index, count)
-            if spec.scope == ParameterScope.SHARED:
+            if spec.scope == SHARED:
                 shared[spec.name] = spec.validate(value)
                 continue
             for position, entry in enumerate(group.non_base):

@@ -38,7 +38,6 @@ MergeOptions: Any = internal("mergekit.options", "MergeOptions")
 RawPyTorchMergeConfig: Any = internal("mergekit.scripts.merge_raw_pytorch", "RawPyTorchMergeConfig")
 plan_flat_merge: Any = internal("mergekit.scripts.merge_raw_pytorch", "plan_flat_merge")
 Executor: Any = internal("mergekit.graph", "Executor")
-ModelReference: Any = internal("mergekit.common", "ModelReference")
 unique_id: Any = internal("mergekit.common", "ModelPath._unique_id")
 
 
@@ -159,8 +158,9 @@ def _model_folders(merge_config: Any, options: Any, made: Sequence[str] = ()) ->
 
 
 def _references(value: Any) -> Iterator[Any]:
-    """Every mergekit ``ModelReference`` in a recipe object, wherever mergekit's schema puts one."""
-    if isinstance(value, ModelReference):
+    """Every mergekit ``ModelReference`` (a model and its LoRA) in a recipe object, wherever mergekit's
+    schema puts one."""
+    if isinstance(value, pydantic.BaseModel) and {"model", "lora"} <= set(type(value).model_fields):
         yield value
     elif isinstance(value, pydantic.BaseModel):
         for name in type(value).model_fields:

@@ -87,10 +87,8 @@ def check_method_name(method: str) -> None:
     hint = close_method(method)
     if hint is None:
         return
-    try:
-        internal("mergekit.merge_methods.registry", "get")(method)
-    except RuntimeError:
-        raise RecipeError(f"unknown merge method {method!r} (did you mean {hint!r}?)") from None
+    if method not in internal("mergekit.merge_methods.registry", "_METHODS"):
+        raise RecipeError(f"unknown merge method {method!r} (did you mean {hint!r}?)")
 
 
 def model_identity(model: Any) -> ModelIdentity:
@@ -336,7 +334,8 @@ def read_stages(path: str, text: str, intermediate_dir: str = "") -> list[Stage]
     """The stages of a recipe file as mergekit-multi reads them (a single recipe is one stage).
 
     A model named like another stage becomes ``intermediate_dir/<name>`` (mergekit's own
-    ``patched_config``), and the stage records that it depends on that one.
+    ``patched_config``), and the stage records that it depends on that one. Unknown keys of a RAM
+    stage are refused (mergekit-multi would drop them).
     """
     MergeConfiguration = internal("mergekit.config", "MergeConfiguration")
     patched_config = internal("mergekit.scripts.multimerge", "patched_config")
@@ -355,6 +354,7 @@ def read_stages(path: str, text: str, intermediate_dir: str = "") -> list[Stage]
                 + "; each stage needs its own name (at most one may have none: the final merge)"
             )
         stages[name] = validate(path, document, MergeConfiguration, where)
+        check_raw_keys(document, MergeConfiguration)  # mergekit-multi rebuilds each stage without unknown keys
     names = set(stages)
     result = []
     for name, config in stages.items():
