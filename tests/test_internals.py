@@ -101,7 +101,5 @@ def test_the_touch_points_stay_few() -> None:
     assert len(wraps) <= 3
     from mergekit_ram.integration.methods import RamMergeMethod
 
-    private = [
-        name for name, value in vars(RamMergeMethod).items() if callable(value) and re.match(r"_[^_]", name)
-    ]
+    private = [name for name, value in vars(RamMergeMethod).items() if callable(value) and re.match(r"_[^_]", name)]
     assert [name for name in private if any(hasattr(base, name) for base in RamMergeMethod.__mro__[1:])] == []

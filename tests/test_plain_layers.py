@@ -28,8 +28,8 @@ from mergekit_ram.checks import (
     planned_numel,
 )
 from mergekit_ram.errors import DeviceError, InputError, RecipeError
-from mergekit_ram.parameters import METHOD_PARAMETERS, ParameterError
 from mergekit_ram.lambdas import Applied, Resolved, merge_rule
+from mergekit_ram.parameters import METHOD_PARAMETERS, ParameterError
 from mergekit_ram.planned import ModelIdentity, PlannedTensor, TensorInput
 from mergekit_ram.recipe_file import declared_methods, read_documents
 from mergekit_ram.stats.data import TensorCounts

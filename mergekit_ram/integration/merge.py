@@ -17,12 +17,14 @@ group's counts to a file (``COUNTS_TO``) and the statistics are built from it af
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass, replace
 from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import torch
+import tqdm
 from pydantic import BaseModel
 
 from mergekit_ram.cache import CacheSettings, opened
@@ -88,8 +90,8 @@ def plan_merge(config: Any, options: Any) -> Plan:
     arch_info = internal("mergekit.architecture", "get_architecture_info")(config, options)
     loaders = LoaderCache()
     loaders.setup(options=options)
-    for model in config.referenced_models():
-        loaders.get(model)
+    for model in tqdm.tqdm(config.referenced_models(), desc="Warmup loader cache", disable=options.quiet):
+        loaders.get(model)  # as run_merge warms it up (which then finds every loader ready)
     out_config = internal("mergekit.merge", "_model_out_config")(config, arch_info, options.trust_remote_code)
     planner = MergePlanner(config, arch_info, options=options, out_model_config=out_config)
     targets = planner.plan_to_disk(out_path="")  # planned, never run
@@ -237,7 +239,9 @@ def prepare(
     counts = counted(plan, options, cache, headers)
     statistics = plan.rule.statistics(counts, "pre-pass", dtypes, plan.modules)
     log_statistics(statistics)
-    applied = {model: value for model, value in plan.rule.applied(finetunes, statistics).items() if not plan.rule.pin(model)}
+    applied = {
+        model: value for model, value in plan.rule.applied(finetunes, statistics).items() if not plan.rule.pin(model)
+    }
     return Prepared(plan, with_parameters(config, applied, {OUT_DTYPE: config.out_dtype}), dtypes, statistics)
 
 
@@ -250,17 +254,19 @@ def with_parameters(config: Any, applied: Mapping[str, Applied], hidden: Mapping
 
 
 def _injected(node: Any, applied: Mapping[str, Applied]) -> Any:
+    """``node`` rebuilt with the lambdas in each of its model entries (``model`` and ``parameters``)."""
     if isinstance(node, BaseModel):
         fields = type(node).model_fields
+        entry: Any = node
         update = {
             name: _injected(getattr(node, name), applied)
             for name in fields
             if name not in ("parameters", "model") and isinstance(getattr(node, name), (BaseModel, list, dict))
         }
-        if "model" in fields and "parameters" in fields and str(node.model) in applied:
-            lam, rho = applied[str(node.model)]
-            own = {"lambda": lam, **({"rho": rho} if rho is not None and rho != float("inf") else {})}
-            update["parameters"] = {**(node.parameters or {}), **own}
+        if "model" in fields and "parameters" in fields and str(entry.model) in applied:
+            lam, rho = applied[str(entry.model)]
+            own = {"lambda": lam, **({"rho": rho} if rho is not None and math.isfinite(rho) else {})}
+            update["parameters"] = {**(entry.parameters or {}), **own}
         return node.model_copy(update=update) if update else node
     if isinstance(node, list):
         return [_injected(item, applied) for item in node]

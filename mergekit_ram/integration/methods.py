@@ -107,19 +107,18 @@ class RamMergeMethod(GroupMergeMethod):
         supplied = self._filled(dict(parameters or {}), groups)
         for group in groups:
             self.validate_inputs(
-                [entry.id for entry in group.entries], group.base.id if group.base else None, group_name=group.metadata.name
+                [entry.id for entry in group.entries],
+                group.base.id if group.base else None,
+                group_name=group.metadata.name,
             )
             group.validate_tensors()
-        rule = merge_rule(self.spec.name, [self._resolved(group, supplied, i, len(groups)) for i, group in enumerate(groups)])
+        resolved = [self._resolved(group, supplied, index, len(groups)) for index, group in enumerate(groups)]
+        rule = merge_rule(self.spec.name, resolved)
         finetunes = list(dict.fromkeys(entry.id for group in groups for entry in group.non_base))
         needs_counts = rule.needs_counts(str(model) for model in finetunes)
         statistics = None
         if needs_counts or self.statistics_sink is not None:
-            counts = []
-            for index, group in enumerate(groups):
-                epsilon = self._resolved(group, supplied, index, len(groups)).shared["epsilon"]
-                counts.append(count_group(group, epsilon, dtype))
-                del group
+            counts = [count_group(group, values.shared["epsilon"], dtype) for group, values in zip(groups, resolved)]
             statistics = rule.statistics(counts, "pre-pass" if needs_counts else "merge")
         if needs_counts:
             supplied.update(with_lambdas(rule, finetunes, statistics))
@@ -179,7 +178,7 @@ class RamMergeMethod(GroupMergeMethod):
             for kind in ("scale", "lambda", "rho"):
                 value = parameters[kind][entry.id] if kind in parameters else None
                 if value is not None:
-                    pin = (kind, value)  # type: ignore[assignment]
+                    pin = (kind, value)
                     break
             if pin is None and rescaling is not None and rescaling.r != 0:
                 raise ParameterError(
@@ -342,16 +341,15 @@ def _dtype(name: Optional[str]) -> Optional[torch.dtype]:
 
 
 def _for_group(value: Any, index: int, count: int) -> Any:
-    """mergekit's ``PerGroupValues`` (one value per group of a direct call) read for group ``index``."""
+    """mergekit's ``PerGroupValues`` (one value per group of a direct call) read for group ``index``; a wrong
+    number of values is left to mergekit's own binding to refuse."""
     values = getattr(value, "values", None)
-    if isinstance(values, tuple):
-        if len(values) != count:
-            raise ValueError(f"expected {count} group values; got {len(values)}")
-        return values[index]
-    return value
+    return values[index] if isinstance(values, tuple) and len(values) == count else value
 
 
-def non_finite_error(model: Any, name: Optional[str], dtype: torch.dtype, original: torch.dtype, value: str) -> InputError:
+def non_finite_error(
+    model: Any, name: Optional[str], dtype: torch.dtype, original: torch.dtype, value: str
+) -> InputError:
     """Name the model and tensor; an Inf in float16 is most likely the recipe's cast to it."""
     if value == "Inf" and dtype == torch.float16:
         if original != dtype:

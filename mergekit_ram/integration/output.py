@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import sys
-import tempfile
 from typing import Any, Callable, Iterable, Iterator, NamedTuple, Optional, Sequence
 
 import pydantic
@@ -21,9 +20,9 @@ import yaml
 from huggingface_hub import constants as hub_constants
 
 from mergekit_ram import staging
-from mergekit_ram.errors import InputError
 from mergekit_ram.cache import CacheSettings
 from mergekit_ram.checks import HeaderCache
+from mergekit_ram.errors import InputError
 from mergekit_ram.files import write_atomically
 from mergekit_ram.integration.internals import MergekitMovedError, check_internals, internal, wrap
 from mergekit_ram.integration.merge import Plan, Prepared, plan_merge, prepare
@@ -106,19 +105,17 @@ def patch_run_merge(merge: Any) -> None:
             check_config(
                 merge_config.merge_method, merge_config, headers, config_source, allow_crimes=options.allow_crimes
             )
-            plan = plan_merge(merge_config, options)
-            with tempfile.TemporaryDirectory(prefix="mergekit-ram-") as scratch:
-                counts_to = os.path.join(scratch, "counts.jsonl")
-                prepared = prepare(merge_config, plan, options, headers, cache, counts_to)
-                with staging.output_transaction(out_path) as staged:
-                    source = config_source or merge_config.to_yaml()  # the recipe as given, not as run
-                    result = original(prepared.config, staged, options=options, config_source=source)
-                    if not os.path.isdir(staged):
-                        raise MergekitMovedError(
-                            f"mergekit moved its output out of {staged} (an architecture with "
-                            "post_fill_parameters); mergekit-ram cannot publish it"
-                        )
-                    statistics = finish(staged, prepared, options.write_model_card)
+            with staging.output_transaction(out_path) as staged:
+                plan = plan_merge(merge_config, options)
+                prepared = prepare(merge_config, plan, options, headers, cache, os.path.join(staged, COUNTS_FILE))
+                source = config_source or merge_config.to_yaml()  # the recipe as given, not as run
+                result = original(prepared.config, staged, options=options, config_source=source)
+                if not os.path.isdir(staged):
+                    raise MergekitMovedError(
+                        f"mergekit moved its output out of {staged} (an architecture with "
+                        "post_fill_parameters); mergekit-ram cannot publish it"
+                    )
+                statistics = finish(staged, prepared, options.write_model_card)
             if not options.quiet:
                 report_summary(out_path, statistics)
             return result
@@ -133,9 +130,15 @@ def patch_run_merge(merge: Any) -> None:
             module.run_merge = patched  # type: ignore[attr-defined]  # imported by name before the patch
 
 
+#: Where a merge without a pre-pass counts, in its staging folder (removed before the folder is published).
+COUNTS_FILE = ".mergekit-ram-counts.jsonl"
+
+
 def finish(staged: str, prepared: Prepared, card: bool) -> RamStatistics:
     """The merge's statistics, written beside the weights (and into the card) in the staging folder."""
     statistics = prepared.final_statistics()
+    if prepared.counts_to is not None and os.path.exists(prepared.counts_to):
+        os.unlink(prepared.counts_to)
     write_atomically(os.path.join(staged, STATISTICS_FILE), statistics_to_json(statistics))
     if card:
         append_card_section(staged, statistics)
@@ -235,14 +238,14 @@ def patch_raw_pytorch(raw: Any) -> None:
             check_config(config.merge_method, config, headers, allow_crimes=options.allow_crimes)
             options.apply_global_options()
             union, intersection = kwargs["tensor_union"], kwargs["tensor_intersection"]
-            plan = Plan.of(config.merge_method, _merge_tasks(plan_flat_merge(config, "", union, intersection, options)))
-            with tempfile.TemporaryDirectory(prefix="mergekit-ram-") as scratch:
-                prepared = prepare(config, plan, options, headers, cache, os.path.join(scratch, "counts.jsonl"))
-                with staging.output_transaction(out_path) as staged:
-                    targets = plan_flat_merge(prepared.config, staged, union, intersection, options)
-                    storage = options.device if options.low_cpu_memory else "cpu"
-                    Executor(targets, math_device=options.device, storage_device=storage).execute()
-                    statistics = finish(staged, prepared, False)
+            with staging.output_transaction(out_path) as staged:
+                planned = plan_flat_merge(config, "", union, intersection, options)
+                plan = Plan.of(config.merge_method, _merge_tasks(planned))
+                prepared = prepare(config, plan, options, headers, cache, os.path.join(staged, COUNTS_FILE))
+                targets = plan_flat_merge(prepared.config, staged, union, intersection, options)
+                storage = options.device if options.low_cpu_memory else "cpu"
+                Executor(targets, math_device=options.device, storage_device=storage).execute()
+                statistics = finish(staged, prepared, False)
             if not options.quiet:
                 report_summary(out_path, statistics)
 

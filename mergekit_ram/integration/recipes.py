@@ -35,6 +35,7 @@ from mergekit_ram.planned import ModelIdentity
 from mergekit_ram.recipe_file import Stage, read_documents, validate
 
 LOG = logging.getLogger(__name__)
+MergeConfiguration: Any = internal("mergekit.config", "MergeConfiguration")
 
 
 def check_config(
@@ -330,14 +331,19 @@ def _members(annotation: Any, container: type) -> list[Any]:
     return found
 
 
+def check_stage_keys(path: str, text: str) -> None:
+    """Unknown keys of each RAM stage of a mergekit-multi file (mergekit-multi rebuilds a stage without them)."""
+    for document in read_documents(path, text):
+        if isinstance(document, dict):
+            check_raw_keys({key: value for key, value in document.items() if key != "name"}, MergeConfiguration)
+
+
 def read_stages(path: str, text: str, intermediate_dir: str = "") -> list[Stage]:
     """The stages of a recipe file as mergekit-multi reads them (a single recipe is one stage).
 
     A model named like another stage becomes ``intermediate_dir/<name>`` (mergekit's own
-    ``patched_config``), and the stage records that it depends on that one. Unknown keys of a RAM
-    stage are refused (mergekit-multi would drop them).
+    ``patched_config``), and the stage records that it depends on that one.
     """
-    MergeConfiguration = internal("mergekit.config", "MergeConfiguration")
     patched_config = internal("mergekit.scripts.multimerge", "patched_config")
 
     stages: dict[Optional[str], Any] = {}
@@ -354,7 +360,6 @@ def read_stages(path: str, text: str, intermediate_dir: str = "") -> list[Stage]
                 + "; each stage needs its own name (at most one may have none: the final merge)"
             )
         stages[name] = validate(path, document, MergeConfiguration, where)
-        check_raw_keys(document, MergeConfiguration)  # mergekit-multi rebuilds each stage without unknown keys
     names = set(stages)
     result = []
     for name, config in stages.items():

@@ -84,18 +84,22 @@ def is_ours(method_name: str) -> bool:
     """Whether mergekit would run mergekit-ram's method for ``method_name`` now."""
     from mergekit_ram.integration.methods import METHODS
 
-    return method_name in METHODS and internal("mergekit.merge_methods.registry", "_METHODS").get(
-        method_name
-    ) is METHODS[method_name]
+    return (
+        method_name in METHODS
+        and internal("mergekit.merge_methods.registry", "_METHODS").get(method_name) is METHODS[method_name]
+    )
 
 
 def declared_by_other_methods(method: str) -> dict[str, list[str]]:
     """Parameter name -> the other registered mergekit methods that declare it, asked of the registry now."""
+    from mergekit_ram.integration.methods import HIDDEN_PARAMETERS
+
     declared: dict[str, list[str]] = {}
     for other in list(internal("mergekit.merge_methods.registry", "_METHODS").values()):
         spec = getattr(other, "spec", None)
         if spec is None or spec.name == method:
             continue
         for parameter in spec.parameters:
-            declared.setdefault(parameter.name, []).append(spec.name)
+            if parameter.name not in HIDDEN_PARAMETERS:  # mergekit-ram's merge step sets those, never a recipe
+                declared.setdefault(parameter.name, []).append(spec.name)
     return declared

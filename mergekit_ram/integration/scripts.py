@@ -12,7 +12,7 @@ from mergekit_ram.errors import RamError, RecipeError, exit_if_reported
 from mergekit_ram.files import removed_if_failed
 from mergekit_ram.integration.internals import internal, wrap
 from mergekit_ram.integration.output import refuse_stage_outputs
-from mergekit_ram.integration.recipes import check_method_name, read_stages
+from mergekit_ram.integration.recipes import check_method_name, check_stage_keys, read_stages
 from mergekit_ram.integration.registry import is_ours
 from mergekit_ram.recipe_file import declared_methods, read_single_document, read_text, validate
 
@@ -88,6 +88,7 @@ def check_script_recipe(name: str, path: Optional[str], arguments: dict[str, Any
     check_options_device(options)
     if stages:
         refuse_stage_outputs(stages, arguments.get("intermediate_dir") or "", arguments.get("out_path"), options)
+        check_stage_keys(path, text)
     return options
 
 
