@@ -14,7 +14,7 @@ _LAZY = {
 
 
 def register() -> None:
-    """Register the four methods with mergekit and hook its planner, run_merge and scripts (idempotent).
+    """Register the four methods with mergekit and hook its run_merge and scripts (idempotent).
 
     Only needed where the automatic registration is off (``MERGEKIT_RAM_AUTOLOAD=0``) or
     unavailable; it imports mergekit.

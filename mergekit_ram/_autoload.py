@@ -4,7 +4,7 @@ Imported at interpreter start by ``mergekit_ram_autoload.pth``; standard library
 costs about 1.5 ms, the package's ``__init__`` included. A ``sys.meta_path`` finder watches
 mergekit's modules; once mergekit has finished importing (no mergekit module, and no module of
 ``mergekit_ram.integration``, half-executed), the matching functions of
-``mergekit_ram.integration`` patch the six modules of ``HOOKS`` that were imported, in order.
+``mergekit_ram.integration`` patch the four modules of ``HOOKS`` that were imported, in order.
 Before each patch the internals of every mergekit module imported so far are checked; where one
 has moved, the plugin steps aside as a whole (``mergekit_ram.integration.guard``): one warning
 line, nothing of it left in mergekit, and recipes naming its methods refused in one line.
@@ -24,11 +24,9 @@ ENVIRONMENT_VARIABLE = "MERGEKIT_RAM_AUTOLOAD"
 # the boundary is still importing needs only its own module.
 HOOKS = {
     "mergekit.merge_methods": ("registry:register_methods",),
-    "mergekit.plan": ("planner:patch_planner",),
     "mergekit.merge": ("output:patch_run_merge",),
-    "mergekit.scripts.run_yaml": ("scripts:patch_script",),
-    "mergekit.scripts.multimerge": ("scripts:patch_multimerge", "scripts:patch_script"),
-    "mergekit.scripts.merge_raw_pytorch": ("output:patch_raw_pytorch", "scripts:patch_script"),
+    "mergekit.options": ("scripts:patch_scripts",),
+    "mergekit.scripts.merge_raw_pytorch": ("output:patch_raw_pytorch",),
 }
 
 

@@ -8,9 +8,7 @@ imports mergekit.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
-
-from mergekit_ram.parameters import parameter_scopes
+from typing import Optional
 
 
 @dataclass(frozen=True)
@@ -20,35 +18,6 @@ class TensorInput:
     model: str
     file: Optional[str]
     name: str
-
-
-@dataclass(frozen=True)
-class TensorParameters:
-    """A method's parameters as resolved for one tensor: the whole-merge ones the method declares
-    (epsilon; r, alpha, rule; density) and each fine-tuned model's own (rho, lambda; scale), None where unset."""
-
-    name: str
-    shared: tuple[tuple[str, Any], ...]
-    per_model: tuple[tuple[str, tuple[tuple[str, Any], ...]], ...] = ()
-
-    @classmethod
-    def of(
-        cls, method: str, name: str, values: Mapping[str, Any], models: Mapping[str, Mapping[str, Any]]
-    ) -> TensorParameters:
-        """From a tensor's resolved values (``values``: the whole merge's, by name, and others) and each
-        model's own (``models``): the parameters ``method`` declares."""
-        shared, per_model = parameter_scopes(method)
-        return cls(
-            name=name,
-            shared=tuple((parameter, values[parameter]) for parameter in shared if parameter in values),
-            per_model=tuple(
-                (model, tuple((parameter, own.get(parameter)) for parameter in per_model))
-                for model, own in models.items()
-            ),
-        )
-
-    def value(self, parameter: str) -> Any:
-        return dict(self.shared).get(parameter)
 
 
 @dataclass(frozen=True)
@@ -66,12 +35,8 @@ class PlannedTensor:
     base: str
     finetunes: tuple[str, ...]
     inputs: tuple[TensorInput, ...]
-    parameters: TensorParameters
+    epsilon: float
     graph: str
-
-    @property
-    def epsilon(self) -> float:
-        return float(self.parameters.value("epsilon"))
 
 
 @dataclass(frozen=True)

@@ -83,16 +83,11 @@ def select_stages(recipe_path: str, stage_name: Optional[str] = None, intermedia
 def probe_config(config: Any, options: Any, refresh: bool = False) -> RamStatistics:
     """Run only the pre-pass of a MergeConfiguration of these methods; its statistics. The recipe is
     checked as a merge checks it; ``refresh`` recomputes counts the cache has."""
-    from dataclasses import replace
-
     from mergekit_ram.integration import register
-    from mergekit_ram.integration.planner import RamRun, probe_statistics
+    from mergekit_ram.integration.merge import probe_statistics
 
     register()
-    run = RamRun.checked(config, options)
-    if refresh:
-        run.cache = replace(run.cache, mode="refresh")
-    return probe_statistics(config, options, run)
+    return probe_statistics(config, options, refresh)
 
 
 def stage_plot_path(path: str, stage: Stage, selection: ProbeSelection) -> str:

@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file
 from mergekit_ram import cache
 from mergekit_ram.checks import HeaderCache
 from mergekit_ram.errors import SettingError
-from mergekit_ram.integration.planner import RamRun, counted_prepass, plan_merge
+from mergekit_ram.integration.merge import counted, plan_merge
 from mergekit_ram.stats.schema import counts_to_dict
 from tests.conftest import ModelSet, load_statistics, merge_in_process, run_script, write_recipe
 
@@ -35,7 +35,7 @@ OPTIONS = MergeOptions(quiet=True)
 
 def prepass(plan: Any) -> list[Any]:
     """The pre-pass counts of ``plan``, with the cache settings of the environment as a command reads them."""
-    return counted_prepass(plan, OPTIONS, RamRun(HeaderCache(), cache.CacheSettings.from_environment()))
+    return counted(plan, OPTIONS, cache.CacheSettings.from_environment(), HeaderCache())
 
 
 @pytest.fixture(scope="module")

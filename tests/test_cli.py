@@ -114,7 +114,7 @@ def test_every_error_a_user_can_meet_is_a_ram_error() -> None:
     classes |= {name: getattr(errors, name) for name in dir(errors) if name.endswith("Error")}
     # ``raise make_error(...)``: functions that build an error; their return annotation must be a RamError
     factories = {
-        "_input_error": methods._input_error,
+        "non_finite_error": methods.non_finite_error,
         "self._overflow_error": methods.RamMergeMethod._overflow_error,
         "unknown_parameter": parameters.unknown_parameter,
         "shape_error": checks.shape_error,
@@ -157,7 +157,7 @@ def test_plugin_errors_are_one_line_in_every_script(bf16_models: ModelSet, tmp_p
     completed = run_script("mergekit-pytorch", raw_recipe, str(tmp_path / "o3"), "-v", check=False)
     nan_file = os.path.join(broken, "model.safetensors")
     assert with_traceback(completed) == f"{nan_file}: tensor model.layers.0.mlp.up_proj.weight contains NaN or Inf"
-    assert "raise _input_error(" in completed.stderr  # the plugin's own frame, shown under -v
+    assert "raise non_finite_error(" in completed.stderr  # the plugin's own frame, shown under -v
 
     # An environment setting, through the fallback runner with the start-up hook off.
     recipe = write_recipe(str(tmp_path / "r.yml"), bf16_models.recipe("ram_plus"))

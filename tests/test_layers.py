@@ -78,7 +78,7 @@ def test_every_plain_module_imports_without_mergekit() -> None:
     )
     assert completed.returncode == 0, completed.stderr[-3000:]
     assert completed.stdout.strip() == "ok"
-    blocked = _without_mergekit("import mergekit_ram.integration.planner")
+    blocked = _without_mergekit("import mergekit_ram.integration.merge")
     assert "blocked by tests/test_layers.py" in blocked.stderr  # the blocker works
 
 
@@ -100,21 +100,18 @@ IMPORT_FIRST = (
 
 CHECK_PATCHES = """
 import mergekit.merge, mergekit.plan, mergekit.scripts.run_yaml, mergekit.scripts.multimerge
-import mergekit.scripts.merge_raw_pytorch, mergekit.merge_methods
+import mergekit.scripts.merge_raw_pytorch, mergekit.merge_methods, mergekit.options
 from mergekit.merge_methods import registry
 from mergekit_ram.integration.methods import METHODS
 patched = [
-    mergekit.merge.run_merge, mergekit.plan.MergePlanner.plan_to_disk, mergekit.plan.MergePlanner.plan_in_memory,
-    mergekit.scripts.multimerge.load_config,
+    mergekit.merge.run_merge, mergekit.options.PrettyPrintHelp.invoke, mergekit.scripts.merge_raw_pytorch.main.callback
 ]
-scripts = (mergekit.scripts.run_yaml, mergekit.scripts.multimerge, mergekit.scripts.merge_raw_pytorch)
 print(
     all(registry._METHODS[name] is method for name, method in METHODS.items()),
     all(getattr(function, "__mergekit_ram_wrapped__", False) for function in patched),
-    all(getattr(script.main.callback, "__mergekit_ram_cli__", False) for script in scripts),
+    not hasattr(mergekit.plan.MergePlanner.plan_to_disk, "__mergekit_ram_wrapped__"),  # the planner as it is
     mergekit.scripts.run_yaml.run_merge is mergekit.merge.run_merge,
-    # mergekit-pytorch: one-line errors outside, its output transaction inside
-    getattr(mergekit.scripts.merge_raw_pytorch.main.callback.__wrapped__, "__mergekit_ram_wrapped__", False),
+    mergekit.scripts.multimerge.run_merge is mergekit.merge.run_merge,
 )
 """
 

@@ -1,4 +1,4 @@
-"""The plain layers below the mergekit boundary, on plain data: settings, checks, the cache.
+"""The plain layers below the mergekit boundary, on plain data: the merge's rule, checks, the cache.
 
 Nothing here imports mergekit: tests/test_layers.py runs this file with mergekit made
 unimportable.
@@ -27,51 +27,50 @@ from mergekit_ram.checks import (
     planned_numel,
 )
 from mergekit_ram.errors import DeviceError, InputError, RecipeError
+from mergekit_ram.lambdas import Applied, Resolved, merge_rule
 from mergekit_ram.parameters import METHOD_PARAMETERS, ParameterError
-from mergekit_ram.planned import ModelIdentity, PlannedTensor, TensorInput, TensorParameters
+from mergekit_ram.planned import ModelIdentity, PlannedTensor, TensorInput
 from mergekit_ram.recipe_file import declared_methods, read_documents
-from mergekit_ram.settings import Applied, merge_settings
 from mergekit_ram.stats.data import TensorCounts
 from mergekit_ram.stats.schema import counts_to_dict
 
 
-def parameters(name: str, r: float = 0.1, alpha: float = 2.0, rule: str = "clip", **pins: tuple) -> TensorParameters:
-    return TensorParameters(
+def parameters(name: str, r: float = 0.1, alpha: float = 2.0, rule: str = "clip", **pins: tuple) -> Resolved:
+    return Resolved(
         name=name,
-        shared=(("epsilon", 1e-5), ("r", r), ("alpha", alpha), ("rule", rule)),
-        per_model=tuple((model, (("rho", rho), ("lambda", lambda_))) for model, (rho, lambda_) in pins.items()),
+        shared={"epsilon": 1e-5, "r": r, "alpha": alpha, "rule": rule},
+        per_model={model: {"rho": rho, "lambda": lambda_} for model, (rho, lambda_) in pins.items()},
     )
 
 
 def test_one_rescaling_per_merge_turns_rho_into_lambda() -> None:
-    settings = merge_settings("ram_plus", [parameters("w1", a=(None, None)), parameters("w2", a=(None, None))])
-    assert settings.rescaling is not None and (settings.rescaling.r, settings.rescaling.alpha) == (0.1, 2.0)
-    assert settings.needs_counts(["a"])
-    assert settings.model_lambda("a", 1.45) == 1.145  # 1 + 0.1 * 1.45
-    assert settings.model_lambda("a", 14.87) == 1.2  # clipped at alpha = 2
+    rule = merge_rule("ram_plus", [parameters("w1", a=(None, None)), parameters("w2", a=(None, None))])
+    assert rule.rescaling is not None and (rule.rescaling.r, rule.rescaling.alpha) == (0.1, 2.0)
+    assert rule.needs_counts(["a"])
+    counts = TensorCounts(name="w1", numel=100, epsilon=1e-5, models=("a",), histograms=((20,),))
+    assert rule.applied(["a"], rule.statistics([counts], "pre-pass")) == {"a": Applied(1.0, 0.0)}
     refused = r"parameter 'r' must be one value for the whole merge .* 0.1 for w1 and 0.2 for w2"
     with pytest.raises(ParameterError, match=refused):
-        merge_settings("ram_plus", [parameters("w1"), parameters("w2", r=0.2)])
+        merge_rule("ram_plus", [parameters("w1"), parameters("w2", r=0.2)])
 
 
 def test_pins_and_r_zero_need_no_counts() -> None:
-    pinned = merge_settings("ram_plus", [parameters("w", a=(None, 1.3), b=(3.0, None))])
+    pinned = merge_rule("ram_plus", [parameters("w", a=(None, 1.3), b=(3.0, None))])
     assert not pinned.needs_counts(["a", "b"])
-    assert pinned.lambdas(["a", "b"], None) == {"a": 1.3, "b": 1.2}
     assert pinned.applied(["a", "b"], None) == {"a": Applied(1.3, None), "b": Applied(1.2, 3.0)}
-    zero = merge_settings("ram_plus", [parameters("w", r=0.0, a=(None, None))])
-    assert zero.lambdas(["a"], None) == {"a": 1.0}
-    ram = merge_settings("ram", [parameters("w")])
-    assert ram.rescaling is None and ram.applied(["a"], None) == {}
+    zero = merge_rule("ram_plus", [parameters("w", r=0.0, a=(None, None))])
+    assert not zero.needs_counts(["a"]) and zero.applied(["a"], None) == {"a": Applied(1.0, None)}
+    ram = merge_rule("ram", [parameters("w")])
+    assert ram.rescaling is None and ram.applied(["a"], None) == {"a": Applied(1.0, None)}
     with pytest.raises(ParameterError, match="the pinned lambda of a must be one value for the whole merge"):
-        merge_settings("ram_plus", [parameters("w1", a=(None, 1.3)), parameters("w2", a=(None, None))])
+        merge_rule("ram_plus", [parameters("w1", a=(None, 1.3)), parameters("w2", a=(None, None))])
 
 
 def test_reported_lambda_is_the_applied_lambda() -> None:
-    settings = merge_settings("ram_plus", [parameters("w", a=(None, None), b=(None, 1.5))])
+    rule = merge_rule("ram_plus", [parameters("w", a=(None, None), b=(None, 1.5))])
     counts = TensorCounts(name="w", numel=10, epsilon=1e-5, models=("a", "b"), histograms=((2, 3), (1, 3)))
-    statistics = settings.statistics([counts], "pre-pass")
-    applied = settings.applied(["a", "b"], statistics)
+    statistics = rule.statistics([counts], "pre-pass")
+    applied = rule.applied(["a", "b"], statistics)
     assert applied == {"a": Applied(1.15, 1.5), "b": Applied(1.5, None)}  # rho_a = 3 / 2
     assert {stats.model: stats.lambda_ for stats in statistics.models} == {"a": 1.15, "b": 1.5}
 
@@ -105,7 +104,7 @@ def planned(name: str, *inputs: TensorInput, optional: bool = False) -> PlannedT
         base=inputs[0].model,
         finetunes=tuple(source.model for source in inputs[1:]),
         inputs=inputs,
-        parameters=parameters(name),
+        epsilon=1e-5,
         graph=f"graph of {name}",
     )
 
@@ -230,11 +229,9 @@ def test_cache_key_follows_what_the_counts_depend_on(tmp_path) -> None:
     tensor = planned("w", TensorInput("base", base, "w"), TensorInput("a", agent, "w"))
     key = cache.cache_key([tensor])
     assert cache.cache_key([tensor]) == key
-    other_epsilon = PlannedTensor(**{**tensor.__dict__, "parameters": TensorParameters("w", (("epsilon", 1e-3),))})
+    other_epsilon = PlannedTensor(**{**tensor.__dict__, "epsilon": 1e-3})
     assert cache.cache_key([other_epsilon]) != key
     assert cache.cache_key([PlannedTensor(**{**tensor.__dict__, "graph": "another slice"})]) != key
-    other_r = PlannedTensor(**{**tensor.__dict__, "parameters": parameters("w", r=0.2)})
-    assert cache.cache_key([other_r]) == key  # r, alpha and the rule turn counts into lambda afterwards
 
     settings = cache.CacheSettings("on", str(tmp_path / "cache"))
     counts = TensorCounts(name="w", numel=6, epsilon=1e-5, models=("a",), histograms=((6,),))

@@ -154,3 +154,91 @@ def test_lora_input(vocab_models, monkeypatch, tmp_path) -> None:
     assert q_proj == [[816, 206], [1, 206]]
     assert mlp == [[0, 306], [0, 306]]
     assert len(os.listdir(str(tmp_path / "lora_cache"))) == 1  # the adapter merged into a, once
+
+
+def test_lambdas_reach_every_place_a_model_appears() -> None:
+    """The lambdas are written into each model's own parameters wherever the recipe names it, matched as
+    mergekit names the model (LoRA and revision included); a pinned model and the base are left as they are."""
+    from mergekit.config import MergeConfiguration
+
+    from mergekit_ram.integration.merge import with_parameters
+    from mergekit_ram.lambdas import Applied
+
+    lora, revision, pinned = "/m/a+/m/adapter", "/m/b@v2", "/m/c"
+    applied = {lora: Applied(1.2, 0.5), revision: Applied(1.1, float("inf"))}
+    recipes = {
+        "models": {
+            "models": [{"model": m} for m in (lora, revision)] + [{"model": pinned, "parameters": {"lambda": 1.3}}]
+        },
+        "slices": {
+            "slices": [{"sources": [{"model": m, "layer_range": [0, 2]} for m in (lora, revision, pinned, "/m/base")]}]
+        },
+        "modules": {
+            "modules": {
+                "text_decoder": {"models": [{"model": m} for m in (lora, revision, pinned)]},
+                "vision_tower": {
+                    "slices": [{"sources": [{"model": m, "layer_range": [0, 1]} for m in (lora, revision)]}]
+                },
+            }
+        },
+    }
+    for kind, recipe in recipes.items():
+        config = MergeConfiguration.model_validate({"merge_method": "ram_plus", "base_model": "/m/base", **recipe})
+        injected = with_parameters(config, applied, {"mergekit_ram_out_dtype": None})
+        found = [(str(node.model), node.parameters) for node in _model_nodes(injected)]
+        assert {model for model, _ in found} >= {lora, revision}, kind
+        for model, parameters in found:
+            if model == lora:
+                assert parameters == {"lambda": 1.2, "rho": 0.5}, kind
+            elif model == revision:
+                assert parameters == {"lambda": 1.1}, kind  # an infinite rho is no parameter
+            elif model == pinned:
+                assert parameters in ({"lambda": 1.3}, None), kind
+            else:
+                assert not parameters, kind
+        assert (
+            config.model_dump()
+            == MergeConfiguration.model_validate(
+                {"merge_method": "ram_plus", "base_model": "/m/base", **recipe}
+            ).model_dump()
+        )  # the caller's recipe is not changed
+
+
+def _model_nodes(node: Any) -> list[Any]:
+    from pydantic import BaseModel
+
+    if isinstance(node, BaseModel):
+        fields = type(node).model_fields
+        own = [node] if "model" in fields and "parameters" in fields else []
+        return own + [found for name in fields for found in _model_nodes(getattr(node, name))]
+    if isinstance(node, (list, tuple)):
+        return [found for item in node for found in _model_nodes(item)]
+    if isinstance(node, dict):
+        return [found for item in node.values() for found in _model_nodes(item)]
+    return []
+
+
+def test_a_merge_without_run_merge_refuses_an_unpinned_ram_plus_lambda(vocab_models, tmp_path) -> None:
+    """mergekit's planner run directly (as mergekit-evolve does): no global rho is counted there, so an
+    unpinned ram_plus lambda is refused in one line naming the fix, never merged with another rho."""
+    from mergekit.config import MergeConfiguration
+    from mergekit.graph import Executor
+    from mergekit.options import MergeOptions
+    from mergekit.plan import MergePlanner
+
+    from mergekit_ram.integration.merge import plan_merge
+    from mergekit_ram.parameters import ParameterError
+
+    recipe = {"merge_method": "ram_plus", "base_model": vocab_models["base"], "models": [{"model": vocab_models["a"]}]}
+    config, options = MergeConfiguration.model_validate(recipe), MergeOptions(quiet=True)
+    plan_merge(config, options)  # mergekit's loader cache warmed, as run_merge does
+    from mergekit.architecture import get_architecture_info
+    from mergekit.merge import _model_out_config
+
+    arch_info = get_architecture_info(config, options)
+    planner = MergePlanner(config, arch_info, options=options, out_model_config=_model_out_config(config, arch_info))
+    targets = planner.plan_to_disk(out_path=str(tmp_path / "out"))
+    with pytest.raises(
+        ParameterError, match=r"^ram_plus: tensor .*: the lambda of .* needs the global rho.*set `r: 0`$"
+    ):
+        Executor(targets).execute()

@@ -20,6 +20,7 @@ from mergekit.scripts.multimerge import load_config
 from mergekit.scripts.run_yaml import main as mergekit_yaml
 
 from mergekit_ram.errors import InputError
+from mergekit_ram.integration.recipes import check_stage_keys, read_stages
 from mergekit_ram.integration.registry import BUILTIN_RAM_VARIABLE, register_methods
 from mergekit_ram.parameters import RecipeError
 from mergekit_ram.published import with_card_metadata, with_sorted_model_list
@@ -89,16 +90,18 @@ def test_other_methods_keep_mergekits_leniency(bf16_models: ModelSet) -> None:
 
 
 def test_mergekit_multi_stages_are_checked(bf16_models: ModelSet) -> None:
-    """mergekit-multi validates each stage and drops unknown keys before run_merge sees the recipe."""
+    """mergekit-multi validates each stage and drops unknown keys before run_merge sees the recipe: the console
+    script checks each stage's keys first (``check_stage_keys``)."""
     first = {"name": "stage-one", **bf16_models.recipe("ram_plus")}
     second = {**bf16_models.recipe("ram"), "epsilon": 1e-3}
     second["models"] = [{"model": "stage-one"}]
     source = yaml.safe_dump_all([first, second], sort_keys=False)
     with pytest.raises(RecipeError, match="ram recipe: unknown key 'epsilon' at the top level of the recipe"):
-        load_config(source, "/tmp/unused")
+        check_stage_keys("multi.yml", source)
     second["parameters"] = {"epsilon": second.pop("epsilon")}
-    configs, dependencies = load_config(yaml.safe_dump_all([first, second], sort_keys=False), "/tmp/unused")
-    assert dependencies[None] == {"stage-one"}
+    check_stage_keys("multi.yml", yaml.safe_dump_all([first, second], sort_keys=False))
+    stages = read_stages("multi.yml", yaml.safe_dump_all([first, second], sort_keys=False), "/tmp/unused")
+    assert [stage.depends_on for stage in stages] == [(), ("stage-one",)]
 
 
 def test_mergekit_yaml_refuses_a_misspelled_key(bf16_models: ModelSet, tmp_path) -> None:

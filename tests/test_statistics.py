@@ -18,7 +18,7 @@ from mergekit.options import MergeOptions
 from safetensors.torch import load_file, save_file
 
 from mergekit_ram import cache
-from mergekit_ram.integration.planner import plan_merge
+from mergekit_ram.integration.merge import plan_merge
 from mergekit_ram.parameters import ParameterError
 from mergekit_ram.probe import probe_config, select_stages
 from mergekit_ram.rescaling import Rescaling

@@ -4,8 +4,8 @@
   version guard (``internal``, ``wrap``, ``check_internals``, ``MergekitMovedError``);
 - ``registry``: the methods registered, the built-in ``ram`` replaced (``MERGEKIT_RAM_BUILTIN_RAM``);
 - ``methods``: the four methods on mergekit's method API;
-- ``tasks``: merge tasks as plain data, asked to count; the statistics task;
-- ``planner``: ``MergePlanner`` wrapped: pre-pass, lambdas, statistics; the ``RamRun`` of a merge;
+- ``merge``: one merge as a sequence: plan (mergekit's planner, unpatched), counts, statistics,
+  the lambdas written into the recipe;
 - ``output``: ``run_merge`` and the ``mergekit-pytorch`` command inside the output transaction;
 - ``scripts``: the console scripts (one-line errors, CUDA check, mergekit-multi's stages);
 - ``recipes``: recipe checks over mergekit's recipe classes, mergekit-multi's stages;
@@ -25,19 +25,15 @@ __all__ = ["register"]
 
 
 def register() -> None:
-    """Register the methods with mergekit and hook its planner, run_merge and scripts; idempotent."""
+    """Register the methods with mergekit and hook its run_merge and scripts; idempotent."""
     from mergekit_ram.integration.internals import check_internals
     from mergekit_ram.integration.output import patch_raw_pytorch, patch_run_merge
-    from mergekit_ram.integration.planner import patch_planner
     from mergekit_ram.integration.registry import register_methods
-    from mergekit_ram.integration.scripts import patch_multimerge, patch_script
+    from mergekit_ram.integration.scripts import patch_scripts
 
     check_internals()
     module = importlib.import_module
     register_methods(module("mergekit.merge_methods"))
-    patch_planner(module("mergekit.plan"))
     patch_run_merge(module("mergekit.merge"))
     patch_raw_pytorch(module("mergekit.scripts.merge_raw_pytorch"))
-    patch_multimerge(module("mergekit.scripts.multimerge"))
-    for name in ("mergekit.scripts.run_yaml", "mergekit.scripts.multimerge", "mergekit.scripts.merge_raw_pytorch"):
-        patch_script(module(name))
+    patch_scripts(module("mergekit.options"))

@@ -7,13 +7,13 @@
 
 Same arguments as ``mergekit.merge_methods.merge_state_dicts`` (modules or state dicts,
 ``parameters``, ``base``, ``strict``, ``dtype``, ``out_dtype``, ``batch_options``) and the
-same code path: mergekit's function calls the registered method once with every tensor
-group, which for ``ram_plus`` counts the global rho over them all first. This function
-checks the arguments with the recipe's rules, then returns the merged tensors and the
-``RamStatistics`` of that call.
+same code path: mergekit's function calls the method once with every tensor group; the
+method counts them first (the global rho), then hands mergekit each model's lambda as a
+parameter (``RamMergeMethod.__call__``). This function checks the arguments with the recipe's
+rules, then returns the merged tensors and the ``RamStatistics`` of that call.
 
 Both this function and mergekit's own take ``rho`` / ``lambda`` pins for some models only; the
-others get their rho from the counts (``RamMergeMethod._bind_per_input``).
+others get their rho from the counts.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ from mergekit_ram.integration.registry import register_methods
 from mergekit_ram.parameters import METHOD_PARAMETERS, ParameterError, check_parameter
 from mergekit_ram.stats.data import RamStatistics
 
-PerGroupValues: Any = internal("mergekit.merge_methods.base", "PerGroupValues")
 mergekit_merge_state_dicts: Any = internal("mergekit.merge_methods", "merge_state_dicts")
 StateDict = Mapping[str, torch.Tensor]
 ModelLike = Union[StateDict, torch.nn.Module]
@@ -88,7 +87,8 @@ def merge_state_dicts(
 def _check_parameters(method: str, parameters: Mapping[str, Any], finetunes: Sequence[Hashable]) -> None:
     """The recipe's rules for every value; per-model values keyed by known models."""
     for name, setting in parameters.items():
-        values = setting.values if isinstance(setting, PerGroupValues) else [setting]
+        per_group = getattr(setting, "values", None)  # mergekit's PerGroupValues: one value per group
+        values = per_group if isinstance(per_group, tuple) else [setting]
         for value in values:
             if isinstance(value, Mapping):
                 for model in value:

@@ -45,72 +45,39 @@ class Internal:
 
 #: What the plugin uses, and why (the boundary module in brackets).
 INTERNALS = (
-    # Registration (registry): the method registry's table, to replace only the built-in `ram`.
+    # Registration (registry): the method registry's table, to add the methods and replace only the built-in `ram`.
     Internal("mergekit.merge_methods.registry", "_METHODS"),
-    Internal("mergekit.merge_methods.registry", "register"),
-    Internal("mergekit.merge_methods.registry", "registered_methods"),
-    Internal("mergekit.merge_methods.registry", "get"),
     Internal("mergekit.merge_methods", "ram_merge"),
-    # The method API (methods): a group method, with mergekit's binding and dtype handling.
+    # The method API (methods): a group method, its spec and parameters; mergekit's in-memory API (inmemory).
     Internal("mergekit.merge_methods.base", "GroupMergeMethod"),
-    Internal(
-        "mergekit.merge_methods.base",
-        "GroupMergeMethod._execute",
-        ("self", "groups", "parameters", "options", "input_dtypes", "out_dtype"),
-    ),  # fmt: skip
-    Internal("mergekit.merge_methods.base", "MergeMethod._bind_per_input", ("self", "group", "parameter", "value")),
     Internal("mergekit.merge_methods.base", "MergeMethodSpec"),
     Internal("mergekit.merge_methods.base", "InputContract"),
-    Internal("mergekit.merge_methods.base", "BasePolicy"),
     Internal("mergekit.merge_methods.base", "ParameterSpec"),
-    Internal("mergekit.merge_methods.base", "ParameterScope"),
-    Internal("mergekit.merge_methods.base", "BatchOptions"),
-    Internal("mergekit.merge_methods.base", "PerGroupValues"),
-    Internal("mergekit.merge_methods.dtype", "align_dtype"),
     Internal("mergekit.merge_methods", "merge_state_dicts"),
-    # The planned graph (planner, tasks): the merge tasks, their inputs, the executors.
+    # Planning as run_merge plans, and the pre-pass over the planned inputs (merge).
     Internal("mergekit.plan", "MergePlanner"),
-    Internal("mergekit.plan", "MergePlanner.plan_to_disk", ("self", "out_path")),
-    Internal("mergekit.plan", "MergePlanner.plan_in_memory", ("self",)),
-    Internal("mergekit.merge_methods.task_adapter", "TensorDictWrapper"),
-    Internal("mergekit.io.tasks", "GatherTensors"),
-    Internal("mergekit.io.tasks", "LoaderCache"),
-    Internal("mergekit.io.tasks", "SaveTensor"),
-    Internal("mergekit.io.tasks", "ReturnTensor"),
-    Internal("mergekit.io.tasks", "FinalizeModel"),
-    Internal("mergekit.graph", "Task"),
-    Internal("mergekit.graph", "Executor"),
-    Internal("mergekit.multigpu_executor", "MultiGPUExecutor"),
-    Internal("mergekit.common", "ImmutableMap"),
-    Internal("mergekit.architecture", "ConfiguredModuleArchitecture"),
     Internal("mergekit.architecture", "get_architecture_info"),
-    Internal("mergekit.architecture.json_definitions", "NAME_TO_ARCH"),
     Internal("mergekit.merge", "_model_out_config", ("config", "arch_info", "trust_remote_code")),
+    Internal("mergekit.io.tasks", "LoaderCache"),
+    Internal("mergekit.graph", "Executor"),
     # Recipes and options (recipes, scripts, output).
     Internal("mergekit.config", "MergeConfiguration"),
     Internal("mergekit.options", "MergeOptions"),
+    Internal("mergekit.architecture.json_definitions", "NAME_TO_ARCH"),
     Internal("mergekit.scripts.multimerge", "patched_config"),
-    # The folders a recipe reads (output): its model references, where mergekit merges a LoRA.
-    Internal("mergekit.common", "ModelReference"),
+    # Where mergekit merges a LoRA (output: an output folder there is refused).
     Internal("mergekit.common", "ModelPath._unique_id", ("self",)),
+    # mergekit-pytorch: its recipe class and its flat plan (output).
     Internal("mergekit.scripts.merge_raw_pytorch", "RawPyTorchMergeConfig"),
     Internal(
         "mergekit.scripts.merge_raw_pytorch",
         "plan_flat_merge",
         ("config", "out_path", "tensor_union", "tensor_intersection", "options"),
     ),  # fmt: skip
-    # Patched: run_merge (the output transaction), and the console scripts (one-line errors).
+    # The three wraps: run_merge (the merge step, the output transaction), the console scripts' shared click
+    # command class (one-line errors), mergekit-pytorch's command (the merge step, the output transaction).
     Internal("mergekit.merge", "run_merge", ("merge_config", "out_path", "options", "config_source")),
-    Internal("mergekit.scripts.run_yaml", "main"),
-    Internal("mergekit.scripts.run_yaml", "main.callback", ("merge_options", "config_file", "out_path")),
-    Internal("mergekit.scripts.multimerge", "main"),
-    Internal(
-        "mergekit.scripts.multimerge",
-        "main.callback",
-        ("config_file", "intermediate_dir", "out_path", "lazy", "merge_options"),
-    ),  # fmt: skip
-    Internal("mergekit.scripts.multimerge", "load_config", ("config_source", "intermediate_dir")),
-    Internal("mergekit.scripts.merge_raw_pytorch", "main"),
+    Internal("mergekit.options", "PrettyPrintHelp.invoke", ("self", "ctx")),
     Internal(
         "mergekit.scripts.merge_raw_pytorch",
         "main.callback",
@@ -187,9 +154,11 @@ def check_internals(imported_only: bool = False) -> None:
 def wrap(module: str, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]], mark: str = _MARK) -> None:
     """Replace the ``INTERNALS`` entry ``module.name`` by ``make(original)``, once (``mark`` tells this
     patch's wrapper); ``name`` may be ``Class.method`` or ``command.callback``."""
-    owner_path, _, attribute = name.rpartition(".")
-    owner = internal(module, owner_path) if owner_path else importlib.import_module(module)
-    original = internal(module, name)
+    original = internal(module, name)  # checks the whole path
+    owner: Any = importlib.import_module(module)
+    *owners, attribute = name.split(".")
+    for part in owners:
+        owner = getattr(owner, part)
     if getattr(original, mark, False):
         return
     wrapper = functools.wraps(original)(make(original))

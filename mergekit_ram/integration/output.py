@@ -4,8 +4,8 @@ mergekit's own ``run_merge`` (so ``mergekit-yaml`` and every stage of ``mergekit
 ``mergekit-pytorch`` command write into the staging folder of ``mergekit_ram.staging``'s
 output transaction: weights, config, tokenizer, card and statistics reach the output folder
 together, or not at all. An output folder that is, or is inside, a folder the merge reads is
-refused first (``refuse_input_folder``; ``mergekit-multi``: ``refuse_stage_outputs``). The
-statistics come back in the merge's ``RamRun`` for the card and the terminal. Other methods run
+refused first (``refuse_input_folder``; ``mergekit-multi``: ``refuse_stage_outputs``); the merge
+itself is ``integration.merge``'s sequence around mergekit's own ``run_merge``. Other methods run
 exactly as mergekit has them.
 """
 
@@ -21,20 +21,24 @@ import yaml
 from huggingface_hub import constants as hub_constants
 
 from mergekit_ram import staging
+from mergekit_ram.cache import CacheSettings
+from mergekit_ram.checks import HeaderCache
 from mergekit_ram.errors import InputError
+from mergekit_ram.files import write_atomically
 from mergekit_ram.integration.internals import MergekitMovedError, check_internals, internal, wrap
-from mergekit_ram.integration.planner import RamRun, attach_ram_plan, with_run
-from mergekit_ram.integration.recipes import check_recipe_file
+from mergekit_ram.integration.merge import Plan, Prepared, plan_merge, prepare
+from mergekit_ram.integration.recipes import check_config, check_recipe_file
 from mergekit_ram.integration.registry import is_ours
 from mergekit_ram.interrupts import MergeInterrupted
 from mergekit_ram.published import append_card_section, report_summary
 from mergekit_ram.recipe_file import Stage
+from mergekit_ram.stats.data import RamStatistics
+from mergekit_ram.stats.schema import STATISTICS_FILE, statistics_to_json
 
 MergeOptions: Any = internal("mergekit.options", "MergeOptions")
 RawPyTorchMergeConfig: Any = internal("mergekit.scripts.merge_raw_pytorch", "RawPyTorchMergeConfig")
 plan_flat_merge: Any = internal("mergekit.scripts.merge_raw_pytorch", "plan_flat_merge")
 Executor: Any = internal("mergekit.graph", "Executor")
-ModelReference: Any = internal("mergekit.common", "ModelReference")
 unique_id: Any = internal("mergekit.common", "ModelPath._unique_id")
 
 
@@ -131,7 +135,8 @@ def _identity(path: str) -> Optional[tuple[int, int]]:
 
 
 def patch_run_merge(merge: Any) -> None:
-    """RAM merges: inputs' folders refused, the recipe checked once, everything staged and published at once."""
+    """RAM merges: inputs' folders refused, the recipe checked once, the merge step's sequence
+    (``integration.merge``), everything staged and published at once."""
 
     def make(original: Callable[..., Any]) -> Callable[..., Any]:
         def run_merge(merge_config: Any, out_path: str, options: Any, config_source: Optional[str] = None) -> Any:
@@ -141,18 +146,23 @@ def patch_run_merge(merge: Any) -> None:
             try:
                 check_internals()
                 refuse_input_folder(out_path, _model_folders(merge_config, options))
-                run = RamRun.checked(merge_config, options, config_source)
+                headers, cache = HeaderCache(), CacheSettings.from_environment()
+                check_config(
+                    merge_config.merge_method, merge_config, headers, config_source, allow_crimes=options.allow_crimes
+                )
                 with transaction.staged() as staged:
-                    result = original(merge_config, staged, options=with_run(options, run), config_source=config_source)
+                    plan = plan_merge(merge_config, options)
+                    prepared = prepare(merge_config, plan, options, headers, cache, os.path.join(staged, COUNTS_FILE))
+                    source = config_source or merge_config.to_yaml()  # the recipe as given, not as run
+                    result = original(prepared.config, staged, options=options, config_source=source)
                     if not os.path.isdir(staged):
                         raise MergekitMovedError(
-                            f"mergekit moved its output out of {staged} (an architecture with post_fill_parameters); "
-                            "mergekit-ram cannot publish it"
+                            f"mergekit moved its output out of {staged} (an architecture with "
+                            "post_fill_parameters); mergekit-ram cannot publish it"
                         )
-                    if options.write_model_card and run.statistics is not None:
-                        append_card_section(staged, run.statistics)
-                if not options.quiet and run.statistics is not None:
-                    report_summary(out_path, run.statistics)
+                    statistics = finish(staged, prepared, options.write_model_card)
+                if not options.quiet:
+                    report_summary(out_path, statistics)
             except KeyboardInterrupt:
                 raise transaction.interrupted() from None
             return result
@@ -165,6 +175,21 @@ def patch_run_merge(merge: Any) -> None:
         module = sys.modules.get(name)
         if module is not None and getattr(module, "run_merge", None) is not patched:
             module.run_merge = patched  # type: ignore[attr-defined]  # imported by name before the patch
+
+
+#: Where a merge without a pre-pass counts, in its staging folder (removed before the folder is published).
+COUNTS_FILE = ".mergekit-ram-counts.jsonl"
+
+
+def finish(staged: str, prepared: Prepared, card: bool) -> RamStatistics:
+    """The merge's statistics, written beside the weights (and into the card) in the staging folder."""
+    statistics = prepared.final_statistics()
+    if prepared.counts_to is not None and os.path.exists(prepared.counts_to):
+        os.unlink(prepared.counts_to)
+    write_atomically(os.path.join(staged, STATISTICS_FILE), statistics_to_json(statistics))
+    if card:
+        append_card_section(staged, statistics)
+    return statistics
 
 
 def _model_folders(merge_config: Any, options: Any, made: Sequence[str] = ()) -> Iterator[InputFolder]:
@@ -183,8 +208,9 @@ def _model_folders(merge_config: Any, options: Any, made: Sequence[str] = ()) ->
 
 
 def _references(value: Any) -> Iterator[Any]:
-    """Every mergekit ``ModelReference`` in a recipe object, wherever mergekit's schema puts one."""
-    if isinstance(value, ModelReference):
+    """Every mergekit ``ModelReference`` (a model and its LoRA) in a recipe object, wherever mergekit's
+    schema puts one."""
+    if isinstance(value, pydantic.BaseModel) and {"model", "lora"} <= set(type(value).model_fields):
         yield value
     elif isinstance(value, pydantic.BaseModel):
         for name in type(value).model_fields:
@@ -237,8 +263,8 @@ def _stage_output(stage: Stage, intermediate_dir: str, out_path: Optional[str]) 
 def patch_raw_pytorch(raw: Any) -> None:
     """``mergekit-pytorch``'s command: unknown keys refused, inputs' folders refused, output transaction.
 
-    For a RAM recipe the command's own steps run here (its options are built inside the command,
-    so this is the only way its planning gets the merge's ``RamRun``), with mergekit's functions.
+    For a RAM recipe the command's own steps run here (its options are built inside the command),
+    with mergekit's functions: its flat plan, the merge step's sequence, its Executor.
     """
 
     def make(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -257,23 +283,30 @@ def patch_raw_pytorch(raw: Any) -> None:
             transaction = Transaction(out_path)
             try:
                 options = MergeOptions(**{key: kwargs[key] for key in MergeOptions.model_fields if key in kwargs})
-                run = RamRun.checked(config, options)
+                headers, cache = HeaderCache(), CacheSettings.from_environment()
+                check_config(config.merge_method, config, headers, allow_crimes=options.allow_crimes)
                 options.apply_global_options()
+                union, intersection = kwargs["tensor_union"], kwargs["tensor_intersection"]
                 with transaction.staged() as staged:
-                    union, intersection = kwargs["tensor_union"], kwargs["tensor_intersection"]
-                    targets = attach_ram_plan(
-                        plan_flat_merge(config, staged, union, intersection, options), options, staged, run
-                    )
+                    planned = plan_flat_merge(config, "", union, intersection, options)
+                    plan = Plan.of(config.merge_method, _merge_tasks(planned))
+                    prepared = prepare(config, plan, options, headers, cache, os.path.join(staged, COUNTS_FILE))
+                    targets = plan_flat_merge(prepared.config, staged, union, intersection, options)
                     storage = options.device if options.low_cpu_memory else "cpu"
                     Executor(targets, math_device=options.device, storage_device=storage).execute()
-                if not options.quiet and run.statistics is not None:
-                    report_summary(out_path, run.statistics)
+                    statistics = finish(staged, prepared, False)
+                if not options.quiet:
+                    report_summary(out_path, statistics)
             except KeyboardInterrupt:
                 raise transaction.interrupted() from None
 
         return command
 
     wrap("mergekit.scripts.merge_raw_pytorch", "main.callback", make)
+
+
+def _merge_tasks(targets: Sequence[Any]) -> list[Any]:
+    return [task.tensor_task for task in targets if hasattr(task, "tensor_task")]
 
 
 def _raw_config(path: Optional[str]) -> Any:

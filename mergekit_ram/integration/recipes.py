@@ -35,6 +35,7 @@ from mergekit_ram.planned import ModelIdentity
 from mergekit_ram.recipe_file import Stage, read_documents, validate
 
 LOG = logging.getLogger(__name__)
+MergeConfiguration: Any = internal("mergekit.config", "MergeConfiguration")
 
 
 def check_config(
@@ -87,10 +88,8 @@ def check_method_name(method: str) -> None:
     hint = close_method(method)
     if hint is None:
         return
-    try:
-        internal("mergekit.merge_methods.registry", "get")(method)
-    except RuntimeError:
-        raise RecipeError(f"unknown merge method {method!r} (did you mean {hint!r}?)") from None
+    if method not in internal("mergekit.merge_methods.registry", "_METHODS"):
+        raise RecipeError(f"unknown merge method {method!r} (did you mean {hint!r}?)")
 
 
 def model_identity(model: Any) -> ModelIdentity:
@@ -332,13 +331,19 @@ def _members(annotation: Any, container: type) -> list[Any]:
     return found
 
 
+def check_stage_keys(path: str, text: str) -> None:
+    """Unknown keys of each RAM stage of a mergekit-multi file (mergekit-multi rebuilds a stage without them)."""
+    for document in read_documents(path, text):
+        if isinstance(document, dict):
+            check_raw_keys({key: value for key, value in document.items() if key != "name"}, MergeConfiguration)
+
+
 def read_stages(path: str, text: str, intermediate_dir: str = "") -> list[Stage]:
     """The stages of a recipe file as mergekit-multi reads them (a single recipe is one stage).
 
     A model named like another stage becomes ``intermediate_dir/<name>`` (mergekit's own
     ``patched_config``), and the stage records that it depends on that one.
     """
-    MergeConfiguration = internal("mergekit.config", "MergeConfiguration")
     patched_config = internal("mergekit.scripts.multimerge", "patched_config")
 
     stages: dict[Optional[str], Any] = {}

@@ -58,7 +58,7 @@ def register_methods(merge_methods: ModuleType) -> None:
         elif current is method:
             continue
         elif current is None:
-            internal("mergekit.merge_methods.registry", "register")(method)
+            table[name] = method
         elif name == "ram" and current is builtin:
             table[name] = method
             LOG.info("mergekit-ram: replaced mergekit's built-in 'ram' (checkpoint-dtype arithmetic) with float32 RAM")
@@ -84,21 +84,22 @@ def is_ours(method_name: str) -> bool:
     """Whether mergekit would run mergekit-ram's method for ``method_name`` now."""
     from mergekit_ram.integration.methods import METHODS
 
-    if method_name not in METHODS:
-        return False
-    try:
-        return internal("mergekit.merge_methods.registry", "get")(method_name) is METHODS[method_name]
-    except RuntimeError:
-        return False
+    return (
+        method_name in METHODS
+        and internal("mergekit.merge_methods.registry", "_METHODS").get(method_name) is METHODS[method_name]
+    )
 
 
 def declared_by_other_methods(method: str) -> dict[str, list[str]]:
     """Parameter name -> the other registered mergekit methods that declare it, asked of the registry now."""
+    from mergekit_ram.integration.methods import HIDDEN_PARAMETERS
+
     declared: dict[str, list[str]] = {}
-    for other in internal("mergekit.merge_methods.registry", "registered_methods")():
+    for other in list(internal("mergekit.merge_methods.registry", "_METHODS").values()):
         spec = getattr(other, "spec", None)
         if spec is None or spec.name == method:
             continue
         for parameter in spec.parameters:
-            declared.setdefault(parameter.name, []).append(spec.name)
+            if parameter.name not in HIDDEN_PARAMETERS:  # mergekit-ram's merge step sets those, never a recipe
+                declared.setdefault(parameter.name, []).append(spec.name)
     return declared

@@ -1,6 +1,5 @@
 """mergekit's console scripts (``mergekit-yaml``, ``mergekit-multi``, ``mergekit-pytorch``) for RAM recipes:
-one-line errors, the CUDA check, unknown keys of mergekit-multi's stages, stages writing into an input,
-the statistics table."""
+one-line errors, the CUDA check, unknown keys (of each stage of mergekit-multi), stages writing into an input."""
 
 from __future__ import annotations
 
@@ -8,70 +7,69 @@ import os
 from types import ModuleType
 from typing import Any, Callable, Optional
 
-import yaml
-
 from mergekit_ram.device import check_device
 from mergekit_ram.errors import RamError, RecipeError, exit_if_reported
 from mergekit_ram.files import removed_if_failed
 from mergekit_ram.integration.internals import internal, wrap
 from mergekit_ram.integration.output import refuse_stage_outputs
-from mergekit_ram.integration.recipes import check_method_name, check_raw_keys, read_stages
+from mergekit_ram.integration.recipes import check_method_name, check_stage_keys, read_stages
 from mergekit_ram.integration.registry import is_ours
 from mergekit_ram.interrupts import exit_interrupted, merge_started
 from mergekit_ram.recipe_file import declared_methods, read_single_document, read_text, validate
 
-#: mergekit's console scripts: module -> (command name, the argument that names the recipe file)
+#: mergekit's console scripts, by their click command's name: (the command as installed, the argument
+#: that names the recipe file)
 SCRIPTS = {
-    "mergekit.scripts.run_yaml": ("mergekit-yaml", "config_file"),
-    "mergekit.scripts.multimerge": ("mergekit-multi", "config_file"),
-    "mergekit.scripts.merge_raw_pytorch": ("mergekit-pytorch", "config_path"),
+    "mergekit-yaml": ("mergekit-yaml", "config_file"),
+    "mergekit-multimerge": ("mergekit-multi", "config_file"),
+    "mergekit-pytorch": ("mergekit-pytorch", "config_path"),
 }
-_CLI_MARK = "__mergekit_ram_cli__"
 MergeConfiguration: Any = internal("mergekit.config", "MergeConfiguration")
 MergeOptions: Any = internal("mergekit.options", "MergeOptions")
 
 
-def patch_script(script: ModuleType) -> None:
-    """The plugin's errors as one line (``Error: ...``, exit 1; the traceback with ``-v``).
+def patch_scripts(options: ModuleType) -> None:
+    """The plugin's errors as one line (``Error: ...``, exit 1; the traceback with ``-v``), for the three
+    console scripts at once: they share mergekit's click command class, whose ``invoke`` runs each.
 
     The plugin's own errors are told by type (``RamError``). A YAML or schema error, a
     missing CUDA device and a resource failure (``errors.resource_message``: too many open files,
     a full disk) are reported so only for a file that asks for one of this plugin's methods,
     and a misspelling of their names for any file: for every other recipe mergekit's output stays
-    as it was. ``mergekit-pytorch`` (which has no ``run_merge``) also shows the statistics table here.
-    A failed ``mergekit-multi`` run of a RAM recipe removes the ``-I`` folder it made, if empty
-    (the failed stage has removed its own folder). Ctrl-C, but during a merge of another method, is one line
-    saying what the output folder holds and exit status 130 (``mergekit_ram.interrupts``).
+    as it was. A failed ``mergekit-multi`` run of a RAM recipe removes the ``-I`` folder it made, if
+    empty (the failed stage has removed its own folder). Ctrl-C, but during a merge of another method,
+    is one line saying what the output folder holds and exit status 130 (``mergekit_ram.interrupts``).
     """
-    name, recipe_argument = SCRIPTS[script.__name__]
 
     def make(original: Callable[..., Any]) -> Callable[..., Any]:
-        def callback(*args: Any, **kwargs: Any) -> Any:
+        def invoke(command: Any, context: Any) -> Any:
+            if command.name not in SCRIPTS:
+                return original(command, context)
             merge_started()
-            options, theirs = None, False
+            name, recipe_argument = SCRIPTS[command.name]
+            kwargs = context.params
+            checked, theirs = None, False
             try:
-                options = check_script_recipe(script, name, kwargs.get(recipe_argument), kwargs)
-                theirs = options is None  # mergekit's own recipe: mergekit's own Ctrl-C
-                with removed_if_failed(kwargs.get("intermediate_dir") if options is not None else None):
-                    result = original(*args, **kwargs)  # mergekit-multi makes its -I folder itself
+                checked = check_script_recipe(name, kwargs.get(recipe_argument), kwargs)
+                theirs = checked is None  # mergekit's own recipe: mergekit's own Ctrl-C
+                with removed_if_failed(kwargs.get("intermediate_dir") if checked is not None else None):
+                    result = original(command, context)  # mergekit-multi makes its -I folder itself
             except KeyboardInterrupt as interrupt:
                 if not theirs:
                     exit_interrupted(interrupt, kwargs.get("out_path") or kwargs.get("intermediate_dir"))
                 raise
             except Exception as error:
-                if options is not None or isinstance(error, RamError):
+                if checked is not None or isinstance(error, RamError):
                     exit_if_reported(error, bool(kwargs.get("verbosity")), "merging")
                 raise
             return result
 
-        return callback
+        return invoke
 
-    wrap(script.__name__, "main.callback", make, mark=_CLI_MARK)
+    wrap("mergekit.options", "PrettyPrintHelp.invoke", make)
 
 
-def check_script_recipe(
-    script: ModuleType, name: str, path: Optional[str], arguments: dict[str, Any]
-) -> Optional[MergeOptions]:
+def check_script_recipe(name: str, path: Optional[str], arguments: dict[str, Any]) -> Optional[MergeOptions]:
     """For a recipe file that asks for a RAM method (its ``merge_method``, or a misspelling of one, which is
     refused here): read and validate it as ``name`` will, check the device and (``mergekit-multi``) that
     no RAM stage writes into a folder a stage reads, and return the command's MergeOptions; None for
@@ -98,6 +96,7 @@ def check_script_recipe(
     check_options_device(options)
     if stages:
         refuse_stage_outputs(stages, arguments.get("intermediate_dir") or "", arguments.get("out_path"), options)
+        check_stage_keys(path, text)
     return options
 
 
@@ -111,20 +110,3 @@ def check_options_device(options: MergeOptions) -> None:
     device = str(options.device or "cpu")
     flag = "--gpu-rich" if options.gpu_rich else "--cuda" if options.cuda else f"--device {device}"
     check_device(device, flag)
-
-
-def patch_multimerge(multimerge: ModuleType) -> None:
-    """``mergekit-multi`` validates each stage of its file and rebuilds it without the keys it
-    dropped; check the raw stages of RAM recipes for unknown keys first."""
-
-    def make(original: Callable[..., Any]) -> Callable[..., Any]:
-        def load_config(config_source: str, intermediate_dir: str) -> Any:
-            for document in yaml.safe_load_all(config_source):
-                if isinstance(document, dict):
-                    stage = {key: value for key, value in document.items() if key != "name"}
-                    check_raw_keys(stage, MergeConfiguration)
-            return original(config_source, intermediate_dir)
-
-        return load_config
-
-    wrap("mergekit.scripts.multimerge", "load_config", make)

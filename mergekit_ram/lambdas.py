@@ -1,22 +1,30 @@
-"""A RAM merge's settings, validated once: the rescaling (r, alpha, rule), density, the pins, and lambda.
+"""A merge's rescaling and pins, fixed once; counts to statistics; each model's lambda, once.
 
 lambda_t is global (paper eq. 6): one r, one alpha, one rule per merge and one pin (or scale) per
 model, whatever filters or gradients the recipe uses; ram_ties's density is one value too.
-``merge_settings`` checks that over every tensor of the merge and returns the one
-``MergeSettings`` that turns rho into lambda for the pre-pass, the kernel and the statistics
-alike. Plain data; no torch, no mergekit.
+``merge_rule`` checks that over the values the merge resolved (every planned tensor, or every group
+of a direct call) and returns the one ``MergeRule`` that turns counts into statistics and rho into
+lambda. Plain data; no torch, no mergekit.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable, NamedTuple, Optional, Sequence
+from typing import Any, Iterable, Mapping, NamedTuple, Optional, Sequence
 
 from mergekit_ram.parameters import METHOD_PARAMETERS, ParameterError
-from mergekit_ram.planned import TensorParameters
 from mergekit_ram.rescaling import Rescaling
 from mergekit_ram.stats.arithmetic import build_statistics, model_lambda
 from mergekit_ram.stats.data import Pin, RamStatistics, Source, TensorCounts
+
+
+class Resolved(NamedTuple):
+    """A method's parameters as resolved for one tensor (or group): ``shared`` by name, and each
+    fine-tuned model's own (``per_model``: model -> name -> value; None where unset)."""
+
+    name: str
+    shared: Mapping[str, Any]
+    per_model: Mapping[str, Mapping[str, Any]]
 
 
 class Applied(NamedTuple):
@@ -27,19 +35,17 @@ class Applied(NamedTuple):
 
 
 @dataclass(frozen=True)
-class MergeSettings:
+class MergeRule:
     """What turns counts into statistics and rho into lambda, fixed once per merge.
 
     ``rescaling`` is None where lambda does not come from rho (``ram``: 1; ``ram_unique``: each
-    model's scale). ``pins``: (model, "rho", "lambda" or "scale", value) as the recipe set them.
+    model's scale). ``pins``: model -> ("rho", "lambda" or "scale", value) as the recipe set them.
     """
 
     method: str
     rescaling: Optional[Rescaling] = None
     pins: tuple[tuple[str, Pin, float], ...] = ()
-    checkpoint_dtypes: tuple[tuple[str, tuple[str, ...]], ...] = ()
     density: Optional[float] = None
-    modules: tuple[tuple[str, str], ...] = ()  # (tensor, mergekit module) in a `modules:` merge
 
     def pin(self, model: str) -> Optional[tuple[Pin, float]]:
         return next(((kind, value) for name, kind, value in self.pins if name == model), None)
@@ -50,46 +56,30 @@ class MergeSettings:
             return False
         return any(self.pin(model) is None for model in finetunes)
 
-    def model_lambda(self, model: str, rho: Optional[float]) -> float:
-        """lambda_t through the statistics' one rule (``stats.model_lambda``): the pinned lambda,
-        else the rescaling of the pinned or given rho; 1 for ``ram``.
-
-        ``rho`` may be None only where lambda does not depend on it (see ``needs_counts``).
-        """
-        pin = self.pin(model)
-        if rho is None and pin is None and self.rescaling is not None:
-            if self.rescaling.r != 0:
-                raise ValueError(f"lambda of {model} needs its global rho")
-            rho = 0.0  # r = 0: every rho gives lambda 1
-        return model_lambda(0.0 if rho is None else rho, self.rescaling, pin)
-
-    def lambdas(self, finetunes: Sequence[str], statistics: Optional[RamStatistics]) -> dict[str, float]:
-        """Each model's lambda_t as the kernel applies it: from ``statistics`` where counts were needed,
-        else from the pins (1 for ``ram``, the scale for ``ram_unique``)."""
-        if statistics is not None:
-            return {stats.model: stats.lambda_ for stats in statistics.models}
-        return {model: self.model_lambda(model, None) for model in finetunes}
-
     def applied(self, finetunes: Sequence[str], statistics: Optional[RamStatistics]) -> dict[str, Applied]:
-        """Each model's lambda as the kernel is to apply it, with the rho it came from (None for a
-        pinned lambda); from ``statistics`` when counts were needed, else from the pins alone.
-
-        Empty where lambda does not come from rho (``ram``, ``ram_unique``): the method reads it itself.
-        """
-        if self.rescaling is None:
-            return {}
+        """Each model's lambda as the kernel is to apply it, with the rho it came from (None for a pinned
+        lambda or scale): from ``statistics`` when counts were needed, else from the pins alone."""
         if statistics is not None:
             return {
-                stats.model: Applied(stats.lambda_, None if stats.pinned == "lambda" else stats.rho)
+                stats.model: Applied(stats.lambda_, None if stats.pinned in ("lambda", "scale") else stats.rho)
                 for stats in statistics.models
             }
         applied = {}
         for model in finetunes:
             pin = self.pin(model)
-            applied[model] = Applied(self.model_lambda(model, None), pin[1] if pin and pin[0] == "rho" else None)
+            if pin is None and self.rescaling is not None and self.rescaling.r != 0:
+                raise ValueError(f"lambda of {model} needs its global rho")
+            rho = pin[1] if pin is not None and pin[0] == "rho" else None
+            applied[model] = Applied(model_lambda(0.0, self.rescaling, pin), rho)
         return applied
 
-    def statistics(self, tensors: Iterable[TensorCounts], source: Source) -> RamStatistics:
+    def statistics(
+        self,
+        tensors: Iterable[TensorCounts],
+        source: Source,
+        checkpoint_dtypes: Optional[Mapping[str, Iterable[str]]] = None,
+        modules: Optional[Mapping[str, str]] = None,
+    ) -> RamStatistics:
         """Per-model counts, rho and lambda (through ``model_lambda``) from per-tensor counts."""
         return build_statistics(
             self.method,
@@ -97,54 +87,40 @@ class MergeSettings:
             rescaling=self.rescaling,
             pins={model: (kind, value) for model, kind, value in self.pins},
             source=source,
-            checkpoint_dtypes=dict(self.checkpoint_dtypes),
+            checkpoint_dtypes=checkpoint_dtypes,
             density=self.density,
-            modules=dict(self.modules),
+            modules=modules,
         )
 
 
-def merge_settings(
-    method: str,
-    tensors: Sequence[TensorParameters],
-    checkpoint_dtypes: Optional[dict[str, set[str]]] = None,
-    modules: Optional[dict[str, str]] = None,
-) -> MergeSettings:
-    """The one MergeSettings of a merge whose tensors were resolved to ``tensors``.
+def merge_rule(method: str, tensors: Sequence[Resolved]) -> MergeRule:
+    """The one MergeRule of a merge whose tensors were resolved to ``tensors``.
 
     Every whole-merge parameter the method declares but epsilon (r, alpha, rule, density) must be
     one value per merge, and each model's own parameter one value (its pin or scale).
     """
     if method not in METHOD_PARAMETERS:
         raise ValueError(f"not a mergekit-ram method: {method!r}")
-    dtypes = tuple((model, tuple(sorted(found))) for model, found in sorted((checkpoint_dtypes or {}).items()))
     declared = {info.name: info for info in METHOD_PARAMETERS[method] if not info.per_model and info.name != "epsilon"}
     values = {}
     for name, info in declared.items():
-        value = _one_value(method, name, [(tensor.name, tensor.value(name)) for tensor in tensors])
+        value = _one_value(method, name, [(tensor.name, tensor.shared.get(name)) for tensor in tensors])
         values[name] = info.default if value is None else value
     rescaling = Rescaling(values["r"], values["alpha"], values["rule"]) if "r" in values else None
-    return MergeSettings(
-        method=method,
-        rescaling=rescaling,
-        pins=_pins(method, tensors),
-        checkpoint_dtypes=dtypes,
-        density=values.get("density"),
-        modules=tuple(sorted((modules or {}).items())),
-    )
+    return MergeRule(method=method, rescaling=rescaling, pins=_pins(method, tensors), density=values.get("density"))
 
 
-def _pins(method: str, tensors: Sequence[TensorParameters]) -> tuple[tuple[str, Pin, float], ...]:
+def _pins(method: str, tensors: Sequence[Resolved]) -> tuple[tuple[str, Pin, float], ...]:
     """(model, kind, value) for each model whose own parameters set one value over the whole merge:
     its lambda, else its rho (ram_plus, ram_ties), or its scale (ram_unique)."""
     pins = []
-    for model in dict.fromkeys(model for tensor in tensors for model, _ in tensor.per_model):
+    for model in dict.fromkeys(model for tensor in tensors for model in tensor.per_model):
         seen: dict[tuple[Pin, Any], str] = {}
         for tensor in tensors:
-            for name, values in tensor.per_model:
-                if name == model:
-                    own = dict(values)
-                    kind: Pin = next((k for k in ("lambda", "rho", "scale") if own.get(k) is not None), "rho")
-                    seen.setdefault((kind, own.get(kind)), tensor.name)
+            own = tensor.per_model.get(model)
+            if own is not None:
+                kind: Pin = next((k for k in ("lambda", "rho", "scale") if own.get(k) is not None), "rho")
+                seen.setdefault((kind, own.get(kind)), tensor.name)
         if len(seen) > 1:
             (first, first_tensor), (second, second_tensor) = list(seen.items())[:2]
             raise ParameterError(

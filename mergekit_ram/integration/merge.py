@@ -1,0 +1,289 @@
+"""One RAM merge as a sequence of plain functions, around mergekit's own planner and ``run_merge``:
+
+    recipe -> checks -> plan (mergekit's planner, unpatched) -> counts (cache or pre-pass)
+      -> statistics -> lambdas written into the recipe -> mergekit's run_merge into staging
+      -> statistics file + card -> publish
+
+rho is a whole-model statistic and mergekit merges one tensor at a time, so the counts come
+first: ``plan_merge`` plans the recipe with mergekit's planner (nothing runs), ``counted`` takes
+the counts from the cache or streams the planned merge tasks' own input sub-graphs once through
+mergekit's ``Executor`` (``run_prepass``), and ``prepared`` returns the recipe with each model's
+lambda as an ordinary per-model ``lambda`` parameter, wherever the model appears (``models``,
+slices' sources, ``modules``, LoRA and revision references: matched as mergekit names them). When
+every lambda is known from the recipe, no pre-pass runs: the recipe asks the methods to append each
+group's counts to a file (``COUNTS_TO``) and the statistics are built from it after the merge.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass, replace
+from typing import Any, Iterator, Mapping, Optional, Sequence
+
+import torch
+import tqdm
+from pydantic import BaseModel
+
+from mergekit_ram.cache import CacheSettings, opened
+from mergekit_ram.checks import HeaderCache, check_tensors
+from mergekit_ram.integration.internals import internal
+from mergekit_ram.integration.methods import COUNTS_TO, OUT_DTYPE, count_tensors, read_counts
+from mergekit_ram.lambdas import Applied, MergeRule, Resolved, merge_rule
+from mergekit_ram.planned import PlannedTensor, TensorInput
+from mergekit_ram.stats.data import RamStatistics, TensorCounts
+from mergekit_ram.stats.render import log_statistics
+
+LOG = logging.getLogger(__name__)
+
+MergePlanner: Any = internal("mergekit.plan", "MergePlanner")
+Executor: Any = internal("mergekit.graph", "Executor")
+LoaderCache: Any = internal("mergekit.io.tasks", "LoaderCache")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A RAM merge as mergekit plans it: its merge tasks, the same as plain data, its modules
+    (output tensor -> mergekit module, in a ``modules:`` merge of several), and its rule."""
+
+    tasks: list[Any]
+    tensors: list[PlannedTensor]
+    modules: dict[str, str]
+    rule: MergeRule
+
+    @classmethod
+    def of(cls, method: str, tasks: Sequence[Any], modules: Optional[dict[str, str]] = None) -> Plan:
+        tasks = [task for task in tasks if getattr(task, "method_name", None) == method]
+        return cls(list(tasks), [planned_tensor(task) for task in tasks], modules or {}, rule_of(method, tasks))
+
+    def finetunes(self) -> list[str]:
+        return list(dict.fromkeys(model for tensor in self.tensors for model in tensor.finetunes))
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What the merge step gives mergekit and takes back: the recipe with the lambdas (and the hidden
+    parameters) in it; the statistics when the pre-pass counted them, else the file the merge counts into."""
+
+    plan: Plan
+    config: Any
+    checkpoint_dtypes: dict[str, set[str]]
+    statistics: Optional[RamStatistics] = None
+    counts_to: Optional[str] = None
+
+    def final_statistics(self) -> RamStatistics:
+        """The pre-pass's statistics, or those of the counts the merge appended, in planned order."""
+        if self.statistics is not None:
+            return self.statistics
+        order = {tensor.name: index for index, tensor in reversed(list(enumerate(self.plan.tensors)))}
+        counts = sorted(read_counts(str(self.counts_to)), key=lambda found: order.get(found.name, len(order)))
+        statistics = self.plan.rule.statistics(counts, "merge", self.checkpoint_dtypes, self.plan.modules)
+        log_statistics(statistics)
+        return statistics
+
+
+def plan_merge(config: Any, options: Any) -> Plan:
+    """Plan a recipe exactly as ``run_merge`` will (mergekit's planner on a copy; nothing runs or is written)."""
+    config = config.model_copy(deep=True)  # mergekit's planner normalizes the recipe in place
+    arch_info = internal("mergekit.architecture", "get_architecture_info")(config, options)
+    loaders = LoaderCache()
+    loaders.setup(options=options)
+    for model in tqdm.tqdm(config.referenced_models(), desc="Warmup loader cache", disable=options.quiet):
+        loaders.get(model)  # as run_merge warms it up (which then finds every loader ready)
+    out_config = internal("mergekit.merge", "_model_out_config")(config, arch_info, options.trust_remote_code)
+    planner = MergePlanner(config, arch_info, options=options, out_model_config=out_config)
+    targets = planner.plan_to_disk(out_path="")  # planned, never run
+    tasks = [task.tensor_task for task in targets if hasattr(task, "tensor_task")]
+    return Plan.of(config.merge_method, tasks, tensor_modules(planner))
+
+
+def tensor_modules(planner: Any) -> dict[str, str]:
+    """Each output tensor's module in a merge of several (a ``modules:`` recipe: mergekit's text
+    decoder, vision tower, ...), from the output model's architecture; empty for one module."""
+    if len(planner.config.modules or {}) < 2:
+        return {}
+    found: dict[str, str] = {}
+    for module in planner.config.modules:
+        definition = planner.arch_info.modules[module]
+        prefix = definition.weight_prefix or ""
+        weights = definition.architecture.all_weights(config=planner.out_model_config)
+        found.update((prefix + weight.name, module) for weight in weights)
+    return found
+
+
+def rule_of(method: str, tasks: Sequence[Any]) -> MergeRule:
+    """The merge's one rule, from the values mergekit resolved for each merge task."""
+    return merge_rule(
+        method,
+        [
+            Resolved(
+                task.output_weight.name,
+                dict(task.parameters.items()),
+                {str(m): dict(task.input_parameters[m].items()) for m in task.model_order if m != task.base_model},
+            )
+            for task in tasks
+        ],
+    )
+
+
+def planned_tensor(task: Any) -> PlannedTensor:
+    """One merge task as plain data: inputs (file and name per model), epsilon, input sub-graph."""
+    source = task.gather_tensors
+    return PlannedTensor(
+        name=task.output_weight.name,
+        optional=task.output_weight.optional,
+        vocabulary_axis=task.output_weight.vocabulary_axis,
+        reshaped=hasattr(source, "gather_tensors"),  # tokenizer alignment or truncation around the loads
+        base=str(task.base_model),
+        finetunes=tuple(str(model) for model in task.model_order if model != task.base_model),
+        inputs=tuple(_task_inputs(source)),
+        epsilon=float(task.parameters["epsilon"]),
+        graph=describe(source),
+    )
+
+
+def _task_inputs(source: Any) -> Iterator[TensorInput]:
+    """Each input model's file holding the tensor (None if it has none) and the name in that file."""
+    if hasattr(source, "tensors"):  # mergekit-pytorch: a file per model
+        for model, load in source.tensors.items():
+            yield TensorInput(str(model), load.model, load.tensor_name)
+        return
+    gather = getattr(source, "gather_tensors", source)
+    for model, weight in gather.weight_info.items():
+        index = LoaderCache().get(model).index
+        names = [weight.name, *(weight.aliases or ()), *(weight.tied_names or ())]
+        name = next((n for n in names if n in index.tensor_paths), None)
+        if name is None:
+            yield TensorInput(str(model), None, weight.name)
+        else:
+            yield TensorInput(str(model), os.path.join(index.base_path, index.tensor_paths[name]), name)
+
+
+def describe(value: Any) -> str:
+    """A canonical text for a planned task graph (pydantic models, mergekit's maps, scalars)."""
+    if isinstance(value, BaseModel):
+        fields = ", ".join(f"{name}={describe(getattr(value, name))}" for name in type(value).model_fields)
+        return f"{type(value).__name__}({fields})"
+    if callable(getattr(value, "items", None)):
+        items = sorted((describe(key), describe(item)) for key, item in value.items())
+        return "{" + ", ".join(f"{key}: {item}" for key, item in items) + "}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(describe(item) for item in value) + "]"
+    return repr(value)
+
+
+def counted(plan: Plan, options: Any, cache: CacheSettings, headers: HeaderCache) -> list[TensorCounts]:
+    """The pre-pass counts, from the cache when nothing they depend on changed."""
+    with opened(cache, plan.tensors) as entry:
+        counts = entry.load(plan.tensors, headers) if entry is not None else None
+        if counts is None:
+            started = time.perf_counter()
+            LOG.info("ram_plus pre-pass: counting changed parameters over %d tensors", len(plan.tasks))
+            counts = run_prepass(plan, options)
+            LOG.info("ram_plus pre-pass done in %.1f s", time.perf_counter() - started)
+            if entry is not None:
+                entry.store(counts)
+    return [value for value in counts if value is not None]
+
+
+def run_prepass(plan: Plan, options: Any) -> list[Optional[TensorCounts]]:
+    """One streaming pass over the merge's own inputs: each merge task's input sub-graph run by mergekit's
+    Executor, one group at a time, and counted as the method would see it; None where mergekit passes the
+    tensor through (an optional tensor some models lack, a non-floating buffer)."""
+    sources = list(dict.fromkeys(task.gather_tensors for task in plan.tasks))
+    storage = options.device if options.low_cpu_memory else "cpu"
+    executor = Executor(sources, math_device=options.device, storage_device=storage)
+    by_source: dict[Any, list[int]] = {}
+    for index, task in enumerate(plan.tasks):
+        by_source.setdefault(task.gather_tensors, []).append(index)
+    counts: list[Optional[TensorCounts]] = [None] * len(plan.tasks)
+    for source, tensors in executor.run(quiet=options.quiet, desc="RAM+ pre-pass"):
+        for index in by_source[source]:
+            planned = plan.tensors[index]
+            counts[index] = _counted_task(plan.tasks[index], planned.name, planned.epsilon, tensors)
+        del tensors
+    return counts
+
+
+def _counted_task(task: Any, name: str, epsilon: float, tensors: Mapping[Any, Any]) -> Optional[TensorCounts]:
+    """One merge task's inputs counted as ``ExecuteMergeMethodTask`` hands them to the method: the models
+    that have the tensor, in the task's order; None where mergekit does not merge it (no base, a buffer)."""
+    present = [(model, tensors[model]) for model in task.model_order if tensors.get(model) is not None]
+    base = next((item for item in present if item[0] == task.base_model), None)
+    if base is None or not all(tensor.is_floating_point() for _, tensor in present):
+        return None
+    finetunes = [item for item in present if item[0] != task.base_model]
+    dtype = None if task.dtype is None else getattr(torch, task.dtype)
+    return count_tensors(name, base, finetunes, epsilon, dtype)
+
+
+def prepare(
+    config: Any,
+    plan: Plan,
+    options: Any,
+    headers: HeaderCache,
+    cache: CacheSettings,
+    counts_to: str,
+) -> Prepared:
+    """Checks of every planned input, the pre-pass where a lambda needs the global rho, and the recipe
+    mergekit is to run: each model's lambda in it where counted, the hidden parameters set."""
+    dtypes = check_tensors(plan.tensors, headers).dtypes
+    finetunes = plan.finetunes()
+    if plan.rule.method == "ram":
+        LOG.info("merge_method 'ram' is mergekit-ram's float32 RAM (it replaces mergekit's built-in 'ram')")
+    if not plan.rule.needs_counts(finetunes):
+        hidden = {OUT_DTYPE: config.out_dtype, COUNTS_TO: counts_to}
+        return Prepared(plan, with_parameters(config, {}, hidden), dtypes, counts_to=counts_to)
+    counts = counted(plan, options, cache, headers)
+    statistics = plan.rule.statistics(counts, "pre-pass", dtypes, plan.modules)
+    log_statistics(statistics)
+    applied = {
+        model: value for model, value in plan.rule.applied(finetunes, statistics).items() if not plan.rule.pin(model)
+    }
+    return Prepared(plan, with_parameters(config, applied, {OUT_DTYPE: config.out_dtype}), dtypes, statistics)
+
+
+def with_parameters(config: Any, applied: Mapping[str, Applied], hidden: Mapping[str, Any]) -> Any:
+    """A copy of the recipe with each model's ``lambda`` (and the finite ``rho`` it came from) in its own
+    ``parameters`` wherever the recipe names it (``models``, slices' sources, ``modules``; matched as
+    mergekit names the model), and the ``hidden`` parameters at the top level."""
+    shared = {**(config.parameters or {}), **{name: value for name, value in hidden.items() if value is not None}}
+    return _injected(config, applied).model_copy(update={"parameters": shared})
+
+
+def _injected(node: Any, applied: Mapping[str, Applied]) -> Any:
+    """``node`` rebuilt with the lambdas in each of its model entries (``model`` and ``parameters``)."""
+    if isinstance(node, BaseModel):
+        fields = type(node).model_fields
+        entry: Any = node
+        update = {
+            name: _injected(getattr(node, name), applied)
+            for name in fields
+            if name not in ("parameters", "model") and isinstance(getattr(node, name), (BaseModel, list, dict))
+        }
+        if "model" in fields and "parameters" in fields and str(entry.model) in applied:
+            lam, rho = applied[str(entry.model)]
+            own = {"lambda": lam, **({"rho": rho} if rho is not None and math.isfinite(rho) else {})}
+            update["parameters"] = {**(entry.parameters or {}), **own}
+        return node.model_copy(update=update) if update else node
+    if isinstance(node, list):
+        return [_injected(item, applied) for item in node]
+    if isinstance(node, dict):
+        return {key: _injected(item, applied) for key, item in node.items()}
+    return node
+
+
+def probe_statistics(config: Any, options: Any, refresh: bool = False) -> RamStatistics:
+    """Only the checks and the pre-pass of a recipe of these methods (the probe): its statistics;
+    ``refresh`` recomputes counts the cache has."""
+    from mergekit_ram.integration.recipes import check_config
+
+    headers = HeaderCache()
+    cache = CacheSettings.from_environment()
+    check_config(config.merge_method, config, headers, allow_crimes=options.allow_crimes)
+    plan = plan_merge(config, options)
+    dtypes = check_tensors(plan.tensors, headers).dtypes
+    counts = counted(plan, options, replace(cache, mode="refresh") if refresh else cache, headers)
+    return plan.rule.statistics(counts, "pre-pass", dtypes, plan.modules)
