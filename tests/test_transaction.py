@@ -323,8 +323,9 @@ def _next_merge_fault(scenario: Scenario, crashed: int, operation: int, ending: 
     if completed.returncode == 0:  # it finished (Python ignores SIGPIPE and SIGXFSZ): its merge, no marker
         assert files == scenario.new and MARKER_FILE not in (state or {}), (crashed, operation, ending)
     elif state != before and (files != scenario.new or MARKER_FILE in (state or {})):
-        # only SIGKILL leaves something: its private folder (OUT's files as they were), or a marked mix
-        marked = MARKER_FILE in (state or {}) and "config.json" not in files
+        # only SIGKILL leaves something: its private folder (OUT's files as they were), or the marker over
+        # a mix (no config.json) or over the complete new merge (killed before removing the marker)
+        marked = MARKER_FILE in (state or {}) and ("config.json" not in files or files == scenario.new)
         assert ending == "SIGKILL" and (files == published(before) or marked), (crashed, operation, ending)
 
 
