@@ -75,9 +75,11 @@ def snapshot(folder: str) -> dict[str, bytes]:
 
 
 def fault_env(fault: Optional[str] = None, **extra: str) -> dict[str, str]:
-    """The fault hook on PYTHONPATH (it does nothing without a fault)."""
+    """The fault hook on PYTHONPATH (it does nothing without a fault), with every ignored signal set back
+    to its default action (a shell's background job, ``make test &``, starts with SIGINT and SIGQUIT ignored)."""
     env = {
         "PYTHONPATH": os.pathsep.join(filter(None, [FAULTS, os.environ.get("PYTHONPATH")])),
+        "MERGEKIT_RAM_TEST_SIGNALS": "default",
         **extra,
     }
     if fault:
