@@ -40,8 +40,8 @@ FULL = ExperimentConfig()
 #: trial runs on the cached base, docs/quality.md), before any merge of these agents ran.
 FULL_SPARSE = replace(
     FULL,
-    grpo=replace(GrpoConfig(), steps=200, lr=2e-6, warmup=10),
-    snapshots=(100, 200),
+    grpo=replace(GrpoConfig(), steps=200, lr=1e-6, warmup=10),
+    snapshots=(50, 100, 200),
     full_grid_on_snapshots=False,
 )
 

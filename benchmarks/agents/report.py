@@ -683,15 +683,17 @@ def render(results: Results, out_dir: str, doc: Optional[str]) -> str:
     """Write each regime's grid file into ``out_dir`` (``grid.md``, ``grid_sparse.md``), and the generated
     section of ``doc`` with the figures; return each regime's main table."""
     views = regime_views(results)
-    grids, plots = {}, {}
+    grids: dict[str, str] = {}
+    plots: dict[str, Optional[str]] = {}
     for name, view in views.items():
         path = Path(out_dir, f"grid{suffix(name)}.md")
         path.write_text(grid_markdown(view), encoding="utf-8")
         grids[name] = f"benchmarks/agents/results/{path.name}"
-        plots[name] = None
+        plots[name] = f"img/agents_quality{suffix(name)}.png" if doc else None
         if doc:
-            plots[name] = f"img/agents_quality{suffix(name)}.png"
-            plot_results(view, os.path.join(os.path.dirname(os.path.abspath(doc)), plots[name]))
+            plot_results(
+                view, os.path.join(os.path.dirname(os.path.abspath(doc)), f"img/agents_quality{suffix(name)}.png")
+            )
     if doc:
         block = f"{BEGIN}\n{generated_markdown(views, plots, grids)}\n{END}"
         text = Path(doc).read_text(encoding="utf-8") if os.path.exists(doc) else f"# Merge quality\n\n{BEGIN}\n{END}\n"

@@ -105,6 +105,8 @@ class StageTimings:
         seconds = time.perf_counter() - start
         cache = os.path.dirname(self.path)
         if name not in self.timings or _written_since(cache, start_wall):
+            if os.path.exists(self.path):  # another run on this cache may have recorded other stages since
+                self.timings = {**read_json(self.path), **self.timings}
             self.timings[name] = seconds
             write_json(self.path, self.timings, indent=INDENT)
         LOG.info("stage %s: %.1f s (as built: %.1f s)", name, seconds, self.timings[name])
