@@ -27,6 +27,8 @@ class ExperimentConfig:
     evaluation: EvalConfig = field(default_factory=EvalConfig)
     #: Run the whole merge grid on every snapshot, not only on the last.
     full_grid_on_snapshots: bool = True
+    #: Else only the last snapshot is merged; the earlier ones get the analysis alone.
+    defaults_on_snapshots: bool = True
     pinned_lambdas: bool = True
     #: Threads of the (single-process) base training; fixed so results do not depend on --workers.
     #: One: two threads are slower than one as soon as another process wants a core.
@@ -43,6 +45,7 @@ FULL_SPARSE = replace(
     grpo=replace(GrpoConfig(), steps=200, lr=1e-6, warmup=10),
     snapshots=(50, 100, 200),
     full_grid_on_snapshots=False,
+    defaults_on_snapshots=False,
 )
 
 SMOKE = ExperimentConfig(

@@ -472,11 +472,12 @@ def variation_section(results: Results) -> str:
         statistics = counts(results, variant)
         updates = results["analysis"].get(variant, {}).get("updates", {}).get("agents", {})
         described = []
-        for t, m in (statistics or {}).get("models", {}).items():
-            independent = updates.get(t, {}).get("unique_share_if_independent")
-            alone = "" if independent is None else f" ({100 * independent:.1f}%)"
-            rho = "inf" if m["rho"] is None else f"{m['rho']:.2f}"
-            described.append(f"{t}: {100 * m['density']:.1f}% / {100 * unique_share(m):.1f}%{alone} / {rho}")
+        for t, u in updates.items():  # without a RAM merge of this snapshot: the analysis' counts, no rho
+            m = (statistics or {}).get("models", {}).get(t, {"density": u["density"], "unique": u["unique_share"]})
+            share = unique_share(m) if "changed" in m else m["unique"]
+            alone = f" ({100 * u['unique_share_if_independent']:.1f}%)"
+            rho = "-" if "changed" not in m else "inf" if m["rho"] is None else f"{m['rho']:.2f}"
+            described.append(f"{t}: {100 * m['density']:.1f}% / {100 * share:.1f}%{alone} / {rho}")
         own = own_task(results, variant)
         cells = []
         for family in FAMILIES:

@@ -349,7 +349,9 @@ def merge_settings(config: ExperimentConfig, variant: str) -> list[Setting]:
         grid = merge_grid(pinned_lambdas=False)
         return [s for s in grid if main and (s.default and s.family in smoke or s.family == FIGURE3)]
     grid = merge_grid(pinned_lambdas=config.pinned_lambdas and main)
-    return grid if main or config.full_grid_on_snapshots else [s for s in grid if s.default]
+    if main or config.full_grid_on_snapshots:
+        return grid
+    return [s for s in grid if s.default] if config.defaults_on_snapshots else []
 
 
 def run_merges(config: ExperimentConfig, cache: str, base: str, workers: Workers) -> list[dict[str, Any]]:
