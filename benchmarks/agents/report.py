@@ -425,7 +425,8 @@ def regimes_section(views: dict[str, Results]) -> str:
         clip = lambdas(results, main, ram_plus_name("clip", 0.1))
 
         def spread(values: list[float], form: str) -> str:
-            return "-" if not values else f"{form.format(min(values))} to {form.format(max(values))}"
+            low, high = (form.format(f(values)) for f in (min, max)) if values else ("-", "-")
+            return low if low == high else f"{low} to {high}"
 
         close, best = within_noise(results, main)
         ram, ram_plus = (best_and_default(merges_of(results, main, f))[0] for f in ("ram", "ram_plus"))
@@ -623,7 +624,10 @@ def plot_results(results: Results, path: str) -> None:
     base = results["checkpoint_scores"]["base"]["test"]
     figure, axes = plt.subplots(2, 2, figsize=(14, 10))
     styles = {variant: "-" if variant == main else "--" for variant in variants}
-    for axis, variant in zip(axes[0], [main, *[v for v in variants if v != main]][:2]):
+    merged = [v for v in [main, *[v for v in variants if v != main]] if merges_of(results, v)][:2]
+    if len(merged) < 2:  # one merged snapshot: the other panel shows Figure 3's control instead
+        plot_controls(axes[0, 1], results, main)
+    for axis, variant in zip(axes[0], merged):
         for offset, kind, label in ((-0.2, 0, "best (chosen on validation)"), (0.2, 1, "default")):
             chosen = [best_and_default(merges_of(results, variant, family))[kind] for family in FAMILIES]
             heights = [100 * m["scores"]["test"]["avg"] if m else 0.0 for m in chosen]
@@ -643,6 +647,8 @@ def plot_results(results: Results, path: str) -> None:
             ("ties, density 0.2", lambda s: ties_name(0.2, s), "tab:orange"),
         ):
             found = {s: m["scores"]["test"]["avg"] for s in SCALES if (m := merge(results, variant, name(s)))}
+            if len(found) < 2:
+                continue
             label = f"{family}, {steps(variant)} steps"
             axis.plot(
                 list(found), [100 * a for a in found.values()], styles[variant], marker="o", color=color, label=label
@@ -678,6 +684,29 @@ def plot_results(results: Results, path: str) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     figure.savefig(path, dpi=100)
     plt.close(figure)
+
+
+def plot_controls(axis: Any, results: Results, variant: str) -> None:
+    """Figure 3's control as bars: own-task gain per 1% of the parameters of each agent's regions added alone."""
+    controls = results["analysis"].get(variant, {}).get("controls")
+    if not controls:
+        axis.set_visible(False)
+        return
+    base = results["checkpoint_scores"]["base"]["test"]
+    arms = (("unique", "unique region"), ("random", "random subset as large"), ("shared", "shared region"))
+    for offset, (arm, label) in zip((-0.27, 0.0, 0.27), arms):
+        heights = []
+        for task in TASKS:
+            c = controls[task]
+            draws = c["random"]["accuracies"] if arm == "random" else [c[arm]["accuracy"]]
+            share = 100 * c[arm]["elements"] / max(c["parameters"], 1)
+            gain = 100 * (sum(draws) / len(draws) - base[task])
+            heights.append(gain / share if share else 0.0)
+        axis.bar([i + offset for i in range(len(TASKS))], heights, 0.27, label=label)
+    axis.set_xticks(range(len(TASKS)), [f"{TASK_NAMES[t]} agent" for t in TASKS])
+    axis.set_ylabel("own-task gain per 1% of the parameters (points)")
+    axis.set_title(f"each region of an agent's update alone, scale 1 ({steps(variant)} RL steps)")
+    axis.legend(fontsize=7)
 
 
 def render(results: Results, out_dir: str, doc: Optional[str]) -> str:
