@@ -7,8 +7,9 @@ import json
 import torch
 
 from benchmarks.agents import tokenizer
-from benchmarks.agents.analysis import random_subset
-from benchmarks.agents.model import ModelSize, completion_text, greedy_correct, new_model, sample
+from benchmarks.agents.analysis import random_subset, region_controls
+from benchmarks.agents.evaluate import EvalConfig, eval_sets
+from benchmarks.agents.model import ModelSize, completion_text, greedy_correct, new_model, sample, save_model
 from benchmarks.agents.run import main
 from benchmarks.agents.tasks import TASKS, Problem, sample_problems, split_of
 
@@ -89,3 +90,21 @@ def test_random_subset_of_an_agents_changes_has_the_size_asked():
     for subset in subsets:
         assert int(subset.sum()) == 50 and not (subset & ~mask).any()  # drawn from the changed elements only
     assert not torch.equal(subsets[0], subsets[1]) and torch.equal(subsets[0], random_subset(mask, 50, 0))
+
+
+def test_region_controls_split_each_agents_changes_into_unique_and_shared(tmp_path):
+    # agents whose changed elements are known: add and rev share 10 elements, each has its own 20 and 30
+    size = ModelSize(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2)
+    base = new_model(size, 0)
+    save_model(base, str(tmp_path / "base"), torch.bfloat16)
+    changed = {"add": [*range(10), *range(10, 30)], "rev": [*range(10), *range(30, 60)], "tool": []}
+    for task, elements in changed.items():
+        agent = new_model(size, 0)
+        with torch.no_grad():
+            agent.lm_head.weight.view(-1)[elements] += 0.5
+        save_model(agent, str(tmp_path / task), torch.bfloat16)
+    sets = eval_sets(EvalConfig(val=4, test=4))
+    controls = region_controls(str(tmp_path / "base"), {t: str(tmp_path / t) for t in TASKS}, sets, 8)
+    sizes = {t: (c["changed"], c["unique"]["elements"], c["shared"]["elements"]) for t, c in controls.items()}
+    assert sizes == {"add": (30, 20, 10), "rev": (40, 30, 10), "tool": (0, 0, 0)}
+    assert controls["add"]["random"]["elements"] == 20 and len(controls["add"]["random"]["accuracies"]) == 3
