@@ -7,7 +7,9 @@ import json
 import torch
 
 from benchmarks.agents import tokenizer
-from benchmarks.agents.model import ModelSize, completion_text, greedy_correct, new_model, sample
+from benchmarks.agents.analysis import random_subset, region_controls
+from benchmarks.agents.evaluate import EvalConfig, eval_sets
+from benchmarks.agents.model import ModelSize, completion_text, greedy_correct, new_model, sample, save_model
 from benchmarks.agents.run import main
 from benchmarks.agents.tasks import TASKS, Problem, sample_problems, split_of
 
@@ -44,19 +46,65 @@ def test_smoke_pipeline(tmp_path):
     out, cache, doc = tmp_path / "results", tmp_path / "cache", tmp_path / "quality.md"
     assert main(["--smoke", "--workers", "1", "--out", str(out), "--cache", str(cache), "--doc", str(doc)]) == 0
     results = json.loads((out / "results.json").read_text())
-    ram_plus = [m for m in results["merges"] if m["setting"]["method"] == "ram_plus"]
-    assert ram_plus and set(ram_plus[0]["ram_statistics"]["models"]) == set(TASKS)
-    for record in results["merges"]:
-        assert set(record["scores"]["test"]) == {*TASKS, "avg"}
-    assert any(m["setting"]["method"] == "ram_ties" for m in results["merges"])
-    # Figure 3's arms: per-agent scales reach the plugin (its statistics report each scale as lambda)
-    (unique,) = [m for m in results["merges"] if m["setting"]["name"] == "unique-add-s1"]
-    lambdas = {task: c["lambda"] for task, c in unique["ram_statistics"]["models"].items()}
-    assert lambdas == dict(add=1.0, rev=0.0, tool=0.0)
-    assert set(results["checkpoint_scores"]) == {"base", *(f"step{s}/{t}" for s in (2, 4) for t in TASKS)}
-    assert (tmp_path / "img" / "agents_quality.png").exists()
+    assert list(results["regimes"]) == ["dense", "sparse"]  # both regimes of agents from one base
+    for name, regime in results["regimes"].items():
+        ram_plus = [m for m in regime["merges"] if m["setting"]["method"] == "ram_plus"]
+        assert ram_plus and set(ram_plus[0]["ram_statistics"]["models"]) == set(TASKS)
+        for record in regime["merges"]:
+            assert set(record["scores"]["test"]) == {*TASKS, "avg"}
+        assert any(m["setting"]["method"] == "ram_ties" for m in regime["merges"])
+        # Figure 3's arms: per-agent scales reach the plugin (its statistics report each scale as lambda)
+        (unique,) = [m for m in regime["merges"] if m["setting"]["name"] == "unique-add-s1"]
+        lambdas = {task: c["lambda"] for task, c in unique["ram_statistics"]["models"].items()}
+        assert lambdas == dict(add=1.0, rev=0.0, tool=0.0)
+        assert set(regime["checkpoint_scores"]) == {"base", *(f"step{s}/{t}" for s in (2, 4) for t in TASKS)}
+        # Figure 3's control: the unique region, random subsets of the agent's changes as large, the shared region
+        # (at toy size the agents may change nothing: a base that never answers right gets no advantage)
+        controls = regime["analysis"]["step4"]["controls"]
+        for task in TASKS:
+            arms = controls[task]
+            assert arms["random"]["elements"] == arms["unique"]["elements"]
+            assert arms["unique"]["elements"] + arms["shared"]["elements"] == arms["changed"]
+            assert len(arms["random"]["accuracies"]) == 3
+        assert (tmp_path / "img" / f"agents_quality{'' if name == 'dense' else '_' + name}.png").exists()
+        assert (out / f"grid{'' if name == 'dense' else '_' + name}.md").exists()
+    sparse, dense = (results["regimes"][name]["config"]["grpo"] for name in ("sparse", "dense"))
+    assert sparse["lr"] < dense["lr"]
     text = doc.read_text()
-    assert all(part in text for part in ("ram_plus", "ram_ties", "Figure 3", "python -m benchmarks.agents.run"))
+    parts = ("ram_plus", "ram_ties", "Figure 3", "random subset", "Sparse agents", "python -m benchmarks.agents.run")
+    assert all(part in text for part in parts)
     before = (out / "results.json").read_text()
     assert main(["--smoke", "--workers", "1", "--out", str(out), "--cache", str(cache)]) == 0  # served from the cache
-    assert json.loads((out / "results.json").read_text())["merges"] == json.loads(before)["merges"]
+    after = json.loads((out / "results.json").read_text())
+    assert all(after["regimes"][n]["merges"] == json.loads(before)["regimes"][n]["merges"] for n in after["regimes"])
+    # one regime alone reuses the shared base and that regime's cache
+    assert main(["--smoke", "--workers", "1", "--out", str(out), "--cache", str(cache), "--regimes", "sparse"]) == 0
+    alone = json.loads((out / "results.json").read_text())
+    assert list(alone["regimes"]) == ["sparse"] and alone["regimes"]["sparse"] == after["regimes"]["sparse"]
+
+
+def test_random_subset_of_an_agents_changes_has_the_size_asked():
+    mask = torch.zeros(1000, dtype=torch.bool)
+    mask[torch.arange(0, 1000, 3)] = True  # 334 changed elements
+    subsets = [random_subset(mask, 50, seed) for seed in (0, 1)]
+    for subset in subsets:
+        assert int(subset.sum()) == 50 and not (subset & ~mask).any()  # drawn from the changed elements only
+    assert not torch.equal(subsets[0], subsets[1]) and torch.equal(subsets[0], random_subset(mask, 50, 0))
+
+
+def test_region_controls_split_each_agents_changes_into_unique_and_shared(tmp_path):
+    # agents whose changed elements are known: add and rev share 10 elements, each has its own 20 and 30
+    size = ModelSize(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2)
+    base = new_model(size, 0)
+    save_model(base, str(tmp_path / "base"), torch.bfloat16)
+    changed = {"add": [*range(10), *range(10, 30)], "rev": [*range(10), *range(30, 60)], "tool": []}
+    for task, elements in changed.items():
+        agent = new_model(size, 0)
+        with torch.no_grad():
+            agent.lm_head.weight.view(-1)[elements] += 0.5
+        save_model(agent, str(tmp_path / task), torch.bfloat16)
+    sets = eval_sets(EvalConfig(val=4, test=4))
+    controls = region_controls(str(tmp_path / "base"), {t: str(tmp_path / t) for t in TASKS}, sets, 8)
+    sizes = {t: (c["changed"], c["unique"]["elements"], c["shared"]["elements"]) for t, c in controls.items()}
+    assert sizes == {"add": (30, 20, 10), "rev": (40, 30, 10), "tool": (0, 0, 0)}
+    assert controls["add"]["random"]["elements"] == 20 and len(controls["add"]["random"]["accuracies"]) == 3

@@ -40,6 +40,31 @@ TASK_NAMES = {"add": "addition", "rev": "reversal", "tool": "tool call"}
 TASK_HEADERS = [TASK_NAMES[t] for t in TASKS]
 Results = dict[str, Any]
 Merge = dict[str, Any]
+#: How each regime is named in the page, and the suffix of its grid file and figure.
+REGIME_TITLES = {
+    "dense": "Dense agents (lr 2e-5, 40 RL steps): most parameters changed",
+    "sparse": "Sparse agents (smaller steps for longer): the paper's regime",
+}
+#: Windows of the reward curve shown per agent.
+CURVE_WINDOWS = 5
+#: "Within noise of the best": a test average at most this many standard errors below the best one.
+NOISE_ERRORS = 2.0
+
+
+def regime_views(results: Results) -> dict[str, Results]:
+    """Each regime's results in the layout of one experiment (the run's common fields, its own ones, its
+    snapshots as ``variants``); a results.json from before the regimes is the dense regime alone."""
+    common = {k: v for k, v in results.items() if k != "regimes"}
+    regimes = results.get("regimes", {"dense": results})
+    return {
+        name: {**common, **regime, "variants": [f"step{step}" for step in regime["config"]["snapshots"]]}
+        for name, regime in regimes.items()
+    }
+
+
+def suffix(regime: str) -> str:
+    """The file-name suffix of a regime's grid and figure: none for the dense (first) one."""
+    return "" if regime == "dense" else f"_{regime}"
 
 
 def pct(value: Optional[float]) -> str:
@@ -106,9 +131,19 @@ def unique_share(entry: dict[str, Any]) -> float:
 # Sections ----------------------------------------------------------------------------
 
 
-def setup_section(results: Results) -> str:
+def agents_line(config: dict[str, Any]) -> str:
+    g = config["grpo"]
+    return (
+        f"GRPO from the base, {g['steps']} steps x {g['prompts']} prompts x {g['group']} samples, "
+        f"temperature {g['temperature']:g}, AdamW lr {g['lr']:g} ({g['warmup']} warm-up steps), no KL, "
+        f"float32 training, bfloat16 checkpoints (snapshots at steps {', '.join(map(str, config['snapshots']))})"
+    )
+
+
+def setup_section(views: dict[str, Results]) -> str:
+    results = next(iter(views.values()))
     c = results["config"]
-    g, p, e, size = c["grpo"], c["pretrain"], c["evaluation"], c["size"]
+    p, e, size = c["pretrain"], c["evaluation"], c["size"]
     timings = ", ".join(f"{name} {seconds / 60:.1f} min" for name, seconds in results["timings"].items())
     return "\n".join(
         [
@@ -121,9 +156,7 @@ def setup_section(results: Results) -> str:
             f"{p['batch_size']} problems (task shares {' / '.join(f'{x:g}' for x in p['mixture'])} for "
             f"{' / '.join(TASKS)}; {100 * p['canonical_share']:g}% of answers in the canonical convention), "
             f"AdamW lr {p['lr']:g} with cosine decay, saved in bfloat16",
-            f"- Agents: GRPO from the base, {g['steps']} steps x {g['prompts']} prompts x {g['group']} samples, "
-            f"temperature {g['temperature']:g}, AdamW lr {g['lr']:g} ({g['warmup']} warm-up steps), no KL, "
-            f"float32 training, bfloat16 checkpoints (snapshots at steps {', '.join(map(str, c['snapshots']))})",
+            *(f"- Agents, {name} regime: {agents_line(view['config'])}" for name, view in views.items()),
             f"- Evaluation: greedy exact match; {e['val']} validation and {e['test']} test problems per task, "
             "all held out from training by a hash of the prompt. `±` is one binomial standard error of the average",
         ]
@@ -148,15 +181,22 @@ def checkpoint_section(results: Results) -> str:
     for task in TASKS:
         run = results["agents"][task]
         curve = run["reward_curve"]
-        if len(curve) >= 10:
-            first, last = sum(curve[:5]) / 5, sum(curve[-5:]) / 5
-            curves.append(f"{TASK_NAMES[task]} {first:.2f} → {last:.2f} ({run['seconds']:.0f} s)")
+        if len(curve) >= 2 * CURVE_WINDOWS:
+            means = " → ".join(f"{value:.2f}" for value in window_means(curve))
+            curves.append(f"{TASK_NAMES[task]} {means} ({run['seconds']:.0f} s)")
     table = markdown_table([["model", "RL steps", *TASK_HEADERS, "avg"], *rows], "llr")
     if not curves:
         return table
-    return f"{table}\n\nMean sampled reward during RL, first five → last five steps (training time): " + "; ".join(
-        curves
-    )
+    window = len(results["agents"][TASKS[0]]["reward_curve"]) // CURVE_WINDOWS
+    title = f"Mean sampled reward during RL, in {CURVE_WINDOWS} windows of {window} steps (training time): "
+    return f"{table}\n\n{title}" + "; ".join(curves)
+
+
+def window_means(curve: Sequence[float]) -> list[float]:
+    """The mean of each of CURVE_WINDOWS consecutive equal windows of ``curve`` (the rest joins the last)."""
+    size = len(curve) // CURVE_WINDOWS
+    bounds = [i * size for i in range(CURVE_WINDOWS)] + [len(curve)]
+    return [sum(curve[a:b]) / (b - a) for a, b in zip(bounds, bounds[1:])]
 
 
 def statistics_section(results: Results, variant: str) -> str:
@@ -307,6 +347,118 @@ def figure3_section(results: Results) -> str:
     return markdown_table([[*headers, "own-task gain kept (%)"], *rows], "llr")
 
 
+def control_section(results: Results) -> str:
+    """Figure 3's control: each agent's unique region alone at scale 1 against random subsets of its changed
+    elements of the same size, and its shared region alone; own-task test accuracy and gain per element."""
+    base = results["checkpoint_scores"]["base"]["test"]
+    rows = []
+    for variant in results["variants"]:
+        controls = results["analysis"].get(variant, {}).get("controls")
+        for task in TASKS if controls else ():
+            c = controls[task]
+            agent = results["checkpoint_scores"][f"{variant}/{task}"]["test"][task]
+            draws = c["random"]["accuracies"]
+            random_mean = sum(draws) / len(draws)
+            size = {arm: f"{100 * c[arm]['elements'] / c['parameters']:.1f}%" for arm in ("unique", "shared")}
+            per_element = [
+                per_percent(accuracy, base[task], c[arm]["elements"], c["parameters"])
+                for accuracy, arm in ((c["unique"]["accuracy"], "unique"), (random_mean, "random"))
+            ]
+            per_element.append(
+                per_percent(c["shared"]["accuracy"], base[task], c["shared"]["elements"], c["parameters"])
+            )
+            rows.append(
+                [
+                    f"{TASK_NAMES[task]}, {steps(variant)}",
+                    size["unique"],
+                    size["shared"],
+                    pct(base[task]),
+                    pct(agent),
+                    pct(c["unique"]["accuracy"]),
+                    f"{pct(random_mean)} ({pct(min(draws))} to {pct(max(draws))})",
+                    pct(c["shared"]["accuracy"]),
+                    " / ".join(per_element),
+                ]
+            )
+    if not rows:
+        return ""
+    headers = [
+        "agent, RL steps",
+        "unique region (% of parameters)",
+        "shared region",
+        "base",
+        "agent",
+        "unique x 1",
+        "random subset of its changes, as large as unique, x 1 (mean, range of 3)",
+        "shared x 1",
+        "gain per 1% of parameters: unique / random / shared (points)",
+    ]
+    return markdown_table([headers, *rows], "lll")
+
+
+def per_percent(accuracy: float, base: float, elements: int, parameters: int) -> str:
+    """Own-task gain over the base, in points, per 1% of the parameters added."""
+    share = 100 * elements / max(parameters, 1)
+    return "-" if share == 0 else f"{100 * (accuracy - base) / share:.1f}"
+
+
+def within_noise(results: Results, variant: str) -> tuple[list[str], float]:
+    """The methods whose validation-chosen setting's test average is within NOISE_ERRORS standard errors of the
+    best one's, best first, and the best test average."""
+    sizes = {task: results["config"]["evaluation"]["test"] for task in TASKS}
+    chosen = {family: best_and_default(merges_of(results, variant, family))[0] for family in FAMILIES}
+    scored = sorted(((m["scores"]["test"], f) for f, m in chosen.items() if m), key=lambda sf: -sf[0]["avg"])
+    if not scored:
+        return [], 0.0
+    top = scored[0][0]
+    margin = NOISE_ERRORS * standard_error({t: top[t] for t in TASKS}, sizes)
+    return [f for scores, f in scored if scores["avg"] >= top["avg"] - margin], top["avg"]
+
+
+def regimes_section(views: dict[str, Results]) -> str:
+    """The regimes side by side: the agents' statistics (the probe's figures) and what the merges gave."""
+    rows = []
+    for name, results in views.items():
+        main = results["main_variant"]
+        statistics = counts(results, main)
+        models = (statistics or {}).get("models", {})
+        clip = lambdas(results, main, ram_plus_name("clip", 0.1))
+
+        def spread(values: list[float], form: str) -> str:
+            low, high = (form.format(f(values)) for f in (min, max)) if values else ("-", "-")
+            return low if low == high else f"{low} to {high}"
+
+        close, best = within_noise(results, main)
+        ram, ram_plus = (best_and_default(merges_of(results, main, f))[0] for f in ("ram", "ram_plus"))
+        rows.append(
+            [
+                f"{name} ({steps(main)} steps)",
+                spread([100 * m["density"] for m in models.values()], "{:.1f}%"),
+                spread([100 * unique_share(m) for m in models.values()], "{:.1f}%"),
+                spread([m["rho"] for m in models.values() if m["rho"] is not None], "{:.2f}"),
+                spread(list(clip.values()), "{:.3f}"),
+                pct(results["checkpoint_scores"]["base"]["test"]["avg"]),
+                pct(own_task(results, main)),
+                pct(best),
+                ", ".join(close) or "-",
+                " / ".join(pct(m["scores"]["test"]["avg"]) if m else "-" for m in (ram, ram_plus)),
+            ]
+        )
+    headers = [
+        "regime",
+        "density",
+        "unique share",
+        "rho",
+        "lambda RAM+ (r 0.1, clip)",
+        "base",
+        "agents (own task)",
+        "best method: test avg",
+        f"methods within {NOISE_ERRORS:g} standard errors of the best (validation-chosen settings)",
+        "ram / ram_plus: test avg",
+    ]
+    return markdown_table([headers, *rows], "l")
+
+
 def pinned_section(results: Results, variant: str) -> str:
     merges = pinned(results, variant)
     if len(merges) < 2:
@@ -321,11 +473,12 @@ def variation_section(results: Results) -> str:
         statistics = counts(results, variant)
         updates = results["analysis"].get(variant, {}).get("updates", {}).get("agents", {})
         described = []
-        for t, m in (statistics or {}).get("models", {}).items():
-            independent = updates.get(t, {}).get("unique_share_if_independent")
-            alone = "" if independent is None else f" ({100 * independent:.1f}%)"
-            rho = "inf" if m["rho"] is None else f"{m['rho']:.2f}"
-            described.append(f"{t}: {100 * m['density']:.1f}% / {100 * unique_share(m):.1f}%{alone} / {rho}")
+        for t, u in updates.items():  # without a RAM merge of this snapshot: the analysis' counts, no rho
+            m = (statistics or {}).get("models", {}).get(t, {"density": u["density"], "unique": u["unique_share"]})
+            share = unique_share(m) if "changed" in m else m["unique"]
+            alone = f" ({100 * u['unique_share_if_independent']:.1f}%)"
+            rho = "-" if "changed" not in m else "inf" if m["rho"] is None else f"{m['rho']:.2f}"
+            described.append(f"{t}: {100 * m['density']:.1f}% / {100 * share:.1f}%{alone} / {rho}")
         own = own_task(results, variant)
         cells = []
         for family in FAMILIES:
@@ -404,10 +557,10 @@ def grid_markdown(results: Results) -> str:
     return "\n\n".join(parts) + "\n"
 
 
-def generated_markdown(results: Results, plot: Optional[str]) -> str:
+def regime_markdown(results: Results, plot: Optional[str], grid: str) -> str:
+    """One regime's sections (level 3), its figure and the link to its grid file."""
     main = results["main_variant"]
     sections = [
-        ("How it was run", setup_section(results)),
         ("Base and agents (test accuracy, %)", checkpoint_section(results)),
         (
             f"The agents' task vectors after {steps(main)} RL steps (the paper's Figure 2)",
@@ -424,22 +577,35 @@ def generated_markdown(results: Results, plot: Optional[str]) -> str:
             figure3_section(results),
         ),
         (
+            "Figure 3's control: the unique region against a random subset of the agent's changes of the same "
+            "size, and the shared region (own-task test accuracy, %)",
+            control_section(results),
+        ),
+        (
             "How much the unique updates carry: `ram_plus` with lambda pinned for every agent",
             pinned_section(results, main),
         ),
         (
-            "Sparser agents: earlier RL snapshots (test avg, best / default)",
+            "Other RL snapshots (test avg, best / default)",
             variation_section(results) if len(results["variants"]) > 1 else "",
         ),
     ]
-    parts = [f"## {title}\n\n{body}\n" for title, body in sections if body]
+    parts = [f"### {title}\n\n{body}\n" for title, body in sections if body]
     if plot:
         parts.append(f"![merge quality]({plot})\n")
     parts.append(
         "Every setting of every method, the agents' density by kind of weight and by magnitude of the base "
-        "weight, and own-task accuracy against the dose of one agent's update: "
-        "[`benchmarks/agents/results/grid.md`](../benchmarks/agents/results/grid.md).\n"
+        f"weight, and own-task accuracy against the dose of one agent's update: [`{grid}`](../{grid}).\n"
     )
+    return "\n".join(parts)
+
+
+def generated_markdown(views: dict[str, Results], plots: dict[str, Optional[str]], grids: dict[str, str]) -> str:
+    parts = [f"## How it was run\n\n{setup_section(views)}\n"]
+    if len(views) > 1:
+        parts.append(f"## The regimes side by side (main snapshot of each)\n\n{regimes_section(views)}\n")
+    for name, results in views.items():
+        parts.append(f"## {REGIME_TITLES.get(name, name)}\n\n{regime_markdown(results, plots[name], grids[name])}")
     return "\n".join(parts)
 
 
@@ -458,7 +624,10 @@ def plot_results(results: Results, path: str) -> None:
     base = results["checkpoint_scores"]["base"]["test"]
     figure, axes = plt.subplots(2, 2, figsize=(14, 10))
     styles = {variant: "-" if variant == main else "--" for variant in variants}
-    for axis, variant in zip(axes[0], [main, *[v for v in variants if v != main]][:2]):
+    merged = [v for v in [main, *[v for v in variants if v != main]] if merges_of(results, v)][:2]
+    if len(merged) < 2:  # one merged snapshot: the other panel shows Figure 3's control instead
+        plot_controls(axes[0, 1], results, main)
+    for axis, variant in zip(axes[0], merged):
         for offset, kind, label in ((-0.2, 0, "best (chosen on validation)"), (0.2, 1, "default")):
             chosen = [best_and_default(merges_of(results, variant, family))[kind] for family in FAMILIES]
             heights = [100 * m["scores"]["test"]["avg"] if m else 0.0 for m in chosen]
@@ -478,6 +647,8 @@ def plot_results(results: Results, path: str) -> None:
             ("ties, density 0.2", lambda s: ties_name(0.2, s), "tab:orange"),
         ):
             found = {s: m["scores"]["test"]["avg"] for s in SCALES if (m := merge(results, variant, name(s)))}
+            if len(found) < 2:
+                continue
             label = f"{family}, {steps(variant)} steps"
             axis.plot(
                 list(found), [100 * a for a in found.values()], styles[variant], marker="o", color=color, label=label
@@ -515,18 +686,49 @@ def plot_results(results: Results, path: str) -> None:
     plt.close(figure)
 
 
+def plot_controls(axis: Any, results: Results, variant: str) -> None:
+    """Figure 3's control as bars: own-task gain per 1% of the parameters of each agent's regions added alone."""
+    controls = results["analysis"].get(variant, {}).get("controls")
+    if not controls:
+        axis.set_visible(False)
+        return
+    base = results["checkpoint_scores"]["base"]["test"]
+    arms = (("unique", "unique region"), ("random", "random subset as large"), ("shared", "shared region"))
+    for offset, (arm, label) in zip((-0.27, 0.0, 0.27), arms):
+        heights = []
+        for task in TASKS:
+            c = controls[task]
+            draws = c["random"]["accuracies"] if arm == "random" else [c[arm]["accuracy"]]
+            share = 100 * c[arm]["elements"] / max(c["parameters"], 1)
+            gain = 100 * (sum(draws) / len(draws) - base[task])
+            heights.append(gain / share if share else 0.0)
+        axis.bar([i + offset for i in range(len(TASKS))], heights, 0.27, label=label)
+    axis.set_xticks(range(len(TASKS)), [f"{TASK_NAMES[t]} agent" for t in TASKS])
+    axis.set_ylabel("own-task gain per 1% of the parameters (points)")
+    axis.set_title(f"each region of an agent's update alone, scale 1 ({steps(variant)} RL steps)")
+    axis.legend(fontsize=7)
+
+
 def render(results: Results, out_dir: str, doc: Optional[str]) -> str:
-    """Write ``grid.md`` into ``out_dir``, and the generated section of ``doc`` with its figure; return the
-    main table."""
-    results = {**results, "variants": [f"step{step}" for step in results["config"]["snapshots"]]}
-    Path(out_dir, "grid.md").write_text(grid_markdown(results), encoding="utf-8")
+    """Write each regime's grid file into ``out_dir`` (``grid.md``, ``grid_sparse.md``), and the generated
+    section of ``doc`` with the figures; return each regime's main table."""
+    views = regime_views(results)
+    grids: dict[str, str] = {}
+    plots: dict[str, Optional[str]] = {}
+    for name, view in views.items():
+        path = Path(out_dir, f"grid{suffix(name)}.md")
+        path.write_text(grid_markdown(view), encoding="utf-8")
+        grids[name] = f"benchmarks/agents/results/{path.name}"
+        plots[name] = f"img/agents_quality{suffix(name)}.png" if doc else None
+        if doc:
+            plot_results(
+                view, os.path.join(os.path.dirname(os.path.abspath(doc)), f"img/agents_quality{suffix(name)}.png")
+            )
     if doc:
-        folder = os.path.dirname(os.path.abspath(doc))
-        plot_results(results, os.path.join(folder, "img", "agents_quality.png"))
-        block = f"{BEGIN}\n{generated_markdown(results, 'img/agents_quality.png')}\n{END}"
+        block = f"{BEGIN}\n{generated_markdown(views, plots, grids)}\n{END}"
         text = Path(doc).read_text(encoding="utf-8") if os.path.exists(doc) else f"# Merge quality\n\n{BEGIN}\n{END}\n"
         Path(doc).write_text(text[: text.index(BEGIN)] + block + text[text.index(END) + len(END) :], encoding="utf-8")
-    return merge_section(results, results["main_variant"])
+    return "\n\n".join(f"{name}:\n{merge_section(view, view['main_variant'])}" for name, view in views.items())
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -2,6 +2,9 @@
 
     python -m benchmarks.agents.run --out benchmarks/agents/results --doc docs/quality.md
 
+It runs both regimes of RL agents (``config.REGIMES``: dense, then sparse) from one base;
+``--regimes sparse`` runs one. The dense regime's agents, merges and analysis live at the top
+of the cache, the sparse regime's under ``<cache>/sparse/``; the base is shared.
 Every stage is cached under ``--cache`` by a key of its inputs (settings, source files,
 checkpoint digests), so rerunning after a change redoes only what the change affects;
 delete the cache to start over. ``--smoke`` runs the same pipeline at tiny sizes.
@@ -26,8 +29,8 @@ from typing import Any, Callable, Iterable, Iterator, Optional, TypeVar
 import torch
 
 from benchmarks.agents import report
-from benchmarks.agents.analysis import dose_response, where_updates_land
-from benchmarks.agents.config import FULL, SMOKE, ExperimentConfig
+from benchmarks.agents.analysis import dose_response, region_controls, where_updates_land
+from benchmarks.agents.config import REGIMES, ExperimentConfig, regime_configs
 from benchmarks.agents.evaluate import EvalConfig, eval_sets, evaluate_path
 from benchmarks.agents.grpo import MAX_NEW_TOKENS, train_agent
 from benchmarks.agents.merges import (
@@ -102,6 +105,8 @@ class StageTimings:
         seconds = time.perf_counter() - start
         cache = os.path.dirname(self.path)
         if name not in self.timings or _written_since(cache, start_wall):
+            if os.path.exists(self.path):  # another run on this cache may have recorded other stages since
+                self.timings = {**read_json(self.path), **self.timings}
             self.timings[name] = seconds
             write_json(self.path, self.timings, indent=INDENT)
         LOG.info("stage %s: %.1f s (as built: %.1f s)", name, seconds, self.timings[name])
@@ -248,10 +253,20 @@ def merge_job(job: MergeJob) -> dict[str, Any]:
 # Stages ----------------------------------------------------------------------------
 
 
+def base_key(config: ExperimentConfig) -> str:
+    """The base's cache key: its own settings and sources only, so the RL settings of a regime never change it."""
+    return fingerprint("base", config.size, config.pretrain, config.pretrain_threads, code_version(BASE_CODE))
+
+
+def regime_cache(cache: str, regime: str) -> str:
+    """Where a regime's agents, merges and analysis are cached: the dense (first) one at the top, as before."""
+    return cache if regime == REGIMES[0] else os.path.join(cache, regime)
+
+
 def build_base(config: ExperimentConfig, cache: str) -> str:
     """Pretrain the base (or reuse the cached one) and save it in bfloat16."""
     path = os.path.join(cache, "base")
-    key = fingerprint("base", config.size, config.pretrain, config.pretrain_threads, code_version(BASE_CODE))
+    key = base_key(config)
 
     def train() -> dict[str, Any]:
         shutil.rmtree(path, ignore_errors=True)
@@ -305,11 +320,12 @@ def variant_analysis(base: str, agents: dict[str, str], evaluation: EvalConfig) 
     return {
         "updates": where_updates_land(base, agents),
         "dose_response": dose_response(base, agents, sets, evaluation.batch_size),
+        "controls": region_controls(base, agents, sets, evaluation.batch_size),
     }
 
 
 def analyse(config: ExperimentConfig, cache: str, base: str) -> dict[str, dict[str, Any]]:
-    """Per variant: where the agents' updates land, and each agent's dose-response (cached)."""
+    """Per variant: where the agents' updates land, each agent's dose-response and its regions alone (cached)."""
     result = {}
     for variant in variants(config):
         agents = agent_paths(config, cache, variant)
@@ -322,7 +338,7 @@ def analyse(config: ExperimentConfig, cache: str, base: str) -> dict[str, dict[s
         )
         measure = functools.partial(variant_analysis, base, agents, config.evaluation)
         analysis = cached(os.path.join(cache, "analysis", f"{variant}.json"), key, measure)
-        result[variant] = {"updates": analysis["updates"], "dose_response": analysis["dose_response"]}
+        result[variant] = {name: analysis[name] for name in ("updates", "dose_response", "controls")}
     return result
 
 
@@ -333,7 +349,9 @@ def merge_settings(config: ExperimentConfig, variant: str) -> list[Setting]:
         grid = merge_grid(pinned_lambdas=False)
         return [s for s in grid if main and (s.default and s.family in smoke or s.family == FIGURE3)]
     grid = merge_grid(pinned_lambdas=config.pinned_lambdas and main)
-    return grid if main or config.full_grid_on_snapshots else [s for s in grid if s.default]
+    if main or config.full_grid_on_snapshots:
+        return grid
+    return [s for s in grid if s.default] if config.defaults_on_snapshots else []
 
 
 def run_merges(config: ExperimentConfig, cache: str, base: str, workers: Workers) -> list[dict[str, Any]]:
@@ -361,6 +379,38 @@ def run_merges(config: ExperimentConfig, cache: str, base: str, workers: Workers
     return workers.map(merge_job, jobs)
 
 
+def run_regime(
+    name: str, config: ExperimentConfig, cache: str, base: str, workers: Workers, timings: StageTimings
+) -> dict[str, Any]:
+    """One regime's agents, their evaluation and analysis, and its merges: its part of results.json."""
+    here = regime_cache(cache, name)
+    prefix = "" if name == REGIMES[0] else f"{name}: "
+    with timings.stage(f"{prefix}agents"):
+        agents = build_agents(config, here, base, workers)
+
+    with timings.stage(f"{prefix}evaluate base and agents"):
+        checkpoints = {"base": base}  # and the agents as "step40/add"
+        for variant in variants(config):
+            for task, path in agent_paths(config, here, variant).items():
+                checkpoints[f"{variant}/{task}"] = path
+        scores = evaluate_checkpoints(checkpoints, config, workers)
+
+    with timings.stage(f"{prefix}analysis"), torch_threads(1):
+        analysis = analyse(config, here, base)
+
+    with timings.stage(f"{prefix}merges and their evaluation"):
+        merges = run_merges(config, here, base, workers)
+
+    return {
+        "config": asdict(config),
+        "checkpoint_scores": scores,
+        "agents": agents,
+        "merges": merges,
+        "analysis": analysis,
+        "main_variant": variants(config)[-1],
+    }
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=os.path.join(HERE, "results"), help="results directory (JSON, tables)")
@@ -368,10 +418,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--doc", default=None, help="markdown file whose generated section is (re)written")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes and a few steps")
     parser.add_argument("--workers", type=int, default=2, help="parallel single-thread processes")
+    parser.add_argument(
+        "--regimes", nargs="+", choices=REGIMES, default=list(REGIMES), help="which regimes of RL agents to run"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    config = SMOKE if args.smoke else FULL
+    configs = regime_configs(args.smoke, tuple(name for name in REGIMES if name in args.regimes))
+    if len({base_key(config) for config in configs.values()}) > 1:
+        raise ValueError(f"the regimes {', '.join(configs)} must share the base's settings (size, pretrain)")
     cache = args.cache or os.path.join(
         os.path.dirname(os.path.abspath(args.out)), ".cache" + ("-smoke" if args.smoke else "")
     )
@@ -379,38 +434,19 @@ def main(argv: Optional[list[str]] = None) -> int:
     timings = StageTimings(cache)
 
     with timings.stage("base"):
-        base = build_base(config, cache)
+        base = build_base(next(iter(configs.values())), cache)
 
     with Workers(args.workers) as workers:
-        with timings.stage("agents"):
-            agents = build_agents(config, cache, base, workers)
-
-        with timings.stage("evaluate base and agents"):
-            checkpoints = {"base": base}  # and the agents as "step40/add"
-            for variant in variants(config):
-                for task, path in agent_paths(config, cache, variant).items():
-                    checkpoints[f"{variant}/{task}"] = path
-            scores = evaluate_checkpoints(checkpoints, config, workers)
-
-        with timings.stage("merges and their evaluation"):
-            merges = run_merges(config, cache, base, workers)
-
-    with timings.stage("analysis"), torch_threads(1):
-        analysis = analyse(config, cache, base)
+        regimes = {name: run_regime(name, config, cache, base, workers, timings) for name, config in configs.items()}
 
     command = "python -m benchmarks.agents.run " + " ".join(argv if argv is not None else sys.argv[1:])
     results = {
-        "config": asdict(config),
         "command": command.strip(),
         "machine": machine_line(machine_info()),
         "workers": args.workers,
         "timings": timings.as_built(),
         "parameters": read_json(os.path.join(base, "meta.json"))["parameters"],
-        "checkpoint_scores": scores,
-        "agents": agents,
-        "merges": merges,
-        "analysis": analysis,
-        "main_variant": variants(config)[-1],
+        "regimes": regimes,
     }
     save_result(os.path.join(args.out, "results.json"), "agents", results, indent=INDENT)
     print(report.render(results, args.out, args.doc))
