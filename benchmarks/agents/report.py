@@ -358,15 +358,10 @@ def control_section(results: Results) -> str:
             c = controls[task]
             agent = results["checkpoint_scores"][f"{variant}/{task}"]["test"][task]
             draws = c["random"]["accuracies"]
-            random_mean = sum(draws) / len(draws)
+            random_mean = arm_accuracy(c, "random")
             size = {arm: f"{100 * c[arm]['elements'] / c['parameters']:.1f}%" for arm in ("unique", "shared")}
-            per_element = [
-                per_percent(accuracy, base[task], c[arm]["elements"], c["parameters"])
-                for accuracy, arm in ((c["unique"]["accuracy"], "unique"), (random_mean, "random"))
-            ]
-            per_element.append(
-                per_percent(c["shared"]["accuracy"], base[task], c["shared"]["elements"], c["parameters"])
-            )
+            gains = (gain_per_percent(c, arm, base[task]) for arm in CONTROL_ARMS)
+            per_element = ["-" if gain is None else f"{gain:.1f}" for gain in gains]
             rows.append(
                 [
                     f"{TASK_NAMES[task]}, {steps(variant)}",
@@ -396,10 +391,20 @@ def control_section(results: Results) -> str:
     return markdown_table([headers, *rows], "lll")
 
 
-def per_percent(accuracy: float, base: float, elements: int, parameters: int) -> str:
-    """Own-task gain over the base, in points, per 1% of the parameters added."""
-    share = 100 * elements / max(parameters, 1)
-    return "-" if share == 0 else f"{100 * (accuracy - base) / share:.1f}"
+#: Figure 3's control: the regions of an agent's update added alone, in the order the page reports them.
+CONTROL_ARMS = ("unique", "random", "shared")
+
+
+def arm_accuracy(control: dict[str, Any], arm: str) -> float:
+    """An arm's own-task test accuracy: the mean over the random subsets' draws, else the region's one score."""
+    draws = control["random"]["accuracies"] if arm == "random" else [control[arm]["accuracy"]]
+    return sum(draws) / len(draws)
+
+
+def gain_per_percent(control: dict[str, Any], arm: str, base: float) -> Optional[float]:
+    """An arm's own-task gain over the base, in points, per 1% of the parameters it adds (None: it adds none)."""
+    share = 100 * control[arm]["elements"] / max(control["parameters"], 1)
+    return None if share == 0 else 100 * (arm_accuracy(control, arm) - base) / share
 
 
 def within_noise(results: Results, variant: str) -> tuple[list[str], float]:
@@ -693,15 +698,9 @@ def plot_controls(axis: Any, results: Results, variant: str) -> None:
         axis.set_visible(False)
         return
     base = results["checkpoint_scores"]["base"]["test"]
-    arms = (("unique", "unique region"), ("random", "random subset as large"), ("shared", "shared region"))
-    for offset, (arm, label) in zip((-0.27, 0.0, 0.27), arms):
-        heights = []
-        for task in TASKS:
-            c = controls[task]
-            draws = c["random"]["accuracies"] if arm == "random" else [c[arm]["accuracy"]]
-            share = 100 * c[arm]["elements"] / max(c["parameters"], 1)
-            gain = 100 * (sum(draws) / len(draws) - base[task])
-            heights.append(gain / share if share else 0.0)
+    labels = ("unique region", "random subset as large", "shared region")
+    for offset, arm, label in zip((-0.27, 0.0, 0.27), CONTROL_ARMS, labels):
+        heights = [gain_per_percent(controls[task], arm, base[task]) or 0.0 for task in TASKS]
         axis.bar([i + offset for i in range(len(TASKS))], heights, 0.27, label=label)
     axis.set_xticks(range(len(TASKS)), [f"{TASK_NAMES[t]} agent" for t in TASKS])
     axis.set_ylabel("own-task gain per 1% of the parameters (points)")
