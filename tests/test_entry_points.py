@@ -12,7 +12,17 @@ import yaml
 
 from mergekit_ram.stats.render import display_names, format_rho
 from mergekit_ram.stats.schema import read_ratio, statistics_from_dict
-from tests.conftest import Merged, ModelSet, load_statistics, load_weights, run_script, write_recipe
+from tests.conftest import (
+    COLD_VARIABLE,
+    Merged,
+    ModelSet,
+    load_statistics,
+    load_weights,
+    run_script,
+    script,
+    warm_run,
+    write_recipe,
+)
 
 OFF = {"MERGEKIT_RAM_AUTOLOAD": "0"}
 
@@ -162,3 +172,26 @@ def test_mergekit_pytorch_uses_global_rho(bf16_models: ModelSet, ram_plus_merge:
     actual = load_weights(raw_out)
     assert set(actual) == set(expected)
     assert all(torch.equal(actual[name], expected[name]) for name in expected)
+
+
+def test_a_warm_run_is_a_fresh_run(ram_plus_merge: Merged, tmp_path) -> None:
+    """``run_script`` forks most runs from a warm interpreter (tests/warm_interpreter.py): the same
+    exit status, output, files and traceback as the script started afresh."""
+    typo = tmp_path / "typo.yml"
+    typo.write_text(open(ram_plus_merge.recipe).read().replace("ram_plus", "ram_pluss"), encoding="utf-8")
+    syntax = tmp_path / "syntax.yml"
+    syntax.write_text("merge_method: linear\nmodels: [{model: a}\n", encoding="utf-8")  # mergekit's traceback
+    runs = {
+        "merge": (ram_plus_merge.recipe, str(tmp_path / "merged"), "--quiet"),
+        "one-line error": (str(typo), str(tmp_path / "refused")),
+        "traceback": (str(syntax), str(tmp_path / "broken")),
+    }
+    for case, arguments in runs.items():
+        cold = run_script("mergekit-yaml", *arguments, env={COLD_VARIABLE: "1"}, check=False)
+        warm = warm_run("mergekit-yaml", arguments, {**os.environ, "HF_HUB_OFFLINE": "1"})  # the last to write
+        assert warm is not None, case
+        assert (warm.returncode, warm.stdout, warm.stderr) == (cold.returncode, cold.stdout, cold.stderr), case
+    assert warm.returncode == 1 and warm.stderr.startswith("Traceback (most recent call last):\n  File ")
+    assert f'"{script("mergekit-yaml")}", line' in warm.stderr.splitlines()[1]
+    merged, expected = load_weights(str(tmp_path / "merged")), load_weights(ram_plus_merge.out)
+    assert merged.keys() == expected.keys() and all(torch.equal(merged[k], expected[k]) for k in expected)
