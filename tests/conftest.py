@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import atexit
 import fcntl
 import functools
 import glob
+import importlib.metadata
 import json
 import locale
 import os
+import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -35,26 +39,48 @@ def script(name: str) -> str:
     return os.path.join(os.path.dirname(sys.executable), name)
 
 
-#: Read by a console script only once it runs, never while it imports: runs that set them are forked
-#: from the warm interpreter (``tests/warm_interpreter.py``) all the same.
-RUNTIME_VARIABLES = frozenset(
-    {"PYTEST_CURRENT_TEST", "MERGEKIT_RAM_CACHE", "MERGEKIT_RAM_CACHE_DIR", "MERGEKIT_RAM_CACHE_SHARED"}
+#: What a forked run takes on after the fork: variables read only once the script runs, and the fault
+#: hook's (``tests/faults``, installed again in each forked run).
+FORK_VARIABLES = frozenset(
+    {
+        "PYTEST_CURRENT_TEST",
+        "MERGEKIT_RAM_CACHE",
+        "MERGEKIT_RAM_CACHE_DIR",
+        "MERGEKIT_RAM_CACHE_SHARED",
+        "MERGEKIT_RAM_TEST_FAULT",
+        "MERGEKIT_RAM_TEST_COUNT",
+        "MERGEKIT_RAM_TEST_RELEASE",
+    }
 )
-#: Set to 1 to start every console script afresh (``run_script``).
+#: Set to 1 to start every run afresh (``run_python``).
 COLD_VARIABLE = "MERGEKIT_RAM_TEST_COLD"
 WARM_SERVER = os.path.join(os.path.dirname(__file__), "warm_interpreter.py")
+#: What ``mergekit-ram``'s merge runners import once they run, besides its own module.
+MERGE_SCRIPTS = ("mergekit.scripts.run_yaml", "mergekit.scripts.multimerge", "mergekit.scripts.merge_raw_pytorch")
+
+
+@functools.cache
+def launcher_folder() -> str:
+    """Where this process's warm interpreters are started from (removed at its exit)."""
+    folder = tempfile.mkdtemp(prefix="warm-")
+    atexit.register(shutil.rmtree, folder, True)
+    return folder
 
 
 class WarmInterpreter:
-    """A ``tests/warm_interpreter.py`` server for one console script and one start-up environment."""
+    """A ``tests/warm_interpreter.py`` server: started as ``argv``, with ``environment``, ``preload`` imported."""
 
-    def __init__(self, name: str, merge_runner: bool, environment: tuple[tuple[str, str], ...]) -> None:
+    def __init__(
+        self, argv: tuple[str, ...], preload: tuple[str, ...], environment: tuple[tuple[str, str], ...]
+    ) -> None:
         self.channel, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        launcher = os.path.join(tempfile.mkdtemp(prefix="warm-"), name)  # argv[0] as the real script's
-        os.symlink(WARM_SERVER, launcher)
+        launcher = os.path.join(launcher_folder(), argv[0])  # argv[0] named as the real script's
+        if not os.path.lexists(launcher):
+            os.symlink(WARM_SERVER, launcher)
+        variables = {"MERGEKIT_RAM_TEST_WARM": str(theirs.fileno()), "MERGEKIT_RAM_TEST_PRELOAD": ",".join(preload)}
         self.process = subprocess.Popen(
-            [sys.executable, launcher, *(["yaml"] if merge_runner else [])],
-            env={**dict(environment), "MERGEKIT_RAM_TEST_WARM": str(theirs.fileno())},
+            [sys.executable, launcher, *argv[1:]],
+            env={**dict(environment), **variables},
             pass_fds=[theirs.fileno()],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
@@ -62,19 +88,23 @@ class WarmInterpreter:
         theirs.close()
 
     def run(
-        self, name: str, args: tuple[str, ...], environment: dict[str, str]
+        self, command: list[str], environment: dict[str, str], timeout: Optional[float]
     ) -> Optional[subprocess.CompletedProcess]:
-        """``name args`` forked from the server; None where it answers that a fresh start is needed."""
-        request = {"script": script(name), "args": list(args), "env": environment, "cwd": os.getcwd()}
-        with open(os.devnull, "rb") as stdin, tempfile.TemporaryFile() as stdout, tempfile.TemporaryFile() as stderr:
-            socket.send_fds(self.channel, [json.dumps(request).encode()], [f.fileno() for f in (stdin, stdout, stderr)])
-            reply = self.channel.recv(64)
-            if reply == b"cold":
+        """``command`` (a script and its arguments) forked from the server; None where it answers that a
+        fresh start is needed. Safe from several threads at once."""
+        request = {"script": command[0], "args": command[1:], "env": environment, "cwd": os.getcwd()}
+        reply, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        with reply, open(os.devnull, "rb") as stdin, tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+            with theirs:
+                descriptors = [handle.fileno() for handle in (stdin, out, err, theirs)]
+                socket.send_fds(self.channel, [json.dumps(request).encode()], descriptors)
+            reply.settimeout(timeout)
+            status = reply.recv(64)
+            if status == b"cold":
                 return None
-            if not reply:
-                raise AssertionError(f"the warm interpreter for {name} ended ({self.process.wait()})")
-            printed = [text(handle) for handle in (stdout, stderr)]
-        return subprocess.CompletedProcess([script(name), *args], int(reply), *printed)
+            if not status:
+                raise AssertionError(f"the warm interpreter for {command[0]} ended ({self.process.poll()})")
+            return subprocess.CompletedProcess(command, int(status), text(out), text(err))
 
 
 def text(handle: Any) -> str:
@@ -84,35 +114,57 @@ def text(handle: Any) -> str:
     return data.replace("\r\n", "\n").replace("\r", "\n")
 
 
-@functools.lru_cache(maxsize=4)
-def warm_interpreter(name: str, merge_runner: bool, environment: tuple[tuple[str, str], ...]) -> WarmInterpreter:
-    return WarmInterpreter(name, merge_runner, environment)
+@functools.lru_cache(maxsize=6)  # about 420 MB each
+def warm_interpreter(
+    argv: tuple[str, ...], preload: tuple[str, ...], environment: tuple[tuple[str, str], ...]
+) -> WarmInterpreter:
+    return WarmInterpreter(argv, preload, environment)
 
 
-def warm_run(name: str, args: tuple[str, ...], environment: dict[str, str]) -> Optional[subprocess.CompletedProcess]:
-    """``name args`` forked from the warm interpreter started with ``environment`` (``RUNTIME_VARIABLES`` aside);
-    None where a fresh start is needed."""
-    start = tuple(sorted((key, value) for key, value in environment.items() if key not in RUNTIME_VARIABLES))
-    merge_runner = name == "mergekit-ram" and args[:1] in (("yaml",), ("multi",), ("pytorch",))
-    return warm_interpreter(name, merge_runner, start).run(name, args, environment)
+def warm_run(
+    command: list[str], environment: dict[str, str], timeout: Optional[float] = None
+) -> Optional[subprocess.CompletedProcess]:
+    """``command`` (a console script's path or a Python script's, and its arguments) forked from a warm
+    interpreter started with ``environment`` (``FORK_VARIABLES`` aside); None where a fresh start is needed."""
+    name, first = os.path.basename(command[0]), tuple(command[1:2])
+    if command[0] == script(name):
+        (entry,) = importlib.metadata.entry_points(group="console_scripts", name=name)
+        merge_runner = name == "mergekit-ram" and first in (("yaml",), ("multi",), ("pytorch",))
+        argv = (name, *first) if merge_runner else (name,)
+        preload = (entry.module, *(MERGE_SCRIPTS if merge_runner else ()))
+    else:  # a Python script: the modules it imports from this repository
+        with open(command[0], encoding="utf-8") as handle:
+            source = handle.read()
+        argv, preload = (name,), tuple(re.findall(r"^(?:from|import) (mergekit_ram[\w.]*)", source, re.MULTILINE))
+    start = tuple(sorted((key, value) for key, value in environment.items() if key not in FORK_VARIABLES))
+    return warm_interpreter(argv, preload, start).run(command, environment, timeout)
+
+
+def run_python(
+    command: list[str], environment: dict[str, str], timeout: Optional[float] = None
+) -> subprocess.CompletedProcess:
+    """``command`` (a console script or a ``.py`` file, and its arguments) in a process of its own, as
+    ``subprocess.run(capture_output=True, text=True)`` runs it.
+
+    Forked from a warm interpreter that has done its imports (``tests/warm_interpreter.py``), one per
+    script and start-up environment (``environment`` but ``FORK_VARIABLES``), which saves a console
+    script 5.5 s of CPU. A run whose fault is during the imports starts afresh, as does every run under
+    ``MERGEKIT_RAM_TEST_COLD=1``. Tests of what happens while a script starts (entry points, Ctrl-C)
+    start their processes themselves."""
+    cold = "1" in (environment.get(COLD_VARIABLE), os.environ.get(COLD_VARIABLE))
+    if not cold and not environment.get("MERGEKIT_RAM_TEST_FAULT", "").startswith("import:"):
+        completed = warm_run(command, environment, timeout)
+        if completed is not None:
+            return completed
+    started = [sys.executable, *command] if command[0].endswith(".py") else command
+    return subprocess.run(started, env=environment, capture_output=True, text=True, timeout=timeout)
 
 
 def run_script(
     name: str, *args: str, env: Optional[dict[str, str]] = None, check: bool = True
 ) -> subprocess.CompletedProcess:
-    """The real console script ``name`` run on ``args`` in a process of its own.
-
-    Forked from a warm interpreter that has done the script's imports (``tests/warm_interpreter.py``),
-    which saves 5.5 s a run. A run given other start-up variables (``env`` beyond ``RUNTIME_VARIABLES``:
-    faults on PYTHONPATH, the plugin switched off, ...) starts afresh, as does every run under
-    ``MERGEKIT_RAM_TEST_COLD=1``. Tests of what happens during the imports (entry points, Ctrl-C)
-    start their processes themselves."""
-    environment = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
-    completed = None
-    if environment.get(COLD_VARIABLE) != "1" and RUNTIME_VARIABLES.issuperset(env or {}):
-        completed = warm_run(name, args, environment)
-    if completed is None:
-        completed = subprocess.run([script(name), *args], env=environment, capture_output=True, text=True)
+    """The real console script ``name`` run on ``args`` in a process of its own (``run_python``)."""
+    completed = run_python([script(name), *args], {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
     if check and completed.returncode != 0:
         raise AssertionError(f"{name} {' '.join(args)} failed ({completed.returncode}):\n{completed.stderr[-6000:]}")
     return completed

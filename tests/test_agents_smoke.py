@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import json
+import time
+from pathlib import Path
+from typing import Any, Mapping, Optional, Sequence
 
+import pytest
 import torch
 
-from benchmarks.agents import tokenizer
+from benchmarks.agents import merges, tokenizer
 from benchmarks.agents.analysis import random_subset, region_controls
 from benchmarks.agents.evaluate import EvalConfig, eval_sets
 from benchmarks.agents.model import ModelSize, completion_text, greedy_correct, new_model, sample, save_model
 from benchmarks.agents.run import main
 from benchmarks.agents.tasks import TASKS, Problem, sample_problems, split_of
+from tests.conftest import run_python
 
 
 def test_saved_tokenizer_gives_the_training_ids():
@@ -42,7 +47,20 @@ def test_teacher_forced_check_is_greedy_decoding():
     assert not greedy_correct(model, wrong).any()
 
 
-def test_smoke_pipeline(tmp_path):
+def run_forked(
+    argv: Sequence[str], *, env: Mapping[str, str], log_path: Path, data_limit_bytes: Optional[int] = None
+) -> dict[str, Any]:
+    """``benchmarks.common.run_measured`` for the smoke run, which measures nothing: the real ``mergekit-yaml``
+    through ``run_python`` (forked from a warm interpreter), its output in ``log_path``."""
+    assert data_limit_bytes is None
+    started = time.perf_counter()
+    completed = run_python(list(argv), dict(env))
+    log_path.write_text(completed.stdout + completed.stderr, encoding="utf-8")
+    return {"returncode": completed.returncode, "wall_s": time.perf_counter() - started, "log_tail": completed.stderr}
+
+
+def test_smoke_pipeline(tmp_path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(merges, "run_measured", run_forked)
     out, cache, doc = tmp_path / "results", tmp_path / "cache", tmp_path / "quality.md"
     assert main(["--smoke", "--workers", "1", "--out", str(out), "--cache", str(cache), "--doc", str(doc)]) == 0
     results = json.loads((out / "results.json").read_text())

@@ -32,7 +32,7 @@ import pytest
 
 from mergekit_ram.signals import ENDING_SIGNALS
 from mergekit_ram.staging import MANIFEST_FILE, MARKER_FILE, MARKER_TEXT, PRIVATE_PREFIX
-from tests.conftest import without_identities
+from tests.conftest import run_python, without_identities
 
 FAULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "faults")
 DRIVER = os.path.join(FAULTS, "transaction.py")
@@ -96,8 +96,10 @@ def drive(
         env["MERGEKIT_RAM_TEST_FAULT"] = f"fsop:any:{fault[0]}:{fault[1]}"
     if count is not None:
         env["MERGEKIT_RAM_TEST_COUNT"] = count
-    command = ["nohup"] * nohup + [sys.executable, DRIVER, out, *arguments]
-    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=60)
+    if nohup:
+        command = ["nohup", sys.executable, DRIVER, out, *arguments]
+        return subprocess.run(command, env=env, capture_output=True, text=True, timeout=60)
+    return run_python([DRIVER, out, *arguments], env, timeout=60)
 
 
 def operations(out: str, *arguments: str) -> int:

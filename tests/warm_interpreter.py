@@ -1,27 +1,28 @@
-"""A warm interpreter for ``tests/conftest.run_script``: a console script's imports done once, each run forked.
+"""A warm interpreter for the tests' subprocesses: a script's imports done once, each run forked.
 
-    MERGEKIT_RAM_TEST_WARM=FD python <folder>/<script name> [yaml]
+    MERGEKIT_RAM_TEST_WARM=FD MERGEKIT_RAM_TEST_PRELOAD=MODULE,... python <folder>/<name> [ARG]
 
-Every run of a console script spends about 5.5 s importing mergekit (torch, transformers, peft) before
-it does anything; most tests run one for a few tenths of a second of work. This server is started
-under the script's own name (and, for ``mergekit-ram``, ``yaml`` where the run is one of its merge
-runners), so that ``mergekit_ram_autoload.pth`` sees the ``argv`` a real run has at interpreter start.
-It imports what the script imports, then answers requests on the ``SOCK_SEQPACKET`` socket FD: JSON
-``{script, args, env, cwd}`` with three file descriptors (standard input, output and error).
+A console script started afresh spends about 7 s importing mergekit (torch, transformers, peft) and
+exiting; most tests run one for a few tenths of a second of work. ``tests/conftest.py`` starts this
+server under the script's own name (and, for ``mergekit-ram``, ``yaml`` where the run is one of its
+merge runners), so that ``mergekit_ram_autoload.pth`` sees the ``argv`` a real run has at start-up.
+It imports the modules MODULE, ... (what the script imports), then answers requests on the
+``SOCK_SEQPACKET`` socket FD: JSON ``{script, args, env, cwd}`` with four file descriptors (standard
+input, output and error, and a socket for the reply), any number at once.
 
 Each request is a fork of this process: the child takes the descriptors, the environment, the folder
-and ``argv``, and runs the real console script file as ``__main__``; its exit status, uncaught
-exception or signal is the interpreter's own, as in a run started afresh. The server replies with the
-status as ``subprocess`` reports it (negative: the signal). A real run would show in its own output
-what its imports print, and would fail where they fail: where they printed anything, failed, or left
-a Python thread running, the server answers ``cold`` and the caller starts the script afresh.
-Standard library only.
+and ``argv``, installs the fault its environment names where the fault hook is loaded
+(``tests/faults`` on PYTHONPATH), and runs the real script file as ``__main__``; its exit status,
+uncaught exception or signal is the interpreter's own, as in a run started afresh. A second fork
+between the two waits for the child and replies with its status as ``subprocess`` reports it
+(negative: the signal). A real run shows what its imports print in its own output and fails where
+they fail: where they printed anything, failed, or left a Python thread running, the server replies
+``cold`` and the caller starts the script afresh. Standard library only.
 """
 
 import atexit
 import gc
 import importlib
-import importlib.metadata
 import json
 import os
 import runpy
@@ -32,20 +33,11 @@ import tempfile
 import threading
 from typing import NoReturn
 
-#: Imported before the first request, beside the script's own module: what ``mergekit-ram``'s merge
-#: runners import when they run.
-MERGE_SCRIPTS = ("mergekit.scripts.run_yaml", "mergekit.scripts.multimerge", "mergekit.scripts.merge_raw_pytorch")
 
-
-def preload(name: str) -> bool:
-    """Import the console script ``name``'s module; whether that printed nothing, raised nothing and
-    started no Python thread (a fork copies only the thread that calls it; the native thread pools
-    of numpy's and scipy's OpenBLAS, which those imports start, stop themselves at a fork)."""
-    entries = importlib.metadata.entry_points(group="console_scripts", name=name)
-    if len(entries) != 1:  # found through another distribution than the script's own: a fresh run
-        return False
-    (entry,) = entries
-    modules = [entry.module, *(MERGE_SCRIPTS if name == "mergekit-ram" else ())]
+def preload(modules: list[str]) -> bool:
+    """Import ``modules``; whether that printed nothing, raised nothing and started no Python thread (a
+    fork copies only the thread that calls it; the native thread pools of numpy's and scipy's
+    OpenBLAS, which those imports start, stop themselves at a fork)."""
     saved = os.dup(1), os.dup(2)
     with tempfile.TemporaryFile() as printed:
         os.dup2(printed.fileno(), 1)
@@ -70,32 +62,45 @@ def preload(name: str) -> bool:
 def serve(channel: socket.socket, warm: bool) -> dict:
     """Answer requests until the caller goes; returns (in a forked child only) the request to run."""
     while True:
-        message, descriptors, _flags, _address = socket.recv_fds(channel, 1 << 20, 3)
+        message, descriptors, _flags, _address = socket.recv_fds(channel, 1 << 20, 4)
         if not message:
             sys.exit(0)
-        if not warm or len(descriptors) != 3:
+        reply = socket.socket(fileno=descriptors.pop())
+        if warm and len(descriptors) == 3 and os.fork() == 0:  # the second fork, which waits
+            channel.close()
+            pid = os.fork()
+            if pid == 0:
+                reply.close()
+                for target, descriptor in enumerate(descriptors):
+                    os.dup2(descriptor, target)
+                    os.close(descriptor)
+                return json.loads(message)
             for descriptor in descriptors:
                 os.close(descriptor)
-            channel.send(b"cold")
-            continue
-        pid = os.fork()
-        if pid == 0:
-            channel.close()
-            for target, descriptor in enumerate(descriptors):
-                os.dup2(descriptor, target)
-                os.close(descriptor)
-            return json.loads(message)
+            _pid, status = os.waitpid(pid, 0)
+            reply.send(str(os.waitstatus_to_exitcode(status)).encode())
+            os._exit(0)
+        if not warm or len(descriptors) != 3:
+            reply.send(b"cold")
         for descriptor in descriptors:
             os.close(descriptor)
-        _pid, status = os.waitpid(pid, 0)
-        channel.send(str(os.waitstatus_to_exitcode(status)).encode())
+        reply.close()
+        while True:  # the second forks that have replied
+            try:
+                if os.waitpid(-1, os.WNOHANG)[0] == 0:
+                    break
+            except ChildProcessError:
+                break
 
 
 def run(request: dict) -> None:
-    """The console script ``request["script"]`` as a fresh process runs it, in this forked child."""
+    """The script ``request["script"]`` as a fresh process runs it, in this forked child."""
     os.environ.clear()
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
+    faults = sys.modules.get("sitecustomize")
+    if hasattr(faults, "install_faults"):  # tests/faults on PYTHONPATH: this run's fault, as at start-up
+        faults.install_faults()
     script = request["script"]
     sys.argv = [script, *request["args"]]
     sys.path[0] = os.path.dirname(script)
@@ -122,7 +127,7 @@ def exit_uncaught(error: BaseException, script: str) -> NoReturn:
 
 if __name__ == "__main__":
     channel = socket.socket(fileno=int(os.environ.pop("MERGEKIT_RAM_TEST_WARM")))
-    warm = preload(os.path.basename(sys.argv[0]))
+    warm = preload(list(filter(None, os.environ.pop("MERGEKIT_RAM_TEST_PRELOAD").split(","))))
     gc.freeze()  # the imports' objects stay out of the children's collections: 1.6 s to exit becomes 0.4 s
     request = serve(channel, warm)
     try:

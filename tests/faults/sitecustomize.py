@@ -27,8 +27,6 @@ import signal
 import sys
 import time
 
-_SPEC = os.environ.get("MERGEKIT_RAM_TEST_FAULT")
-
 
 def _act(action):
     if action == "ENOSPC":
@@ -139,21 +137,30 @@ if os.environ.get("MERGEKIT_RAM_TEST_SIGNALS") == "default":
     for _number in signal.valid_signals():
         if _number not in (signal.SIGPIPE, signal.SIGXFSZ) and signal.getsignal(_number) == signal.SIG_IGN:
             signal.signal(_number, signal.default_int_handler if _number == signal.SIGINT else signal.SIG_DFL)
-if _SPEC:
-    _where, _what, _target, _action = _SPEC.split(":")
-    _install(_where, _what, int(_target), _action)
-elif os.environ.get("MERGEKIT_RAM_TEST_COUNT"):
-    _counted = []
 
-    def _count(operation):
-        _counted.append(operation)
-        return False
 
-    def _write_count():
-        with open(os.environ["MERGEKIT_RAM_TEST_COUNT"], "w") as handle:
-            handle.write(str(len(_counted)))
-        with open(os.environ["MERGEKIT_RAM_TEST_COUNT"] + ".trace", "w") as handle:
-            handle.writelines(f"{number} {operation}\n" for number, operation in enumerate(_counted, 1))
+def install_faults():
+    """The fault or the count that the environment names: at start-up, and again in each run forked from a
+    warm interpreter (tests/warm_interpreter.py), whose start-up had none."""
+    spec = os.environ.get("MERGEKIT_RAM_TEST_FAULT")
+    if spec:
+        where, what, target, action = spec.split(":")
+        _install(where, what, int(target), action)
+    elif os.environ.get("MERGEKIT_RAM_TEST_COUNT"):
+        counted = []
 
-    _install_fsop(_count, "none")
-    atexit.register(_write_count)
+        def count(operation):
+            counted.append(operation)
+            return False
+
+        def write_count():
+            with open(os.environ["MERGEKIT_RAM_TEST_COUNT"], "w") as handle:
+                handle.write(str(len(counted)))
+            with open(os.environ["MERGEKIT_RAM_TEST_COUNT"] + ".trace", "w") as handle:
+                handle.writelines(f"{number} {operation}\n" for number, operation in enumerate(counted, 1))
+
+        _install_fsop(count, "none")
+        atexit.register(write_count)
+
+
+install_faults()
