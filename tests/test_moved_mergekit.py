@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import COLD_VARIABLE, ModelSet, load_weights, run_script, write_recipe
+from tests.conftest import ModelSet, load_weights, run_script, write_recipe
 
 VERSION = "0.2.0"
 #: (file of mergekit, internal renamed throughout it): the registry's table, which the start-up hook
@@ -37,8 +37,7 @@ class MovedMergekit:
 
     @property
     def env(self) -> dict[str, str]:
-        # Started afresh: a warm interpreter's imports would print the warning, so it could serve no run.
-        return {"PYTHONPATH": self.root, "MERGEKIT_RAM_AUTOLOAD": "1", COLD_VARIABLE: "1"}
+        return {"PYTHONPATH": self.root, "MERGEKIT_RAM_AUTOLOAD": "1"}
 
     @property
     def reason(self) -> str:

@@ -13,11 +13,11 @@ input, output and error, and a socket for the reply), any number at once.
 Each request is a fork of this process: the child takes the descriptors, the environment, the folder
 and ``argv``, installs the fault its environment names where the fault hook is loaded
 (``tests/faults`` on PYTHONPATH), and runs the real script file as ``__main__``; its exit status,
-uncaught exception or signal is the interpreter's own, as in a run started afresh. A second fork
-between the two waits for the child and replies with its status as ``subprocess`` reports it
-(negative: the signal). A real run shows what its imports print in its own output and fails where
-they fail: where they printed anything, failed, or left a Python thread running, the server replies
-``cold`` and the caller starts the script afresh. Standard library only.
+uncaught exception or signal is the interpreter's own, as in a run started afresh, and what the
+imports printed comes first in its output, as in a fresh run. A second fork between the two waits
+for the child and replies with its status as ``subprocess`` reports it (negative: the signal).
+Where the imports failed or left a Python thread running, the server replies ``cold`` and the caller
+starts the script afresh. Standard library only.
 """
 
 import atexit
@@ -31,17 +31,17 @@ import socket
 import sys
 import tempfile
 import threading
-from typing import NoReturn
+from typing import NoReturn, Optional
 
 
-def preload(modules: list[str]) -> bool:
-    """Import ``modules``; whether that printed nothing, raised nothing and started no Python thread (a
-    fork copies only the thread that calls it; the native thread pools of numpy's and scipy's
-    OpenBLAS, which those imports start, stop themselves at a fork)."""
+def preload(modules: list[str]) -> Optional[tuple[bytes, bytes]]:
+    """Import ``modules``: what that printed on standard output and error, or None where it raised or
+    started a Python thread (a fork copies only the thread that calls it; the native thread pools of
+    numpy's and scipy's OpenBLAS, which those imports start, stop themselves at a fork)."""
     saved = os.dup(1), os.dup(2)
-    with tempfile.TemporaryFile() as printed:
-        os.dup2(printed.fileno(), 1)
-        os.dup2(printed.fileno(), 2)
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        os.dup2(out.fileno(), 1)
+        os.dup2(err.fileno(), 2)
         try:
             for module in modules:
                 importlib.import_module(module)
@@ -55,8 +55,11 @@ def preload(modules: list[str]) -> bool:
             os.dup2(saved[1], 2)
             os.close(saved[0])
             os.close(saved[1])
-        silent = printed.seek(0, os.SEEK_END) == 0
-    return imported and silent and threading.active_count() == 1
+        printed = []
+        for handle in (out, err):
+            handle.seek(0)
+            printed.append(handle.read())
+    return (printed[0], printed[1]) if imported and threading.active_count() == 1 else None
 
 
 def serve(channel: socket.socket, warm: bool) -> dict:
@@ -127,9 +130,12 @@ def exit_uncaught(error: BaseException, script: str) -> NoReturn:
 
 if __name__ == "__main__":
     channel = socket.socket(fileno=int(os.environ.pop("MERGEKIT_RAM_TEST_WARM")))
-    warm = preload(list(filter(None, os.environ.pop("MERGEKIT_RAM_TEST_PRELOAD").split(","))))
+    printed = preload(list(filter(None, os.environ.pop("MERGEKIT_RAM_TEST_PRELOAD").split(","))))
     gc.freeze()  # the imports' objects stay out of the children's collections: 1.6 s to exit becomes 0.4 s
-    request = serve(channel, warm)
+    request = serve(channel, printed is not None)
+    for stream, data in zip((sys.stdout, sys.stderr), printed or ()):  # first, as the imports print in a fresh run
+        stream.buffer.write(data)
+        stream.flush()
     try:
         run(request)
     except SystemExit:
