@@ -55,8 +55,15 @@ FORK_VARIABLES = frozenset(
 #: Set to 1 to start every run afresh (``run_python``).
 COLD_VARIABLE = "MERGEKIT_RAM_TEST_COLD"
 WARM_SERVER = os.path.join(os.path.dirname(__file__), "warm_interpreter.py")
-#: What ``mergekit-ram``'s merge runners import once they run, besides its own module.
+#: What ``mergekit-ram``'s commands import once they run (inside the command), by command.
 MERGE_SCRIPTS = ("mergekit.scripts.run_yaml", "mergekit.scripts.multimerge", "mergekit.scripts.merge_raw_pytorch")
+COMMAND_IMPORTS = {
+    "yaml": MERGE_SCRIPTS,
+    "multi": MERGE_SCRIPTS,
+    "pytorch": MERGE_SCRIPTS,
+    "probe": ("mergekit_ram.probe", "mergekit_ram.integration.scripts", "mergekit_ram.integration.recipes"),
+    "check": ("torch", "mergekit_ram.sharing"),
+}
 
 
 @functools.cache
@@ -129,9 +136,9 @@ def warm_run(
     name, first = os.path.basename(command[0]), tuple(command[1:2])
     if command[0] == script(name):
         (entry,) = importlib.metadata.entry_points(group="console_scripts", name=name)
-        merge_runner = name == "mergekit-ram" and first in (("yaml",), ("multi",), ("pytorch",))
-        argv = (name, *first) if merge_runner else (name,)
-        preload = (entry.module, *(MERGE_SCRIPTS if merge_runner else ()))
+        imports = COMMAND_IMPORTS.get(first[0], ()) if name == "mergekit-ram" and first else ()
+        argv = (name, *first) if imports else (name,)  # as the start-up hook reads it
+        preload = (entry.module, *imports)
     else:  # a Python script: the modules it imports from this repository
         with open(command[0], encoding="utf-8") as handle:
             source = handle.read()
