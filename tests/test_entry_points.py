@@ -189,7 +189,7 @@ def test_a_warm_run_is_a_fresh_run(ram_plus_merge: Merged, tmp_path) -> None:
     for case, arguments in runs.items():
         cold = run_script("mergekit-yaml", *arguments, env={COLD_VARIABLE: "1"}, check=False)
         warm = warm_run([script("mergekit-yaml"), *arguments], {**os.environ, "HF_HUB_OFFLINE": "1"})  # last to write
-        assert warm is not None, case
+        assert warm is not None, f"{case}: the warm interpreter cannot serve (its imports failed or started a thread)"
         assert (warm.returncode, warm.stdout, warm.stderr) == (cold.returncode, cold.stdout, cold.stderr), case
     assert warm.returncode == 1 and warm.stderr.startswith("Traceback (most recent call last):\n  File ")
     assert f'"{script("mergekit-yaml")}", line' in warm.stderr.splitlines()[1]
