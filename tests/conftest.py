@@ -12,6 +12,7 @@ import locale
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -105,12 +106,17 @@ class WarmInterpreter:
             with theirs:
                 descriptors = [handle.fileno() for handle in (stdin, out, err, theirs)]
                 socket.send_fds(self.channel, [json.dumps(request).encode()], descriptors)
-            reply.settimeout(timeout)
-            status = reply.recv(64)
-            if status == b"cold":
+            pid = reply.recv(64)
+            if pid == b"cold":
                 return None
-            if not status:
+            if not pid:
                 raise AssertionError(f"the warm interpreter for {command[0]} ended ({self.process.poll()})")
+            reply.settimeout(timeout)
+            try:
+                status = reply.recv(64)
+            except TimeoutError:
+                os.kill(int(pid), signal.SIGKILL)  # as subprocess.run does at its timeout
+                raise subprocess.TimeoutExpired(command, timeout or 0) from None
             return subprocess.CompletedProcess(command, int(status), text(out), text(err))
 
 

@@ -4,8 +4,8 @@
 
 A console script started afresh spends about 7 s importing mergekit (torch, transformers, peft) and
 exiting; most tests run one for a few tenths of a second of work. ``tests/conftest.py`` starts this
-server under the script's own name (and, for ``mergekit-ram``, ``yaml`` where the run is one of its
-merge runners), so that ``mergekit_ram_autoload.pth`` sees the ``argv`` a real run has at start-up.
+server under the script's own name (and, for ``mergekit-ram``, with the run's command: ``yaml``,
+``probe``, ...), so that ``mergekit_ram_autoload.pth`` sees the ``argv`` a real run has at start-up.
 It imports the modules MODULE, ... (what the script imports), then answers requests on the
 ``SOCK_SEQPACKET`` socket FD: JSON ``{script, args, env, cwd}`` with four file descriptors (standard
 input, output and error, and a socket for the reply), any number at once.
@@ -15,9 +15,9 @@ and ``argv``, installs the fault its environment names where the fault hook is l
 (``tests/faults`` on PYTHONPATH), and runs the real script file as ``__main__``; its exit status,
 uncaught exception or signal is the interpreter's own, as in a run started afresh, and what the
 imports printed comes first in its output, as in a fresh run. A second fork between the two waits
-for the child and replies with its status as ``subprocess`` reports it (negative: the signal).
-Where the imports failed or left a Python thread running, the server replies ``cold`` and the caller
-starts the script afresh. Standard library only.
+for the child and replies with its process id, then its status as ``subprocess`` reports it
+(negative: the signal). Where the imports failed or left a Python thread running, the server
+replies ``cold`` and the caller starts the script afresh. Standard library only.
 """
 
 import atexit
@@ -80,9 +80,12 @@ def serve(channel: socket.socket, warm: bool) -> dict:
                 return json.loads(message)
             for descriptor in descriptors:
                 os.close(descriptor)
-            _pid, status = os.waitpid(pid, 0)
-            reply.send(str(os.waitstatus_to_exitcode(status)).encode())
-            os._exit(0)
+            try:
+                reply.send(str(pid).encode())  # for the caller's timeout
+                _pid, status = os.waitpid(pid, 0)
+                reply.send(str(os.waitstatus_to_exitcode(status)).encode())
+            finally:  # the caller gone (its timeout) or not, this fork ends here
+                os._exit(0)
         if not warm or len(descriptors) != 3:
             reply.send(b"cold")
         for descriptor in descriptors:
