@@ -26,6 +26,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+from mergekit_ram import cache
 from mergekit_ram.synthetic import PAPER_AGENTS, PAPER_OVERLAP, Agents, build_agents, tiny_config
 
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -45,9 +46,9 @@ def script(name: str) -> str:
 FORK_VARIABLES = frozenset(
     {
         "PYTEST_CURRENT_TEST",
-        "MERGEKIT_RAM_CACHE",
-        "MERGEKIT_RAM_CACHE_DIR",
-        "MERGEKIT_RAM_CACHE_SHARED",
+        cache.MODE_VARIABLE,
+        cache.DIRECTORY_VARIABLE,
+        cache.SHARED_VARIABLE,
         "MERGEKIT_RAM_TEST_FAULT",
         "MERGEKIT_RAM_TEST_COUNT",
         "MERGEKIT_RAM_TEST_RELEASE",

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import torch
 import yaml
@@ -178,7 +179,8 @@ def test_a_warm_run_is_a_fresh_run(ram_plus_merge: Merged, tmp_path) -> None:
     """``run_script`` forks most runs from a warm interpreter (tests/warm_interpreter.py): the same
     exit status, output, files and traceback as the script started afresh."""
     typo = tmp_path / "typo.yml"
-    typo.write_text(open(ram_plus_merge.recipe).read().replace("ram_plus", "ram_pluss"), encoding="utf-8")
+    recipe = Path(ram_plus_merge.recipe).read_text(encoding="utf-8")
+    typo.write_text(recipe.replace("ram_plus", "ram_pluss"), encoding="utf-8")
     syntax = tmp_path / "syntax.yml"
     syntax.write_text("merge_method: linear\nmodels: [{model: a}\n", encoding="utf-8")  # mergekit's traceback
     runs = {

@@ -69,7 +69,9 @@ def serve(channel: socket.socket, warm: bool) -> dict:
         if not message:
             sys.exit(0)
         reply = socket.socket(fileno=descriptors.pop())
-        if warm and len(descriptors) == 3 and os.fork() == 0:  # the second fork, which waits
+        if not warm or len(descriptors) != 3:
+            reply.send(b"cold")
+        elif os.fork() == 0:  # the second fork, which waits
             channel.close()
             pid = os.fork()
             if pid == 0:
@@ -86,8 +88,6 @@ def serve(channel: socket.socket, warm: bool) -> dict:
                 reply.send(str(os.waitstatus_to_exitcode(status)).encode())
             finally:  # the caller gone (its timeout) or not, this fork ends here
                 os._exit(0)
-        if not warm or len(descriptors) != 3:
-            reply.send(b"cold")
         for descriptor in descriptors:
             os.close(descriptor)
         reply.close()
