@@ -4,7 +4,7 @@ Imported at interpreter start by ``mergekit_ram_autoload.pth``; standard library
 costs about 1.5 ms, the package's ``__init__`` included. A ``sys.meta_path`` finder watches
 mergekit's modules; once mergekit has finished importing (no mergekit module, and no module of
 ``mergekit_ram.integration``, half-executed), the matching functions of
-``mergekit_ram.integration`` patch the four modules of ``HOOKS`` that were imported, in order.
+``mergekit_ram.integration`` patch the three modules of ``HOOKS`` that were imported, in order.
 Before each patch the internals of every mergekit module imported so far are checked; where one
 has moved, the plugin steps aside as a whole (``mergekit_ram.integration.guard``): one warning
 line, nothing of it left in mergekit, and recipes naming its methods refused in one line.
@@ -26,7 +26,6 @@ HOOKS = {
     "mergekit.merge_methods": ("registry:register_methods",),
     "mergekit.merge": ("output:patch_run_merge",),
     "mergekit.options": ("scripts:patch_scripts",),
-    "mergekit.scripts.merge_raw_pytorch": ("output:patch_raw_pytorch",),
 }
 
 
@@ -91,8 +90,7 @@ class MergekitFinder:
         """Run the hooks that are due, in order; a failing hook never breaks mergekit's import.
 
         Importing a hook's boundary module can finish importing other modules: the loop that is
-        already running takes their hooks after the current one, so patches keep their order
-        (``mergekit-pytorch``'s transaction inside its one-line errors).
+        already running takes their hooks after the current one, so patches keep their order.
         """
         if self.applying:
             return

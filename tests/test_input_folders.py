@@ -18,7 +18,6 @@ from typing import Any, Callable
 
 import pytest
 import yaml
-from mergekit.common import ModelPath
 from mergekit.config import MergeConfiguration
 from mergekit.merge import run_merge
 from mergekit.options import MergeOptions
@@ -126,11 +125,10 @@ def test_the_folders_mergekit_reads_for_a_lora_and_a_hub_model_are_inputs(models
         **models.recipe("ram_plus"),
         "models": [{"model": f"{models.agents[0]}+{lora}"}, {"model": "example-org/tool-agent"}],
     }
-    merged = f"{ModelPath(path=models.agents[0])._unique_id()}_{ModelPath(path=lora)._unique_id()}"
-    out = os.path.join(cache, merged, "out")
-    assert f"is inside {os.path.join(cache, merged)}, the folder of the input" in _refusal(
-        recipe, out, lora_merge_cache=cache
-    )
+    lora_input = f"the folder of the input {models.agents[0]}+{lora}"
+    assert f"{cache} is {lora_input}" in _refusal(recipe, cache, lora_merge_cache=cache)
+    out = os.path.join(cache, "merged", "out")  # anywhere in it: mergekit writes each merged LoRA there
+    assert f"{out} is inside {cache}, {lora_input}" in _refusal(recipe, out, lora_merge_cache=cache)
     out = os.path.join(hub, "models--example-org--tool-agent", "snapshots", "main")
     assert "the folder of the input example-org/tool-agent" in _refusal(recipe, out, transformers_cache=hub)
     assert not os.path.exists(cache) and not os.path.exists(hub)

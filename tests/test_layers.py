@@ -103,9 +103,7 @@ import mergekit.merge, mergekit.plan, mergekit.scripts.run_yaml, mergekit.script
 import mergekit.scripts.merge_raw_pytorch, mergekit.merge_methods, mergekit.options
 from mergekit.merge_methods import registry
 from mergekit_ram.integration.methods import METHODS
-patched = [
-    mergekit.merge.run_merge, mergekit.options.PrettyPrintHelp.invoke, mergekit.scripts.merge_raw_pytorch.main.callback
-]
+patched = [mergekit.merge.run_merge, mergekit.options.PrettyPrintHelp.invoke]
 print(
     all(registry._METHODS[name] is method for name, method in METHODS.items()),
     all(getattr(function, "__mergekit_ram_wrapped__", False) for function in patched),

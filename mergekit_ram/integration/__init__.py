@@ -27,7 +27,7 @@ __all__ = ["register"]
 def register() -> None:
     """Register the methods with mergekit and hook its run_merge and scripts; idempotent."""
     from mergekit_ram.integration.internals import check_internals
-    from mergekit_ram.integration.output import patch_raw_pytorch, patch_run_merge
+    from mergekit_ram.integration.output import patch_run_merge
     from mergekit_ram.integration.registry import register_methods
     from mergekit_ram.integration.scripts import patch_scripts
 
@@ -35,5 +35,4 @@ def register() -> None:
     module = importlib.import_module
     register_methods(module("mergekit.merge_methods"))
     patch_run_merge(module("mergekit.merge"))
-    patch_raw_pytorch(module("mergekit.scripts.merge_raw_pytorch"))
     patch_scripts(module("mergekit.options"))

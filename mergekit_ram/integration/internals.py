@@ -65,8 +65,6 @@ INTERNALS = (
     Internal("mergekit.options", "MergeOptions"),
     Internal("mergekit.architecture.json_definitions", "NAME_TO_ARCH"),
     Internal("mergekit.scripts.multimerge", "patched_config"),
-    # Where mergekit merges a LoRA (output: an output folder there is refused).
-    Internal("mergekit.common", "ModelPath._unique_id", ("self",)),
     # mergekit-pytorch: its recipe class and its flat plan (output).
     Internal("mergekit.scripts.merge_raw_pytorch", "RawPyTorchMergeConfig"),
     Internal(
@@ -74,15 +72,10 @@ INTERNALS = (
         "plan_flat_merge",
         ("config", "out_path", "tensor_union", "tensor_intersection", "options"),
     ),  # fmt: skip
-    # The three wraps: run_merge (the merge step, the output transaction), the console scripts' shared click
-    # command class (one-line errors), mergekit-pytorch's command (the merge step, the output transaction).
+    # The two wraps: run_merge (the merge step, the output transaction), the console scripts' shared click
+    # command class (one-line errors; mergekit-pytorch's merge step and output transaction).
     Internal("mergekit.merge", "run_merge", ("merge_config", "out_path", "options", "config_source")),
     Internal("mergekit.options", "PrettyPrintHelp.invoke", ("self", "ctx")),
-    Internal(
-        "mergekit.scripts.merge_raw_pytorch",
-        "main.callback",
-        ("config_path", "out_path", "tensor_union", "tensor_intersection", "merge_options"),
-    ),  # fmt: skip
 )
 _ENTRIES = {(entry.module, entry.name): entry for entry in INTERNALS}
 

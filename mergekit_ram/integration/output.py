@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from typing import Any, Callable, Iterable, Iterator, NamedTuple, Optional, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple, Optional, Sequence
 
 import pydantic
 import yaml
@@ -35,11 +35,9 @@ from mergekit_ram.recipe_file import Stage
 from mergekit_ram.stats.data import RamStatistics
 from mergekit_ram.stats.schema import STATISTICS_FILE, statistics_to_json
 
-MergeOptions: Any = internal("mergekit.options", "MergeOptions")
 RawPyTorchMergeConfig: Any = internal("mergekit.scripts.merge_raw_pytorch", "RawPyTorchMergeConfig")
 plan_flat_merge: Any = internal("mergekit.scripts.merge_raw_pytorch", "plan_flat_merge")
 Executor: Any = internal("mergekit.graph", "Executor")
-unique_id: Any = internal("mergekit.common", "ModelPath._unique_id")
 
 
 class InputFolder(NamedTuple):
@@ -194,8 +192,8 @@ def finish(staged: str, prepared: Prepared, card: bool) -> RamStatistics:
 
 def _model_folders(merge_config: Any, options: Any, made: Sequence[str] = ()) -> Iterator[InputFolder]:
     """Every folder the recipe reads: each model reference anywhere in it (base, models, slices,
-    modules, ``tokenizer_source``, ``tokenizer``'s source and token embeddings) and its LoRA; where
-    mergekit merges that LoRA (``--lora-merge-cache``); for a Hub id, the model's folder in the Hub
+    modules, ``tokenizer_source``, ``tokenizer``'s source and token embeddings) and its LoRA; the folder
+    mergekit merges LoRAs in (``--lora-merge-cache``); for a Hub id, the model's folder in the Hub
     cache. ``made``: paths that an earlier ``mergekit-multi`` stage writes, local though not there yet."""
     for reference in _references(merge_config):
         label = str(reference)
@@ -203,8 +201,7 @@ def _model_folders(merge_config: Any, options: Any, made: Sequence[str] = ()) ->
             if path is not None:
                 yield InputFolder(label, _local_folder(path.path, options, made))
         if reference.lora is not None and options.lora_merge_cache:
-            merged = f"{unique_id(reference.model)}_{unique_id(reference.lora)}"  # mergekit's ModelReference.merged
-            yield InputFolder(label, os.path.join(os.path.expanduser(options.lora_merge_cache), merged))
+            yield InputFolder(label, os.path.expanduser(options.lora_merge_cache))
 
 
 def _references(value: Any) -> Iterator[Any]:
@@ -260,59 +257,44 @@ def _stage_output(stage: Stage, intermediate_dir: str, out_path: Optional[str]) 
     return out_path if stage.name is None else os.path.join(intermediate_dir, stage.name)
 
 
-def patch_raw_pytorch(raw: Any) -> None:
-    """``mergekit-pytorch``'s command: unknown keys refused, inputs' folders refused, output transaction.
-
-    For a RAM recipe the command's own steps run here (its options are built inside the command),
-    with mergekit's functions: its flat plan, the merge step's sequence, its Executor.
-    """
-
-    def make(original: Callable[..., Any]) -> Callable[..., Any]:
-        def command(*args: Any, **kwargs: Any) -> Any:
-            check_recipe_file(kwargs.get("config_path"), RawPyTorchMergeConfig)
-            config = _raw_config(kwargs.get("config_path"))
-            if args or config is None or "out_path" not in kwargs or not is_ours(config.merge_method):
-                return original(*args, **kwargs)
-            check_internals()
-            out_path = kwargs["out_path"]
-            files = [entry.model for entry in config.models] + ([config.base_model] if config.base_model else [])
-            folders = [InputFolder(file, os.path.dirname(os.path.abspath(file)), False) for file in files]
-            folders += [InputFolder(file, os.path.dirname(os.path.realpath(file)), False) for file in files]
-            folders += [InputFolder(file, file) for file in files if os.path.isdir(file)]
-            refuse_input_folder(out_path, folders)
-            transaction = Transaction(out_path)
-            try:
-                options = MergeOptions(**{key: kwargs[key] for key in MergeOptions.model_fields if key in kwargs})
-                headers, cache = HeaderCache(), CacheSettings.from_environment()
-                check_config(config.merge_method, config, headers, allow_crimes=options.allow_crimes)
-                options.apply_global_options()
-                union, intersection = kwargs["tensor_union"], kwargs["tensor_intersection"]
-                with transaction.staged() as staged:
-                    planned = plan_flat_merge(config, "", union, intersection, options)
-                    plan = Plan.of(config.merge_method, _merge_tasks(planned))
-                    prepared = prepare(config, plan, options, headers, cache, os.path.join(staged, COUNTS_FILE))
-                    targets = plan_flat_merge(prepared.config, staged, union, intersection, options)
-                    storage = options.device if options.low_cpu_memory else "cpu"
-                    Executor(targets, math_device=options.device, storage_device=storage).execute()
-                    statistics = finish(staged, prepared, False)
-                if not options.quiet:
-                    report_summary(out_path, statistics)
-            except KeyboardInterrupt:
-                raise transaction.interrupted() from None
-
-        return command
-
-    wrap("mergekit.scripts.merge_raw_pytorch", "main.callback", make)
+def raw_pytorch_merge(arguments: Mapping[str, Any], options: Any) -> None:
+    """``mergekit-pytorch`` for a RAM recipe (the console scripts' hook runs it in place of the command):
+    unknown keys and inputs' folders refused, then mergekit's own steps (its flat plan, its Executor)
+    with the merge step's sequence, inside the output transaction."""
+    config_path, out_path = arguments["config_path"], arguments["out_path"]
+    check_recipe_file(config_path, RawPyTorchMergeConfig)
+    config = _raw_config(config_path)
+    check_internals()
+    files = [entry.model for entry in config.models] + ([config.base_model] if config.base_model else [])
+    folders = [InputFolder(file, os.path.dirname(os.path.abspath(file)), False) for file in files]
+    folders += [InputFolder(file, os.path.dirname(os.path.realpath(file)), False) for file in files]
+    folders += [InputFolder(file, file) for file in files if os.path.isdir(file)]
+    refuse_input_folder(out_path, folders)
+    transaction = Transaction(out_path)
+    try:
+        headers, cache = HeaderCache(), CacheSettings.from_environment()
+        check_config(config.merge_method, config, headers, allow_crimes=options.allow_crimes)
+        options.apply_global_options()
+        union, intersection = arguments["tensor_union"], arguments["tensor_intersection"]
+        with transaction.staged() as staged:
+            planned = plan_flat_merge(config, "", union, intersection, options)
+            plan = Plan.of(config.merge_method, _merge_tasks(planned))
+            prepared = prepare(config, plan, options, headers, cache, os.path.join(staged, COUNTS_FILE))
+            targets = plan_flat_merge(prepared.config, staged, union, intersection, options)
+            storage = options.device if options.low_cpu_memory else "cpu"
+            Executor(targets, math_device=options.device, storage_device=storage).execute()
+            statistics = finish(staged, prepared, False)
+        if not options.quiet:
+            report_summary(out_path, statistics)
+    except KeyboardInterrupt:
+        raise transaction.interrupted() from None
 
 
 def _merge_tasks(targets: Sequence[Any]) -> list[Any]:
     return [task.tensor_task for task in targets if hasattr(task, "tensor_task")]
 
 
-def _raw_config(path: Optional[str]) -> Any:
-    """The ``mergekit-pytorch`` recipe at ``path``, or None (mergekit then reports the problem)."""
-    try:
-        with open(str(path), encoding="utf-8") as handle:
-            return RawPyTorchMergeConfig.model_validate(yaml.safe_load(handle))
-    except Exception:  # noqa: BLE001 - mergekit's own code reads it again and says what is wrong
-        return None
+def _raw_config(path: str) -> Any:
+    """The ``mergekit-pytorch`` recipe at ``path`` (the console scripts' hook has validated it)."""
+    with open(path, encoding="utf-8") as handle:
+        return RawPyTorchMergeConfig.model_validate(yaml.safe_load(handle))

@@ -11,7 +11,7 @@ from mergekit_ram.device import check_device
 from mergekit_ram.errors import RamError, RecipeError, exit_if_reported
 from mergekit_ram.files import removed_if_failed
 from mergekit_ram.integration.internals import internal, wrap
-from mergekit_ram.integration.output import refuse_stage_outputs
+from mergekit_ram.integration.output import raw_pytorch_merge, refuse_stage_outputs
 from mergekit_ram.integration.recipes import check_method_name, check_stage_keys, read_stages
 from mergekit_ram.integration.registry import is_ours
 from mergekit_ram.interrupts import exit_interrupted, merge_started
@@ -52,8 +52,11 @@ def patch_scripts(options: ModuleType) -> None:
             try:
                 checked = check_script_recipe(name, kwargs.get(recipe_argument), kwargs)
                 theirs = checked is None  # mergekit's own recipe: mergekit's own Ctrl-C
-                with removed_if_failed(kwargs.get("intermediate_dir") if checked is not None else None):
-                    result = original(command, context)  # mergekit-multi makes its -I folder itself
+                if name == "mergekit-pytorch" and checked is not None:
+                    result = raw_pytorch_merge(kwargs, checked)  # its options are built inside the command
+                else:
+                    with removed_if_failed(kwargs.get("intermediate_dir") if checked is not None else None):
+                        result = original(command, context)  # mergekit-multi makes its -I folder itself
             except KeyboardInterrupt as interrupt:
                 if not theirs:
                     exit_interrupted(interrupt, kwargs.get("out_path") or kwargs.get("intermediate_dir"))
