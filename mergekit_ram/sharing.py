@@ -14,7 +14,7 @@ import yaml
 from safetensors import safe_open
 
 from mergekit_ram.errors import MergedFolderError, one_line
-from mergekit_ram.files import JSON_LIMIT, UnreadableFile, open_regular, plain_name, read_regular, write_atomically
+from mergekit_ram.files import JSON_LIMIT, UnreadableFile, open_regular, read_regular, write_atomically
 from mergekit_ram.published import CARD_TAG, front_matter, with_front_matter
 from mergekit_ram.staging import MANIFEST_FILE, MARKER_FILE, PRIVATE_PREFIX
 from mergekit_ram.stats.schema import STATISTICS_FILE
@@ -175,7 +175,7 @@ def index_findings(folder: int, names: set[str]) -> list[Finding]:
     return [
         Finding("weights", f"{INDEX} names {shard!r}, which is not a file of this folder: merge again")
         for shard in sorted({str(shard) for shard in weight_map.values()})
-        if not plain_name(shard) or shard not in names
+        if shard not in names  # the folder's own entries: plain names
     ]
 
 
@@ -233,12 +233,11 @@ def statistics_findings(statistics: FolderFile, data: Any, accept_warnings: bool
         return [Finding("statistics", f"no {STATISTICS_FILE}: not a merge with mergekit-ram's methods", note=True)]
     if not isinstance(data, dict):
         return [Finding("statistics", f"{STATISTICS_FILE} is not the JSON object a merge writes: merge again")]
-    listed = data.get("warnings")
-    warnings: list[Any] = listed if isinstance(listed, list) else []
+    warnings = data.get("warnings")
     hint = "" if accept_warnings else " (--accept-warnings once it is understood)"
     return [
         Finding("statistics", f"statistics warning: {warning}{hint}", note=accept_warnings)
-        for warning in map(str, warnings)
+        for warning in map(str, warnings if isinstance(warnings, list) else [])
     ]
 
 
