@@ -56,9 +56,9 @@ def read_regular(path: str, limit: int, *, dir_fd: Optional[int] = None, follow_
             return stream.read(size)
 
 
-def read_json(path: str, *, dir_fd: Optional[int] = None, follow_symlinks: bool = True, limit: int = JSON_LIMIT) -> Any:
+def read_json(path: str, *, dir_fd: Optional[int] = None, follow_symlinks: bool = True) -> Any:
     """The JSON value in the file at ``path`` (``read_regular``); ``UnreadableFile`` says what is wrong."""
-    data = read_regular(path, limit, dir_fd=dir_fd, follow_symlinks=follow_symlinks)
+    data = read_regular(path, JSON_LIMIT, dir_fd=dir_fd, follow_symlinks=follow_symlinks)
     try:
         return json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as error:
