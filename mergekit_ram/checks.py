@@ -1,25 +1,20 @@
-"""Up-front checks of a RAM merge: the recipe's models, then every input tensor's header.
-
-Everything here runs before any tensor data is read or any file written. Safetensors
-headers give names, shapes and dtypes for free, so a missing tensor, a shape mismatch or a
-truncated file is refused with the model and tensor named, instead of failing halfway.
-Each header is read once per merge: one ``HeaderCache`` serves the model and tensor checks.
-A model folder is read as mergekit 0.1.5 reads it: only the files its index names, or the
-one file mergekit chooses; every name and file there is a stranger's (``mergekit_ram.files``).
-Plain data in (``mergekit_ram.planned``), no mergekit.
+"""Up-front checks of a RAM merge: the recipe's models, then every input tensor's header, before any
+tensor data is read or any file written, so a missing tensor, a shape mismatch or a truncated file is
+one line naming the model and tensor. Each header is read once per merge (``HeaderCache``). A model
+folder is read as mergekit 0.1.5 reads it, its names and files a stranger's (``mergekit_ram.files``).
 """
 
 from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Mapping, NamedTuple, Optional, Sequence
 
 from safetensors import SafetensorError, safe_open
 
 from mergekit_ram.errors import InputError
-from mergekit_ram.files import UnreadableFile, open_regular, plain_name, read_at, read_json
+from mergekit_ram.files import UnreadableFile, open_regular, plain_name, read_json
 from mergekit_ram.parameters import METHOD_PARAMETERS, close_match
 from mergekit_ram.planned import ModelIdentity, PlannedTensor
 
@@ -30,50 +25,33 @@ _LFS_POINTER = b"version https://git-lfs.github.com/spec/"
 
 
 def close_method(name: str) -> Optional[str]:
-    """The method of this plugin (a key of ``METHOD_PARAMETERS``) that ``name`` misspells, if any: read in
-    lower case with ``-`` as ``_`` and ``+`` as ``_plus`` (``RAM+``, ``ram-plus``), else the parameters'
-    near-miss matcher (``ram_pluss``, ``rma``); none for a method of ours itself."""
+    """The method of ours ``name`` misspells (``RAM+``, ``ram-plus``, ``ram_pluss``), if any."""
+    if name in METHOD_PARAMETERS:
+        return None
     spelled = name.strip().lower().replace("-", "_").replace("+", "_plus")
-    if name in METHOD_PARAMETERS or spelled in METHOD_PARAMETERS:
-        return None if name in METHOD_PARAMETERS else spelled
-    return close_match(spelled, METHOD_PARAMETERS)
+    return spelled if spelled in METHOD_PARAMETERS else close_match(spelled, METHOD_PARAMETERS)
 
 
-@dataclass(frozen=True)
-class TensorHeader:
-    file: str
+class TensorHeader(NamedTuple):
     shape: tuple[int, ...]
     dtype: str
 
 
-def is_safetensors(file: str) -> bool:
-    """Whether mergekit reads ``file`` as safetensors (``TensorLoader.get``: by its suffix, any case)."""
-    return file.lower().endswith(".safetensors")
-
-
 def read_header(model: str, file: str) -> Optional[dict[str, TensorHeader]]:
-    """The tensors of a safetensors file, from its header as safetensors itself reads and checks it;
-    None for another file (``.bin``), which is only checked to be a regular file.
-
-    Non-blocking: a FIFO, device or folder is refused without being read or waited on, and
-    safetensors maps the very file checked (its descriptor), reading only the header (a longer
-    one than it allows is refused unread). ``.bin`` files are left to mergekit's own loading, its
-    safe path: ``torch.load`` with ``weights_only`` (torch's default since 2.6, passed explicitly
-    by ``DumbPytorchLoader``), or with ``--lazy-unpickle`` mergekit's ``LazyTorchUnpickler``, which
-    admits tensor types only.
-    """
+    """The tensors of a safetensors file as safetensors reads its header (of the descriptor checked, not
+    waiting on a FIFO); None for a ``.bin`` file, which mergekit loads itself with ``weights_only``."""
     try:
         with open_regular(file) as (handle, _):
-            if not is_safetensors(file):
+            if not file.lower().endswith(".safetensors"):  # mergekit's test (``TensorLoader.get``)
                 return None
-            if read_at(handle, len(_LFS_POINTER), 0) == _LFS_POINTER:
+            if os.pread(handle, len(_LFS_POINTER), 0) == _LFS_POINTER:
                 raise InputError(
                     f"{model}: {file} is a git-LFS pointer, not the weights: run `git lfs pull` in the model's "
                     "folder, or download the model again"
                 )
             with safe_open(f"/dev/fd/{handle}", framework="pt") as opened:
-                slices = {name: opened.get_slice(name) for name in opened.keys()}
-        return {name: TensorHeader(file, tuple(part.get_shape()), part.get_dtype()) for name, part in slices.items()}
+                parts = {name: opened.get_slice(name) for name in opened.keys()}
+        return {name: TensorHeader(tuple(part.get_shape()), part.get_dtype()) for name, part in parts.items()}
     except (UnreadableFile, OSError) as error:
         reason = error.strerror if isinstance(error, OSError) and error.strerror else error
         raise InputError(
@@ -88,18 +66,16 @@ def read_header(model: str, file: str) -> Optional[dict[str, TensorHeader]]:
 
 
 class HeaderCache:
-    """Each safetensors header read once per merge (``read_header``)."""
+    """Each safetensors header read once per merge, by real path (the checks and mergekit's index may
+    spell a model's folder differently); None for a file mergekit reads itself."""
 
     def __init__(self) -> None:
         self._files: dict[str, Optional[dict[str, TensorHeader]]] = {}
 
-    def get(self, model: str, file: str, name: str) -> Optional[TensorHeader]:
-        tensors = self.read(model, file)
-        return None if tensors is None else tensors.get(name)
+    def get(self, model: str, file: Optional[str], name: str) -> Optional[TensorHeader]:
+        return None if file is None else (self.read(model, file) or {}).get(name)
 
     def read(self, model: str, file: str) -> Optional[dict[str, TensorHeader]]:
-        """The file's tensors, or None for a file mergekit reads itself (not safetensors). Files are
-        told apart by real path: the checks and mergekit's index may spell a model's folder differently."""
         key = os.path.realpath(file)
         if key not in self._files:
             self._files[key] = read_header(model, file)
@@ -111,22 +87,17 @@ class HeaderCache:
 
 
 def mergekit_weights(folder: str) -> Optional[str]:
-    """The file mergekit 0.1.5 reads a model folder through (``ShardedTensorIndex.from_disk``): the
-    first of WEIGHT_FILES whose index or file exists, the index if both do; None if neither."""
+    """The first of WEIGHT_FILES whose index (first) or file exists, as mergekit 0.1.5 chooses; None if none."""
     for name in WEIGHT_FILES:
-        path = os.path.join(folder, name)
-        for candidate in (path + INDEX_SUFFIX, path):
+        for candidate in (os.path.join(folder, name + INDEX_SUFFIX), os.path.join(folder, name)):
             if os.path.exists(candidate):
                 return candidate
     return None
 
 
 def read_index(model: str, index: str) -> dict[str, str]:
-    """An index's ``weight_map``: tensor names to names of files beside it; anything else refused.
-
-    mergekit joins each file name to the model's folder, so ``../x`` or an absolute path would
-    be read from outside it.
-    """
+    """An index's ``weight_map`` of tensors to plain names of files beside it (mergekit joins each to the
+    folder, so ``../x`` would be read from outside it)."""
     try:
         data = read_json(index)
         weight_map = data.get("weight_map") if isinstance(data, dict) else None
@@ -144,9 +115,7 @@ def read_index(model: str, index: str) -> dict[str, str]:
 
 
 def check_weights(model: ModelIdentity, headers: HeaderCache) -> dict[str, TensorHeader]:
-    """The tensors of the files mergekit 0.1.5 will read for a local model (an input file of
-    ``mergekit-pytorch``, or a folder's index or chosen file), from their headers (none from a
-    ``.bin`` file, which is mergekit's to read); stray files are never opened."""
+    """The tensors of the files mergekit 0.1.5 will read for a local model (none from a ``.bin``)."""
     chosen = mergekit_weights(model.path) if os.path.isdir(model.path) else model.path
     if chosen is None:
         return {}
@@ -166,8 +135,7 @@ def check_weights(model: ModelIdentity, headers: HeaderCache) -> dict[str, Tenso
 
 
 def read_config(model: ModelIdentity) -> dict[str, Any]:
-    """A local model folder's ``config.json``, read bounded and without blocking (a stranger's file);
-    {} where there is none (a Hub id, a ``mergekit-pytorch`` input file: mergekit reads those itself)."""
+    """A local model folder's ``config.json``; {} where there is none (a Hub id, a ``mergekit-pytorch`` file)."""
     path = os.path.join(model.path, "config.json")
     if not os.path.isdir(model.path) or not os.path.lexists(path):
         return {}
@@ -182,9 +150,8 @@ def read_config(model: ModelIdentity) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class BaseFit:
-    """What ``check_fits_base`` needs of mergekit, which the boundary hands it: whether mergekit merges
-    two architectures (None: not compared, its ``--allow-crimes``), the tensors of an architecture that
-    have a vocabulary axis, and whether the recipe aligns vocabularies (``tokenizer_source``)."""
+    """What ``check_fits_base`` needs of mergekit: whether it merges two architectures (None: its
+    ``--allow-crimes``), an architecture's tensors with a vocabulary axis, and ``tokenizer_source`` set."""
 
     same_architecture: Optional[Callable[[str, str], bool]] = None
     vocabulary_axes: Callable[[str], Mapping[str, int]] = lambda architecture: {}
@@ -198,8 +165,7 @@ def check_models(
     headers: HeaderCache,
     fit: BaseFit = BaseFit(),
 ) -> None:
-    """A base model is set; every model is listed once (however spelled); local paths exist, the weights
-    mergekit will read can be read, and each model fits the base (``check_fits_base``)."""
+    """A base model, each model listed once, local paths that exist with readable weights, each fitting the base."""
     if base is None:
         raise InputError(
             f"{method} needs `base_model`: RAM merges task vectors (fine-tune minus base) and "
@@ -220,16 +186,13 @@ def check_models(
             check_fits_base(model_files, base_files, fit, whole_model=where.endswith("models"))
 
 
-#: A model, its ``config.json`` and its tensors' headers, as ``check_fits_base`` compares them.
+#: A model, its ``config.json`` and its tensors' headers.
 ModelFiles = tuple[ModelIdentity, dict[str, Any], dict[str, TensorHeader]]
 
 
 def check_fits_base(model: ModelFiles, base: ModelFiles, fit: BaseFit, whole_model: bool) -> None:
-    """A model the base was not fine-tuned into is one line naming it and what differs, before mergekit
-    reads a tensor (its own errors for these are tracebacks naming no model): another architecture,
-    another depth (of a whole model, not a slice of it), or a tensor of another shape (the vocabulary
-    hint only where the shapes differ along the tensor's vocabulary axis, which passes when the recipe
-    aligns vocabularies)."""
+    """The same architecture, depth (of a whole model) and tensor shapes as the base, before mergekit's
+    tracebacks naming no model (a vocabulary size passes where the recipe aligns vocabularies)."""
     (identity, config, tensors), (base_identity, base_config, base_tensors) = model, base
     name, base_name = _architecture(identity, config), _architecture(base_identity, base_config)
     if fit.same_architecture is not None and name and base_name and not fit.same_architecture(name, base_name):
@@ -238,8 +201,8 @@ def check_fits_base(model: ModelFiles, base: ModelFiles, fit: BaseFit, whole_mod
             "(`architectures` in their config.json): RAM merges fine-tunes of one base model "
             "(--allow-crimes lets mergekit merge other architectures anyway)"
         )
-    layers = [_integer(config, "num_hidden_layers"), _integer(base_config, "num_hidden_layers")]
-    if whole_model and None not in layers and layers[0] != layers[1]:
+    layers = [config.get("num_hidden_layers"), base_config.get("num_hidden_layers")]
+    if whole_model and all(type(count) is int for count in layers) and layers[0] != layers[1]:
         raise InputError(
             f"{identity.label} has {layers[0]} layers but the base model {base_identity.label} has {layers[1]} "
             "(`num_hidden_layers` in their config.json): RAM merges fine-tunes of one base model, which keep "
@@ -264,11 +227,6 @@ def _architecture(model: ModelIdentity, config: dict[str, Any]) -> Optional[str]
     return names[0] if isinstance(names, list) and len(names) == 1 and isinstance(names[0], str) else None
 
 
-def _integer(config: dict[str, Any], key: str) -> Optional[int]:
-    value = config.get(key)
-    return value if type(value) is int else None
-
-
 def differing_axis(shape: tuple[int, ...], reference: tuple[int, ...]) -> Optional[int]:
     """The one axis along which two shapes of the same rank differ; None for another rank or several axes."""
     axes = [axis for axis, (one, other) in enumerate(zip(shape, reference)) if one != other]
@@ -278,8 +236,7 @@ def differing_axis(shape: tuple[int, ...], reference: tuple[int, ...]) -> Option
 def shape_error(
     name: str, model: str, shape: tuple[int, ...], reference: str, reference_shape: tuple[int, ...], vocabulary: bool
 ) -> InputError:
-    """Tensor ``name`` has another shape in ``model`` than in ``reference``; the vocabulary hint only
-    where the shapes differ along the vocabulary axis alone (elsewhere it would send the user astray)."""
+    """The vocabulary hint only where the shapes differ along the vocabulary axis alone."""
     hint = " (different vocabulary sizes: set `tokenizer_source`, e.g. base or union)" if vocabulary else ""
     return InputError(
         f"tensor {name} has shape {list(shape)} in {model} but {list(reference_shape)} in {reference}{hint}"
@@ -287,11 +244,8 @@ def shape_error(
 
 
 def check_listed_once(base: ModelIdentity, model_lists: Iterable[tuple[str, Sequence[ModelIdentity]]]) -> None:
-    """No model twice in one list, and the base not among the fine-tunes, under any spelling.
-
-    mergekit compares references as written, so ``ft`` and ``./ft/`` would be two agents and
-    RAM would count one model's changes twice (its updates would all look shared).
-    """
+    """No model twice in a list, nor the base among the fine-tunes, under any spelling (mergekit compares
+    references as written, and RAM would count one model's changes twice)."""
     for where, models in model_lists:
         seen: dict[tuple[Optional[str], ...], ModelIdentity] = {}
         for model in models:
@@ -308,23 +262,19 @@ def check_listed_once(base: ModelIdentity, model_lists: Iterable[tuple[str, Sequ
             seen[model.key] = model
 
 
-@dataclass
-class InputFacts:
-    """What the headers said: checkpoint dtypes per model (for the statistics' warnings)."""
+class InputFacts(NamedTuple):
+    """Checkpoint dtypes per model, from the headers (for the statistics' warnings)."""
 
-    dtypes: dict[str, set[str]] = field(default_factory=dict)
+    dtypes: dict[str, set[str]]
 
 
 def check_tensors(planned: Iterable[PlannedTensor], headers: HeaderCache) -> InputFacts:
     """Every input present where others have it, with matching shapes, in readable files."""
-    facts = InputFacts()
+    facts = InputFacts({})
     for tensor in planned:
         found: dict[str, TensorHeader] = {}
-        missing: list[str] = []
+        missing = [source.model for source in tensor.inputs if source.file is None]
         for source in tensor.inputs:
-            if source.file is None:
-                missing.append(source.model)
-                continue
             header = headers.get(source.model, source.file, source.name)
             if header is not None:
                 found[source.model] = header
@@ -334,11 +284,9 @@ def check_tensors(planned: Iterable[PlannedTensor], headers: HeaderCache) -> Inp
                 f"{missing[0]} has no tensor for {tensor.name}, which {', '.join(found)} "
                 f"{'has' if len(found) == 1 else 'have'}; the models do not share an architecture"
             )
-        if tensor.reshaped:
-            continue
         reference = tensor.base if tensor.base in found else next(iter(found), "")
         for model, header in found.items():
-            if header.shape != found[reference].shape:
+            if not tensor.reshaped and header.shape != found[reference].shape:
                 axis = differing_axis(header.shape, found[reference].shape)
                 vocabulary = axis is not None and axis == tensor.vocabulary_axis
                 raise shape_error(tensor.name, model, header.shape, reference, found[reference].shape, vocabulary)
@@ -346,12 +294,11 @@ def check_tensors(planned: Iterable[PlannedTensor], headers: HeaderCache) -> Inp
 
 
 def planned_numel(tensor: PlannedTensor, headers: HeaderCache) -> Optional[int]:
-    """Elements of the tensor the kernel gets, from a safetensors header; None where alignment reshapes it."""
+    """Elements of the tensor the kernel gets, from a header; None where alignment reshapes it."""
     if tensor.reshaped:
         return None
     for source in tensor.inputs:
-        if source.file is not None:
-            header = headers.get(source.model, source.file, source.name)
-            if header is not None:
-                return math.prod(header.shape)
+        header = headers.get(source.model, source.file, source.name)
+        if header is not None:
+            return math.prod(header.shape)
     return None

@@ -47,30 +47,18 @@ def open_regular(path: str, *, dir_fd: Optional[int] = None, follow_symlinks: bo
         os.close(handle)
 
 
-def read_at(handle: int, count: int, offset: int) -> bytes:
-    """``count`` bytes of the open file from ``offset``, fewer only where the file ends first."""
-    chunks = []
-    while count > 0:
-        chunk = os.pread(handle, min(count, 1 << 24), offset)
-        if not chunk:
-            break
-        chunks.append(chunk)
-        count -= len(chunk)
-        offset += len(chunk)
-    return b"".join(chunks)
-
-
 def read_regular(path: str, limit: int, *, dir_fd: Optional[int] = None, follow_symlinks: bool = True) -> bytes:
     """The bytes of the regular file at ``path``, at most ``limit`` (see ``open_regular``)."""
     with open_regular(path, dir_fd=dir_fd, follow_symlinks=follow_symlinks) as (handle, size):
         if size > limit:
             raise UnreadableFile(f"it is {size:,} bytes, more than the {limit:,} expected at most")
-        return read_at(handle, size, 0)
+        with open(handle, "rb", closefd=False) as stream:
+            return stream.read(size)
 
 
-def read_json(path: str, *, dir_fd: Optional[int] = None, follow_symlinks: bool = True, limit: int = JSON_LIMIT) -> Any:
+def read_json(path: str, *, dir_fd: Optional[int] = None, follow_symlinks: bool = True) -> Any:
     """The JSON value in the file at ``path`` (``read_regular``); ``UnreadableFile`` says what is wrong."""
-    data = read_regular(path, limit, dir_fd=dir_fd, follow_symlinks=follow_symlinks)
+    data = read_regular(path, JSON_LIMIT, dir_fd=dir_fd, follow_symlinks=follow_symlinks)
     try:
         return json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as error:
@@ -78,8 +66,7 @@ def read_json(path: str, *, dir_fd: Optional[int] = None, follow_symlinks: bool 
 
 
 def write_atomically(path: str, text: str, *, dir_fd: Optional[int] = None) -> None:
-    """Write ``text`` through a new temporary file and one rename: readers see all or nothing, and a link
-    at ``path`` is replaced, never written through."""
+    """Write ``text`` to a new file renamed onto ``path``: all or nothing, a link there replaced, not followed."""
     partial = f"{path}.{os.getpid()}.partial"
     with contextlib.suppress(FileNotFoundError):
         os.unlink(partial, dir_fd=dir_fd)  # left by a killed process that had this pid
@@ -98,8 +85,7 @@ def write_atomically(path: str, text: str, *, dir_fd: Optional[int] = None) -> N
 
 @contextlib.contextmanager
 def removed_if_failed(path: Optional[str]) -> Iterator[None]:
-    """The folders of ``path`` that the block creates are removed again if it fails, innermost first and
-    only while empty: a failed command leaves nothing it made, and never anything else."""
+    """The folders of ``path`` the block creates are removed, innermost first and only while empty, if it fails."""
     missing = []
     folder = os.path.abspath(path) if path else ""
     while folder and not os.path.lexists(folder):

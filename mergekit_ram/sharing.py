@@ -1,6 +1,5 @@
 """``mergekit-ram check OUT``: what stops a merged model folder from being shared on the Hub, one line
-each with its fix; notes do not stop sharing. The folder is a stranger's: read through a descriptor of
-it, never through a symbolic link, bounded, never waiting on a FIFO (``mergekit_ram.files``).
+each with its fix; notes do not stop sharing. The folder is a stranger's (``mergekit_ram.files``).
 """
 
 from __future__ import annotations
@@ -9,13 +8,13 @@ import contextlib
 import json
 import os
 import re
-from dataclasses import dataclass
 from typing import Any, Iterator, NamedTuple, Optional
 
 import yaml
+from safetensors import safe_open
 
 from mergekit_ram.errors import MergedFolderError, one_line
-from mergekit_ram.files import UnreadableFile, open_regular, plain_name, read_regular, write_atomically
+from mergekit_ram.files import JSON_LIMIT, UnreadableFile, open_regular, read_regular, write_atomically
 from mergekit_ram.published import CARD_TAG, front_matter, with_front_matter
 from mergekit_ram.staging import MANIFEST_FILE, MARKER_FILE, PRIVATE_PREFIX
 from mergekit_ram.stats.schema import STATISTICS_FILE
@@ -25,15 +24,12 @@ CARD, RECIPE, CONFIG, INDEX = "README.md", "mergekit_config.yml", "config.json",
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 #: The files that name the merged models, in the order they are reported.
 NAMING_FILES = (CARD, RECIPE, STATISTICS_FILE)
-#: The largest card, recipe, config, index or statistics file read: far above any real one.
-TEXT_LIMIT = 64 << 20
 #: What the Hub takes as a licence id (``apache-2.0``, ``llama3.1``, ``cc-by-nc-4.0``, ``other``).
 LICENSE_ID = re.compile(r"[a-z0-9][a-z0-9.+-]*")
 MERGE_TAG = "merge"  # the Hub's tag for merged models
 
 
-@dataclass(frozen=True)
-class Finding:
+class Finding(NamedTuple):
     """One line of the report: ``check`` names what was checked (for scripts); a ``note`` does not stop sharing."""
 
     check: str
@@ -41,8 +37,7 @@ class Finding:
     note: bool = False
 
 
-@dataclass(frozen=True)
-class Report:
+class Report(NamedTuple):
     folder: str
     findings: tuple[Finding, ...]
 
@@ -61,7 +56,6 @@ class Report:
         return {"folder": self.folder, "ready": self.ready, **listed}
 
     def lines(self) -> list[str]:
-        """Notes, problems, then the verdict."""
         problems = self.of(note=False)
         verdict = f"{len(problems)} problem(s): do not upload yet" if problems else "ready to upload"
         return [
@@ -72,7 +66,7 @@ class Report:
 
 
 class FolderFile(NamedTuple):
-    """A file of the folder as text: ``text`` None where it is absent or unreadable (``problem``)."""
+    """A file of the folder: ``text`` None where it is absent or unreadable (``problem``)."""
 
     name: str
     text: Optional[str]
@@ -85,7 +79,7 @@ def _reason(error: Exception) -> str:
 
 @contextlib.contextmanager
 def opened_folder(out: str) -> Iterator[int]:
-    """A descriptor of the folder ``out`` (the user's own path, so a link to a folder is followed)."""
+    """A descriptor of the folder ``out`` (the user's own path: a link to a folder is followed)."""
     try:
         folder = os.open(out, os.O_RDONLY | os.O_DIRECTORY)
     except OSError as error:
@@ -99,7 +93,7 @@ def opened_folder(out: str) -> Iterator[int]:
 def read_file(folder: int, name: str, check: str) -> FolderFile:
     """The text of ``name`` in the folder: a regular file (not a link), bounded, UTF-8."""
     try:
-        return FolderFile(name, read_regular(name, TEXT_LIMIT, dir_fd=folder, follow_symlinks=False).decode("utf-8"))
+        return FolderFile(name, read_regular(name, JSON_LIMIT, dir_fd=folder, follow_symlinks=False).decode("utf-8"))
     except FileNotFoundError:
         return FolderFile(name, None)
     except (OSError, UnreadableFile, UnicodeDecodeError) as error:
@@ -108,7 +102,6 @@ def read_file(folder: int, name: str, check: str) -> FolderFile:
 
 
 def parsed_json(file: FolderFile) -> Any:
-    """The file's JSON value; None where there is no file or it is not JSON."""
     with contextlib.suppress(ValueError, RecursionError):
         return json.loads(file.text) if file.text is not None else None
     return None
@@ -162,7 +155,6 @@ def incomplete(names: set[str]) -> list[Finding]:
 
 
 def weights(folder: int, names: set[str]) -> list[Finding]:
-    """The safetensors files: present, named by the index where there is one, every tensor loading finite."""
     files = sorted(name for name in names if name.endswith(".safetensors"))
     if not files:
         return [Finding("weights", "no weights (*.safetensors): merge again with mergekit-yaml")]
@@ -183,14 +175,12 @@ def index_findings(folder: int, names: set[str]) -> list[Finding]:
     return [
         Finding("weights", f"{INDEX} names {shard!r}, which is not a file of this folder: merge again")
         for shard in sorted({str(shard) for shard in weight_map.values()})
-        if not plain_name(shard) or shard not in names
+        if shard not in names  # the folder's own entries: plain names
     ]
 
 
 def tensor_findings(folder: int, name: str) -> list[Finding]:
-    """Every tensor read with safetensors, one at a time: it loads, and a floating one holds no NaN or Inf."""
-    from safetensors import safe_open
-
+    """Every tensor loads with safetensors, one at a time, and a floating one holds no NaN or Inf."""
     try:
         with open_regular(name, dir_fd=folder, follow_symlinks=False) as (handle, _):
             path = f"/proc/self/fd/{handle}"  # the descriptor's own file, whatever becomes of the name (Linux)
@@ -220,10 +210,7 @@ def is_finite(tensor: Any) -> bool:
 
 def tokenizer(folder: int) -> list[Finding]:
     """A tokenizer file as a regular file of the folder (a link is not uploaded as the file everywhere)."""
-    unreadable = [
-        f"no tokenizer ({', '.join(TOKENIZER_FILES[:-1])} or {TOKENIZER_FILES[-1]}): copy the base model's "
-        "tokenizer files (tokenizer_config.json and the others) into the folder"
-    ]
+    problems = []
     for name in TOKENIZER_FILES:
         try:
             with open_regular(name, dir_fd=folder, follow_symlinks=False):
@@ -231,8 +218,12 @@ def tokenizer(folder: int) -> list[Finding]:
         except FileNotFoundError:
             pass
         except (OSError, UnreadableFile) as error:
-            unreadable.append(f"{name} cannot be read ({_reason(error)}): copy the file itself into the folder")
-    return [Finding("tokenizer", unreadable[min(1, len(unreadable) - 1)])]  # the first unreadable, else none
+            problems.append(f"{name} cannot be read ({_reason(error)}): copy the file itself into the folder")
+    problems.append(
+        f"no tokenizer ({', '.join(TOKENIZER_FILES[:-1])} or {TOKENIZER_FILES[-1]}): copy the base model's "
+        "tokenizer files (tokenizer_config.json and the others) into the folder"
+    )
+    return [Finding("tokenizer", problems[0])]
 
 
 def statistics_findings(statistics: FolderFile, data: Any, accept_warnings: bool) -> list[Finding]:
@@ -242,25 +233,22 @@ def statistics_findings(statistics: FolderFile, data: Any, accept_warnings: bool
         return [Finding("statistics", f"no {STATISTICS_FILE}: not a merge with mergekit-ram's methods", note=True)]
     if not isinstance(data, dict):
         return [Finding("statistics", f"{STATISTICS_FILE} is not the JSON object a merge writes: merge again")]
-    listed = data.get("warnings")
-    warnings: list[Any] = listed if isinstance(listed, list) else []
+    warnings = data.get("warnings")
     hint = "" if accept_warnings else " (--accept-warnings once it is understood)"
     return [
         Finding("statistics", f"statistics warning: {warning}{hint}", note=accept_warnings)
-        for warning in map(str, warnings)
+        for warning in map(str, warnings if isinstance(warnings, list) else [])
     ]
 
 
 def card_metadata(text: Optional[str]) -> Optional[dict[str, Any]]:
-    """The card's YAML front matter; None where it has none that reads as a mapping."""
     with contextlib.suppress(yaml.YAMLError, RecursionError):
         return front_matter(text)[0] if text is not None else None
     return None
 
 
 def card_findings(card: FolderFile, statistics: Any) -> list[Finding]:
-    """The card's front matter as the Hub reads it: a licence, ``base_model`` with
-    ``base_model_relation: merge``, the ``merge`` tag."""
+    """The card's front matter as the Hub reads it: a licence, ``base_model`` (a merge of them), the merge tag."""
     if card.problem is not None:
         return []
     if card.text is None:
@@ -324,8 +312,7 @@ def models_named(recipe: FolderFile, statistics: Any, card: FolderFile) -> list[
 
 
 def recipe_models(document: Any) -> list[str]:
-    """Every ``model`` and ``base_model`` a recipe names, at any depth; each node once, so a YAML file of
-    aliases cannot make the walk explode."""
+    """Every ``model`` and ``base_model`` a recipe names, at any depth; each node once (YAML aliases)."""
     found, seen, stack = [], set(), [document]
     while stack:
         node = stack.pop()
@@ -352,22 +339,19 @@ def local_paths(files: list[FolderFile], models: list[str]) -> list[Finding]:
     """A problem per file that names a local path: readers of the card cannot find those models."""
     paths = sorted({part.split("@")[0] for name in models for part in name.split("+")} - {""})
     local = [path for path in paths if local_path(path)]
-    found = []
-    for file in files:
-        named = [path for path in local if file.text is not None and path in file.text]
-        if named:
-            found.append(
-                Finding(
-                    "local_paths",
-                    f"{file.name} names local paths ({', '.join(named)}): merge again with the models' Hub ids in "
-                    f"the recipe, or replace the paths with them in {', '.join(NAMING_FILES)} alike",
-                )
-            )
-    return found
+    return [
+        Finding(
+            "local_paths",
+            f"{file.name} names local paths ({', '.join(named)}): merge again with the models' Hub ids in "
+            f"the recipe, or replace the paths with them in {', '.join(NAMING_FILES)} alike",
+        )
+        for file in files
+        if (named := [path for path in local if file.text is not None and path in file.text])
+    ]
 
 
 def set_license(out: str, license_id: str) -> None:
-    """Write ``license: license_id`` into the card's front matter (made if it has none) in one rename."""
+    """Write ``license: license_id`` into the card's front matter (made if it has none)."""
     with opened_folder(out) as folder:
         card = read_file(folder, CARD, "card")
         if card.text is None:
