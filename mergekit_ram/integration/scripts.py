@@ -53,7 +53,8 @@ def patch_scripts(options: ModuleType) -> None:
                 checked = check_script_recipe(name, kwargs.get(recipe_argument), kwargs)
                 theirs = checked is None  # mergekit's own recipe: mergekit's own Ctrl-C
                 if name == "mergekit-pytorch" and checked is not None:
-                    result = raw_pytorch_merge(kwargs, checked)  # its options are built inside the command
+                    raw_pytorch_merge(kwargs, checked)  # its options are built inside the command
+                    result = None
                 else:
                     with removed_if_failed(kwargs.get("intermediate_dir") if checked is not None else None):
                         result = original(command, context)  # mergekit-multi makes its -I folder itself
