@@ -1,11 +1,10 @@
-"""A cache of pre-pass counts, so a sweep over r, alpha or the rule reads the models once
-(docs/method.md, "The cache", says what the key covers and whose folders are trusted).
+"""A cache of pre-pass counts, so a sweep over r, alpha or the rule reads the models once (docs/method.md,
+"The cache": what the key covers, whose folders are trusted).
 
-The key: every merge task's planned input sub-graph, the file and name each input is read from, its
-epsilon, a fingerprint of every file and index read, the versions; never r, alpha, the rule or pins.
-The cache only ever helps: an entry that cannot be read, fails its checksum or does not fit the
-planned merge, and a folder that is a link or that others may write (OpenSSH's StrictModes, from ``/``
-down), are skipped with one warning, and the pre-pass runs as without a cache.
+The key: each merge task's planned input sub-graph, the file and name each input is read from, its epsilon,
+a fingerprint of every file and index read, the versions; never r, alpha, the rule or pins. The cache only
+helps: an entry that cannot be read, fails its checksum or does not fit the merge, and a folder that is a
+link or that others may write (OpenSSH's StrictModes, from ``/`` down), are skipped with one warning.
 """
 
 from __future__ import annotations
@@ -50,8 +49,7 @@ _SHARED_ADVICE = (
 
 @dataclass(frozen=True)
 class CacheSettings:
-    """How a merge uses the cache: ``mode`` on, off or refresh, the folder it lives in, and whether a
-    folder that other users may write is trusted (``shared``)."""
+    """``mode`` on, off or refresh; the folder; whether a folder other users may write is trusted (``shared``)."""
 
     mode: str
     directory: str
@@ -74,8 +72,7 @@ class CacheSettings:
 
 
 class UntrustedFolder(Exception):
-    """A folder of the cache's path that a merge must not use (a link, or writable by others): says which
-    and why; ``advice``: what the user can do."""
+    """A folder of the cache's path a merge must not use (a link, or writable by others); ``advice``: what to do."""
 
     def __init__(self, reason: str, advice: str = _SHARED_ADVICE) -> None:
         super().__init__(reason)
@@ -99,8 +96,8 @@ def fingerprint(path: str) -> str:
 
 
 def cache_key(planned: Sequence[PlannedTensor]) -> str:
-    """What the counts depend on: each tensor's name, epsilon, models, inputs (model, file, name)
-    and input sub-graph; the files and the indexes that map tensors to them."""
+    """What the counts depend on: each tensor's name, epsilon, models, inputs (model, file, name) and input
+    sub-graph; the files and the indexes that map tensors to them."""
     digest = hashlib.sha256()
     versions = package_versions()
     digest.update(f"mergekit-ram {__version__}; mergekit {versions['mergekit']}; {_FORMAT}\n".encode())
@@ -124,8 +121,8 @@ def checksum(tensors: Any) -> str:
 
 @contextlib.contextmanager
 def opened(settings: CacheSettings, planned: Sequence[PlannedTensor]) -> Iterator[Optional[CacheEntry]]:
-    """The merge's cache entry, its folder opened once and checked; None (after one warning, or none when
-    the cache is off) where the merge goes on without the cache."""
+    """The merge's entry, its folder opened once and checked; None (after one warning, or none when the cache
+    is off) where the merge goes on without the cache."""
     if settings.mode == "off":
         yield None
         return
@@ -155,10 +152,9 @@ def _not_written(path: str, error: OSError) -> None:
 
 
 def _open_entries(settings: CacheSettings) -> int:
-    """A descriptor of ``<dir>/prepass``, each folder from / down to it opened relative to the one above
-    without following a link, made (mode 0700) where missing, and checked (``_check``)."""
-    root = os.path.realpath(settings.directory)
-    names = [name for name in root.split(os.sep) if name] + [ENTRIES_DIR]
+    """A descriptor of ``<dir>/prepass``: each folder from / down opened in the one above without following
+    a link, made (mode 0700) where missing, and checked."""
+    names = [name for name in os.path.realpath(settings.directory).split(os.sep) if name] + [ENTRIES_DIR]
     folder = os.open(os.sep, _FOLDER_FLAGS)
     path = os.sep
     try:
@@ -204,32 +200,32 @@ def _check(folder: int, path: str, settings: CacheSettings) -> None:
         )
 
 
+@dataclass(frozen=True)
 class CacheEntry:
-    """One merge's entry in a checked cache folder, read and written relative to that folder's descriptor."""
+    """One merge's entry, read and written relative to its checked folder's descriptor, never through a link."""
 
-    def __init__(self, settings: CacheSettings, folder: int, key: str) -> None:
-        self.settings = settings
-        self.folder = folder
-        self.name = f"{key}.json"
-        self.path = settings.entry(key)
+    settings: CacheSettings
+    folder: int
+    key: str
 
     def load(self, planned: Sequence[PlannedTensor], headers: HeaderCache) -> Optional[list[Optional[TensorCounts]]]:
         """The cached counts (one per merge task), or None: missing, refreshing, or unusable."""
         if self.settings.mode != "on":
             return None
+        path = self.settings.entry(self.key)
         try:
-            data = read_json(self.name, dir_fd=self.folder, follow_symlinks=False)
+            data = read_json(f"{self.key}.json", dir_fd=self.folder, follow_symlinks=False)
         except FileNotFoundError:
             return None
         except (OSError, UnreadableFile) as error:
-            LOG.warning("ignoring unreadable pre-pass cache entry %s (%s); %s", self.path, error, _ADVICE)
+            LOG.warning("ignoring unreadable pre-pass cache entry %s (%s); %s", path, error, _ADVICE)
             return None
         try:
             counts = _matching_counts(data, planned, headers)
         except (TypeError, ValueError, KeyError, AttributeError) as error:
-            LOG.warning("ignoring pre-pass cache entry %s: %s; counting afresh (%s)", self.path, error, _ADVICE)
+            LOG.warning("ignoring pre-pass cache entry %s: %s; counting afresh (%s)", path, error, _ADVICE)
             return None
-        LOG.info("ram_plus pre-pass: using cached counts %s (%s=refresh recomputes)", self.path, MODE_VARIABLE)
+        LOG.info("ram_plus pre-pass: using cached counts %s (%s=refresh recomputes)", path, MODE_VARIABLE)
         return counts
 
     def store(self, counts: Sequence[Optional[TensorCounts]]) -> None:
@@ -237,14 +233,14 @@ class CacheEntry:
         tensors = [None if c is None else counts_to_dict(c) for c in counts]
         text = json.dumps({"tensors": tensors, "sha256": checksum(tensors)})
         try:
-            write_atomically(self.name, text, dir_fd=self.folder)
+            write_atomically(f"{self.key}.json", text, dir_fd=self.folder)
         except OSError as error:
-            return _not_written(self.path, error)
-        LOG.info("ram_plus pre-pass: counts cached in %s", self.path)
+            return _not_written(self.settings.entry(self.key), error)
+        LOG.info("ram_plus pre-pass: counts cached in %s", self.settings.entry(self.key))
 
 
 def _matching_counts(data: Any, planned: Sequence[PlannedTensor], headers: HeaderCache) -> list[Optional[TensorCounts]]:
-    """The entry's counts if they fit the planned merge tensor by tensor; ValueError/TypeError otherwise."""
+    """The entry's counts if they fit the planned merge tensor by tensor (untrusted input); ValueError otherwise."""
     if not isinstance(data, dict) or not isinstance(data.get("tensors"), list):
         raise ValueError("it is not an object with a list of tensors")
     entries = data["tensors"]

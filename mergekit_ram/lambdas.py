@@ -1,10 +1,7 @@
 """A merge's rescaling and pins, fixed once; counts to statistics; each model's lambda, once.
 
-lambda_t is global (paper eq. 6): one r, one alpha, one rule per merge and one pin (or scale) per
-model, whatever filters or gradients the recipe uses; ram_ties's density is one value too.
-``merge_rule`` checks that over the values the merge resolved (every planned tensor, or every group
-of a direct call) and returns the one ``MergeRule`` that turns counts into statistics and rho into
-lambda. Plain data; no torch, no mergekit.
+lambda_t is global (paper eq. 6): one r, alpha and rule per merge and one pin (or scale) per model, whatever
+filters or gradients the recipe uses; ram_ties's density is one value too. Plain data; no torch, no mergekit.
 """
 
 from __future__ import annotations
@@ -19,8 +16,8 @@ from mergekit_ram.stats.data import Pin, RamStatistics, Source, TensorCounts
 
 
 class Resolved(NamedTuple):
-    """A method's parameters as resolved for one tensor (or group): ``shared`` by name, and each
-    fine-tuned model's own (``per_model``: model -> name -> value; None where unset)."""
+    """A method's parameters resolved for one tensor (or group): ``shared`` by name, ``per_model``:
+    model -> name -> value (None where unset)."""
 
     name: str
     shared: Mapping[str, Any]
@@ -36,11 +33,8 @@ class Applied(NamedTuple):
 
 @dataclass(frozen=True)
 class MergeRule:
-    """What turns counts into statistics and rho into lambda, fixed once per merge.
-
-    ``rescaling`` is None where lambda does not come from rho (``ram``: 1; ``ram_unique``: each
-    model's scale). ``pins``: model -> ("rho", "lambda" or "scale", value) as the recipe set them.
-    """
+    """What turns counts into statistics and rho into lambda, fixed once per merge: ``rescaling`` None where
+    lambda does not come from rho (``ram``: 1; ``ram_unique``: the scales); ``pins``: (model, kind, value)."""
 
     method: str
     rescaling: Optional[Rescaling] = None
@@ -51,14 +45,13 @@ class MergeRule:
         return next(((kind, value) for name, kind, value in self.pins if name == model), None)
 
     def needs_counts(self, finetunes: Iterable[str]) -> bool:
-        """Whether some lambda depends on a global rho: ram_plus, r > 0, a model with nothing pinned."""
-        if self.rescaling is None or self.rescaling.r == 0:
-            return False
-        return any(self.pin(model) is None for model in finetunes)
+        """Whether some lambda depends on a global rho: r > 0 and a model with nothing pinned."""
+        rescaling = self.rescaling
+        return rescaling is not None and rescaling.r != 0 and any(self.pin(model) is None for model in finetunes)
 
     def applied(self, finetunes: Sequence[str], statistics: Optional[RamStatistics]) -> dict[str, Applied]:
-        """Each model's lambda as the kernel is to apply it, with the rho it came from (None for a pinned
-        lambda or scale): from ``statistics`` when counts were needed, else from the pins alone."""
+        """Each model's lambda as the kernel applies it and its rho (None for a pinned lambda or scale):
+        from ``statistics`` when counts were needed, else from the pins alone."""
         if statistics is not None:
             return {
                 stats.model: Applied(stats.lambda_, None if stats.pinned in ("lambda", "scale") else stats.rho)
@@ -80,7 +73,6 @@ class MergeRule:
         checkpoint_dtypes: Optional[Mapping[str, Iterable[str]]] = None,
         modules: Optional[Mapping[str, str]] = None,
     ) -> RamStatistics:
-        """Per-model counts, rho and lambda (through ``model_lambda``) from per-tensor counts."""
         return build_statistics(
             self.method,
             tensors,
@@ -94,18 +86,15 @@ class MergeRule:
 
 
 def merge_rule(method: str, tensors: Sequence[Resolved]) -> MergeRule:
-    """The one MergeRule of a merge whose tensors were resolved to ``tensors``.
-
-    Every whole-merge parameter the method declares but epsilon (r, alpha, rule, density) must be
-    one value per merge, and each model's own parameter one value (its pin or scale).
-    """
+    """The one MergeRule of a merge: every whole-merge parameter but epsilon (r, alpha, rule, density) one
+    value over ``tensors``, and each model's own parameter one value (its pin or scale)."""
     if method not in METHOD_PARAMETERS:
         raise ValueError(f"not a mergekit-ram method: {method!r}")
-    declared = {info.name: info for info in METHOD_PARAMETERS[method] if not info.per_model and info.name != "epsilon"}
     values = {}
-    for name, info in declared.items():
-        value = _one_value(method, name, [(tensor.name, tensor.shared.get(name)) for tensor in tensors])
-        values[name] = info.default if value is None else value
+    for info in METHOD_PARAMETERS[method]:
+        if not info.per_model and info.name != "epsilon":
+            value = _one_value(method, info.name, [(tensor.name, tensor.shared.get(info.name)) for tensor in tensors])
+            values[info.name] = info.default if value is None else value
     rescaling = Rescaling(values["r"], values["alpha"], values["rule"]) if "r" in values else None
     return MergeRule(method=method, rescaling=rescaling, pins=_pins(method, tensors), density=values.get("density"))
 

@@ -1,24 +1,20 @@
 """``mergekit-ram probe``: a recipe's pre-pass alone, to see the task vectors before merging.
 
-Same tensors, filters, slices and casts as the merge (the planner's own tasks), same
-cache; prints per model the parameters changed, shared and unique counts, the histogram
-by how many models changed each parameter, rho, and lambda under the recipe's settings.
-A mergekit-multi file is read as mergekit-multi reads it: every RAM stage, or the one named.
+Same tensors, filters, slices, casts and cache as the merge (the planner's own tasks); a mergekit-multi
+file is read as mergekit-multi reads it: every RAM stage, or the one named.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 from mergekit_ram.recipe_file import Stage
 from mergekit_ram.stats.data import RamStatistics
 from mergekit_ram.stats.schema import statistics_to_dict
 
 
-@dataclass(frozen=True)
-class ProbeSelection:
+class ProbeSelection(NamedTuple):
     """The stages of a recipe file to probe, and one line for each RAM stage that cannot be yet."""
 
     stages: tuple[Stage, ...]
@@ -27,11 +23,8 @@ class ProbeSelection:
 
 
 def select_stages(recipe_path: str, stage_name: Optional[str] = None, intermediate_dir: str = "") -> ProbeSelection:
-    """The mergekit-ram stages of a recipe file whose inputs exist.
-
-    A stage that merges an earlier stage's output can be probed only once mergekit-multi
-    has written that output under ``intermediate_dir``.
-    """
+    """The mergekit-ram stages of a recipe file whose inputs exist (a stage merging an earlier stage's output
+    only once mergekit-multi has written it under ``intermediate_dir``)."""
     from mergekit_ram.errors import RecipeError
     from mergekit_ram.integration.recipes import check_method_name, read_stages
     from mergekit_ram.parameters import METHOD_PARAMETERS, ParameterError
@@ -75,14 +68,12 @@ def select_stages(recipe_path: str, stage_name: Optional[str] = None, intermedia
         )
     if not ready:
         raise RecipeError(not_probed[0])
-    return ProbeSelection(
-        stages=tuple(ready), not_probed=tuple(not_probed), single=stage_name is not None or len(stages) == 1
-    )
+    return ProbeSelection(tuple(ready), tuple(not_probed), stage_name is not None or len(stages) == 1)
 
 
 def probe_config(config: Any, options: Any, refresh: bool = False) -> RamStatistics:
-    """Run only the pre-pass of a MergeConfiguration of these methods; its statistics. The recipe is
-    checked as a merge checks it; ``refresh`` recomputes counts the cache has."""
+    """Only the pre-pass of a MergeConfiguration of these methods, checked as a merge checks it; its
+    statistics (``refresh`` recomputes counts the cache has)."""
     from mergekit_ram.integration import register
     from mergekit_ram.integration.merge import probe_statistics
 
@@ -101,15 +92,14 @@ def stage_plot_path(path: str, stage: Stage, selection: ProbeSelection) -> str:
 def probe_report_json(
     selection: ProbeSelection, reports: list[tuple[Stage, RamStatistics]], by_module: bool
 ) -> dict[str, Any]:
-    """One recipe: its statistics as before; a multi-stage file: ``{"stages": {name: ...}, "not_probed": [...]}``."""
+    """One recipe: its statistics (with ``by_module``, per part of the network too); a multi-stage file:
+    ``{"stages": {name: ...}, "not_probed": [...]}``."""
     if selection.single:
-        return probe_json(reports[0][1], by_module)
+        return statistics_to_dict(reports[0][1], with_modules=by_module)
     return {
-        "stages": {stage.name or "final": probe_json(statistics, by_module) for stage, statistics in reports},
+        "stages": {
+            stage.name or "final": statistics_to_dict(statistics, with_modules=by_module)
+            for stage, statistics in reports
+        },
         "not_probed": list(selection.not_probed),
     }
-
-
-def probe_json(statistics: RamStatistics, by_module: bool) -> dict[str, Any]:
-    """The statistics' JSON object; with ``by_module``, the counts per part of the network too."""
-    return statistics_to_dict(statistics, with_modules=by_module)

@@ -1,5 +1,4 @@
-"""What a finished RAM merge tells its user: the card's section and the summary on the terminal,
-both from the merge's statistics."""
+"""What a finished RAM merge tells its user, from its statistics: the card's section, the terminal summary."""
 
 from __future__ import annotations
 
@@ -32,8 +31,8 @@ def append_card_section(out_path: str, statistics: RamStatistics) -> None:
 
 
 def with_sorted_model_list(card: str) -> str:
-    """mergekit's "Models Merged" bullets in sorted order: mergekit lists them from a set of model
-    references (``referenced_models()``), whose order changes with the hash seed from run to run."""
+    """mergekit's "Models Merged" bullets sorted: it lists them from a set, in an order that changes with the
+    hash seed from run to run."""
     return _MODEL_LIST.sub(lambda found: found[1] + "".join(sorted(found[2].splitlines(True))), card, count=1)
 
 
@@ -54,8 +53,8 @@ def with_card_metadata(card: str, tag: str) -> str:
 
 
 def front_matter(card: str) -> tuple[Optional[dict[str, Any]], str]:
-    """(the card's YAML front matter as a mapping, the text after it); (None, ``card``) where it has none
-    that reads as one; ``yaml.YAMLError`` (or ``RecursionError``) for one that is not YAML."""
+    """(the card's YAML front matter, the text after it); (None, ``card``) where it has none that reads as a
+    mapping; ``yaml.YAMLError`` (or ``RecursionError``) for one that is not YAML."""
     end = card.find("\n---\n", 4) if card.startswith("---\n") else -1
     if end < 0:
         return None, card
@@ -64,7 +63,7 @@ def front_matter(card: str) -> tuple[Optional[dict[str, Any]], str]:
 
 
 def with_front_matter(metadata: dict[str, Any], body: str) -> str:
-    """A card of ``metadata`` as YAML front matter (as mergekit dumps it) before ``body``."""
+    """``metadata`` as YAML front matter (as mergekit dumps it) before ``body``."""
     return "---\n" + yaml.dump(metadata) + "---\n" + body
 
 

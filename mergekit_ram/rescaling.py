@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Mapping, NamedTuple, Sequence
 
 #: Above this a lambda is warned about: the paper's are about 1.2 (r = 0.1, alpha = 2).
 PLAUSIBLE_LAMBDA = 4.0
@@ -28,37 +28,22 @@ def rho_of_histogram(histogram: Sequence[int]) -> float:
     return overlap_ratio(sum(histogram) - unique, unique)
 
 
-@dataclass(frozen=True)
-class Rule:
-    """lambda_t = 1 + r * factor(rho_t, alpha), 0 <= rho <= inf; ``largest_factor(alpha)`` over every rho."""
+class Rule(NamedTuple):
+    """lambda_t = 1 + r * factor(rho_t, alpha), factor non-decreasing in 0 <= rho <= inf."""
 
     name: str  # as the recipe's ``rule`` parameter spells it
     method: str  # the paper's name for the method it gives
     formula: str  # lambda_t in one line, for docs and messages
     factor: Callable[[float, float], float]
-    largest_factor: Callable[[float], float]
 
 
 #: Every rescaling rule, by name; the first is the default.
 RULES: Mapping[str, Rule] = MappingProxyType(
     {
-        rule.name: rule
-        for rule in (
-            Rule(
-                "clip",
-                "RAM+",
-                "1 + r * clip(rho, 0, alpha)",
-                lambda rho, alpha: min(max(rho, 0.0), alpha),
-                lambda alpha: alpha,
-            ),
-            Rule(
-                "soft",
-                "RAM+s",
-                "1 + r * rho / (1 + rho)",
-                lambda rho, _: rho / (1.0 + rho) if rho < math.inf else 1.0,
-                lambda _: 1.0,
-            ),
-        )
+        "clip": Rule("clip", "RAM+", "1 + r * clip(rho, 0, alpha)", lambda rho, alpha: min(max(rho, 0.0), alpha)),
+        "soft": Rule(
+            "soft", "RAM+s", "1 + r * rho / (1 + rho)", lambda rho, _: rho / (1.0 + rho) if rho < math.inf else 1.0
+        ),
     }
 )
 
@@ -78,11 +63,11 @@ class Rescaling:
     rule: str = next(iter(RULES))
 
     def lambda_(self, rho: float) -> float:
-        """lambda_t for a model's rho_t (paper eq. 6)."""
+        """lambda_t for a model's rho_t (paper eq. 6): the one place lambda is computed."""
         if not rho >= 0:  # also NaN
             raise ValueError(f"rho must be a number >= 0 (inf allowed); got {rho!r}")
         return 1.0 + self.r * RULES[self.rule].factor(rho, self.alpha)
 
     def largest_lambda(self) -> float:
-        """The largest lambda_t these settings give, over every rho."""
-        return 1.0 + self.r * RULES[self.rule].largest_factor(self.alpha)
+        """The largest lambda_t these settings give: every factor grows with rho."""
+        return self.lambda_(math.inf)

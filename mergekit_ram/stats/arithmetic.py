@@ -5,18 +5,11 @@ from __future__ import annotations
 
 import importlib.metadata
 from dataclasses import replace
-from typing import Iterable, Mapping, Optional
+from itertools import zip_longest
+from typing import Callable, Iterable, Mapping, Optional
 
 from mergekit_ram.rescaling import PLAUSIBLE_LAMBDA, Rescaling
-from mergekit_ram.stats.data import (
-    ModelStatistics,
-    ModuleStatistics,
-    OverlapCounts,
-    Pin,
-    RamStatistics,
-    Source,
-    TensorCounts,
-)
+from mergekit_ram.stats.data import ModelStatistics, OverlapCounts, Pin, RamStatistics, Source, TensorCounts
 
 #: The parts of a network ``module_of`` tells apart, in the order they are shown.
 MODULES = ("embeddings", "attention", "mlp", "norms", "output head", "other")
@@ -36,16 +29,12 @@ def model_lambda(rho: float, rescaling: Optional[Rescaling], pin: Optional[tuple
 
 def sum_counts(tensors: Iterable[TensorCounts]) -> dict[str, OverlapCounts]:
     """Per model, in order of first appearance: elements considered and the histogram, summed over tensors."""
-    numel: dict[str, int] = {}
-    histograms: dict[str, list[int]] = {}
+    summed: dict[str, tuple[int, list[int]]] = {}
     for counts in tensors:
         for model, row in zip(counts.models, counts.histograms):
-            numel[model] = numel.get(model, 0) + counts.numel
-            total = histograms.setdefault(model, [])
-            total.extend([0] * (len(row) - len(total)))
-            for index, value in enumerate(row):
-                total[index] += value
-    return {model: OverlapCounts(model, numel[model], tuple(histograms[model])) for model in numel}
+            numel, total = summed.get(model, (0, []))
+            summed[model] = (numel + counts.numel, [a + b for a, b in zip_longest(total, row, fillvalue=0)])
+    return {model: OverlapCounts(model, numel, tuple(total)) for model, (numel, total) in summed.items()}
 
 
 def build_statistics(
@@ -70,13 +59,12 @@ def build_statistics(
     for model in list(summed) + [m for m in pins if m not in summed]:
         counts = summed.get(model, OverlapCounts(model, 0, ()))
         pin = pins.get(model)
-        rho = pin[1] if pin is not None and pin[0] == "rho" else counts.measured_rho
         models.append(
             ModelStatistics(
                 model=model,
                 numel=counts.numel,
                 histogram=counts.histogram,
-                rho=rho,
+                rho=pin[1] if pin is not None and pin[0] == "rho" else counts.measured_rho,
                 lambda_=model_lambda(counts.measured_rho, rescaling, pin),
                 pinned=pin[0] if pin is not None else None,
             )
@@ -95,36 +83,28 @@ def build_statistics(
     )
 
 
-def by_module(statistics: RamStatistics) -> dict[str, tuple[ModuleStatistics, ...]]:
-    """The counts split by part of the network (``MODULES`` order; parts with no tensor left out),
-    within each of mergekit's modules in a ``modules:`` merge ("vision_tower: attention")."""
-    groups: dict[str, list[TensorCounts]] = {}
-    for counts in statistics.tensors:
-        part = module_of(counts.name)
-        groups.setdefault(f"{counts.module}: {part}" if counts.module else part, []).append(counts)
+def by_module(statistics: RamStatistics) -> dict[str, tuple[OverlapCounts, ...]]:
+    """The counts per part of the network (``MODULES`` order; parts with no tensor left out), within each of
+    mergekit's modules in a ``modules:`` merge ("vision_tower: attention")."""
     order = {part: index for index, part in enumerate(MODULES)}
-    return _grouped(
-        dict(sorted(groups.items(), key=lambda item: (item[1][0].module, order[module_of(item[1][0].name)])))
-    )
+    tensors = sorted(statistics.tensors, key=lambda counts: (counts.module, order[module_of(counts.name)]))
+    return _grouped(tensors, lambda counts: ": ".join(filter(None, (counts.module, module_of(counts.name)))))
 
 
-def by_merged_module(statistics: RamStatistics) -> dict[str, tuple[ModuleStatistics, ...]]:
-    """The counts per module of a ``modules:`` merge (mergekit's text decoder, vision tower, ...), in
-    recipe order; empty for a merge of one module."""
+def by_merged_module(statistics: RamStatistics) -> dict[str, tuple[OverlapCounts, ...]]:
+    """The counts per module of a ``modules:`` merge (text decoder, vision tower, ...), in recipe order;
+    empty for a merge of one module."""
+    groups = _grouped(statistics.tensors, lambda counts: counts.module)
+    return groups if len(groups) > 1 else {}
+
+
+def _grouped(
+    tensors: Iterable[TensorCounts], group_of: Callable[[TensorCounts], str]
+) -> dict[str, tuple[OverlapCounts, ...]]:
     groups: dict[str, list[TensorCounts]] = {}
-    for counts in statistics.tensors:
-        groups.setdefault(counts.module, []).append(counts)
-    return _grouped(groups) if len(groups) > 1 else {}
-
-
-def _grouped(groups: Mapping[str, list[TensorCounts]]) -> dict[str, tuple[ModuleStatistics, ...]]:
-    return {
-        module: tuple(
-            ModuleStatistics(model=counts.model, numel=counts.numel, histogram=counts.histogram, module=module)
-            for counts in sum_counts(tensors).values()
-        )
-        for module, tensors in groups.items()
-    }
+    for counts in tensors:
+        groups.setdefault(group_of(counts), []).append(counts)
+    return {group: tuple(sum_counts(members).values()) for group, members in groups.items()}
 
 
 def module_of(name: str) -> str:

@@ -15,27 +15,27 @@ Pin = Literal["rho", "lambda", "scale"]
 @dataclass(frozen=True)
 class TensorCounts:
     """One output tensor's counts: ``histograms[t][k - 1]`` elements ``models[t]`` changed that exactly k
-    models changed."""
+    models changed; ``module`` is mergekit's module of the tensor in a ``modules:`` merge."""
 
     name: str
     numel: int
     epsilon: float
     models: tuple[str, ...]
     histograms: tuple[tuple[int, ...], ...]
-    module: str = ""  # mergekit's module of the tensor in a `modules:` merge (text decoder, vision tower, ...)
+    module: str = ""
 
 
 @dataclass(frozen=True)
 class OverlapCounts:
-    """One model's counts over a set of tensors: ``histogram[k - 1]`` of its changes exactly k models made."""
+    """One model's counts over some tensors (a row of every table): ``numel`` their elements,
+    ``histogram[k - 1]`` its changes that exactly k models made."""
 
     model: str
-    numel: int  # elements of the tensors it took part in
+    numel: int
     histogram: tuple[int, ...]
 
     @property
     def active(self) -> int:
-        """Elements it changed by more than epsilon."""
         return sum(self.histogram)
 
     @property
@@ -52,14 +52,13 @@ class OverlapCounts:
 
     @property
     def measured_rho(self) -> float:
-        """shared / unique as counted (inf when every change is shared)."""
         return rho_of_histogram(self.histogram)
 
 
 @dataclass(frozen=True)
 class ModelStatistics(OverlapCounts):
-    """One model over the whole merge: ``rho`` (``measured_rho`` unless pinned), ``lambda_`` applied to its
-    unique updates (ram_unique: its ``scale``), and which value the recipe ``pinned``."""
+    """One model over the whole merge: ``rho`` (``measured_rho`` unless pinned), the ``lambda_`` applied to
+    its unique updates (ram_unique: its ``scale``), and which value the recipe ``pinned``."""
 
     rho: float
     lambda_: float
@@ -67,16 +66,9 @@ class ModelStatistics(OverlapCounts):
 
 
 @dataclass(frozen=True)
-class ModuleStatistics(OverlapCounts):
-    """One model's counts over one part of the network; its ``measured_rho`` sets no lambda."""
-
-    module: str
-
-
-@dataclass(frozen=True)
 class RamStatistics:
-    """What a merge computed. ``rescaling`` None where lambda does not come from rho (``ram``, ``ram_unique``);
-    ``epsilons`` the distinct values, sorted; ``density`` is ``ram_ties``'s."""
+    """What a merge computed: ``rescaling`` None where lambda does not come from rho (``ram``, ``ram_unique``),
+    ``epsilons`` the distinct values sorted, ``versions`` of mergekit-ram, mergekit, torch, ``density`` ram_ties's."""
 
     method: str
     source: Source
@@ -85,7 +77,7 @@ class RamStatistics:
     models: tuple[ModelStatistics, ...]
     tensors: tuple[TensorCounts, ...]
     warnings: tuple[str, ...]
-    versions: Mapping[str, str]  # mergekit-ram, mergekit, torch
+    versions: Mapping[str, str]
     density: Optional[float] = None
 
     @property

@@ -1,6 +1,6 @@
 """Statistics for people: fixed-width tables, the model card's markdown, and the log.
 
-Every rendering reads one :class:`RamStatistics`, so they all show the same figures.
+Each model's figures are formatted once (:func:`rows`) and every rendering shows those.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Mapping, NamedTuple, Sequence
 
 from mergekit_ram.parameters import METHOD_PARAMETERS
 from mergekit_ram.stats.arithmetic import by_merged_module, by_module
-from mergekit_ram.stats.data import ModelStatistics, ModuleStatistics, OverlapCounts, RamStatistics
+from mergekit_ram.stats.data import ModelStatistics, OverlapCounts, RamStatistics
 from mergekit_ram.stats.schema import STATISTICS_FILE
 
 LOG = logging.getLogger("mergekit_ram.stats")
@@ -30,6 +30,8 @@ _WITHOUT_PLUGIN = {
 }
 #: What the card says of the methods mergekit has no counterpart of.
 _UNKNOWN_TO_MERGEKIT = "Without mergekit-ram, mergekit refuses `{method}` (an unknown merge method)."
+#: The full table's columns before the factor's (``factor_name``).
+COLUMNS = ("model", "density", "changed", "shared", "unique", "rho")
 
 
 def terminal_text(text: str) -> str:
@@ -50,9 +52,8 @@ def format_table(rows: Sequence[Sequence[str]], left_columns: int = 1) -> str:
 
 
 def markdown_table(rows: Sequence[Sequence[object]], align: str = "lr") -> str:
-    """A GitHub table, ``rows[0]`` the header; ``align`` a letter per column, ``l`` or ``r``, its last one
-    repeated (by default the first column left-aligned, the rest right-aligned); each cell ``str(value)``
-    with ``|`` escaped and line breaks as ``<br>``."""
+    """A GitHub table, ``rows[0]`` the header; ``align`` a letter (``l`` or ``r``) per column, its last one
+    repeated; each cell ``str(value)`` with ``|`` escaped and line breaks as ``<br>``."""
     letters = align.ljust(len(rows[0]), align[-1])[: len(rows[0])]
     cells = [["<br>".join(str(cell).replace("|", "\\|").splitlines()) for cell in row] for row in rows]
     lines = ["| " + " | ".join(row) + " |" for row in cells]
@@ -72,14 +73,17 @@ def display_names(statistics: RamStatistics) -> dict[str, str]:
 
 
 def factor_name(statistics: RamStatistics) -> str:
-    """What the factor of each model's unique updates is called in the recipe: ``scale`` for a method that
-    declares one per model (``ram_unique``), else ``lambda``."""
+    """The recipe's name of each model's factor: ``scale`` where the method declares one (``ram_unique``)."""
     return "scale" if any(info.name == "scale" for info in METHOD_PARAMETERS.get(statistics.method, ())) else "lambda"
 
 
+def figures(counts: OverlapCounts) -> tuple[str, str, str, str]:
+    """Density, changed, shared and unique as every table shows them (a model's or a module's)."""
+    return f"{100 * counts.density:.2f}%", f"{counts.active:,}", f"{counts.shared:,}", f"{counts.unique:,}"
+
+
 class Row(NamedTuple):
-    """One model's figures, formatted once for every rendering (terminal, probe, card, log); the JSON
-    writes the same ``ModelStatistics`` as numbers (``stats.schema``)."""
+    """One model's figures, formatted once for the terminal, probe, card and log (the JSON: ``stats.schema``)."""
 
     stats: ModelStatistics
     name: str  # as the terminal shows it (``display_names``)
@@ -87,17 +91,14 @@ class Row(NamedTuple):
     rho: str
     factor: str  # lambda, or ram_unique's scale
 
-    def pin(self, column: str, mark: str) -> str:
-        """``mark`` where the recipe pinned ``column`` (rho or lambda); a ``scale`` is a setting, never marked."""
-        return mark if self.stats.pinned == column else ""
+    def marked(self, mark: str) -> tuple[str, str]:
+        """rho and the factor, ``mark`` after the one the recipe pinned (a ``scale`` is a setting, never marked)."""
+        pinned = self.stats.pinned
+        return self.rho + (mark if pinned == "rho" else ""), self.factor + (mark if pinned == "lambda" else "")
 
     @property
     def pins(self) -> str:
-        return self.pin("rho", " (rho pinned)") + self.pin("lambda", " (lambda pinned)")
-
-
-#: The full table's columns before the factor's (``factor_name``).
-COLUMNS = ("model", "density", "changed", "shared", "unique", "rho")
+        return f" ({self.stats.pinned} pinned)" if self.stats.pinned in ("rho", "lambda") else ""
 
 
 def rows(statistics: RamStatistics) -> list[Row]:
@@ -108,27 +109,17 @@ def rows(statistics: RamStatistics) -> list[Row]:
     ]
 
 
-def figures(counts: OverlapCounts) -> tuple[str, str, str, str]:
-    """Density, changed, shared and unique as the tables show them (a model's or a module's)."""
-    return f"{100 * counts.density:.2f}%", f"{counts.active:,}", f"{counts.shared:,}", f"{counts.unique:,}"
-
-
 def model_table(statistics: RamStatistics) -> str:
     """A fixed-width table: model, density, changed, shared, unique, rho, lambda (or scale)."""
     table = [(*COLUMNS, factor_name(statistics))]
-    for row in rows(statistics):
-        table.append(
-            (row.name, *row.figures, row.rho + row.pin("rho", " (pinned)"), row.factor + row.pin("lambda", " (pinned)"))
-        )
+    table += [(row.name, *row.figures, *row.marked(" (pinned)")) for row in rows(statistics)]
     return format_table(table)
 
 
 def compact_table(statistics: RamStatistics) -> str:
-    """The table shown after a merge: model, density, rho, lambda (or scale); pins marked *, with a
-    footnote only where a row is marked."""
+    """The table shown after a merge: model, density, rho, lambda (or scale); pins marked * (and explained)."""
     table = [("model", "density", "rho", factor_name(statistics))]
-    for row in rows(statistics):
-        table.append((row.name, row.figures[0], row.rho + row.pin("rho", "*"), row.factor + row.pin("lambda", "*")))
+    table += [(row.name, row.figures[0], *row.marked("*")) for row in rows(statistics)]
     marked = any(cell.endswith("*") for row in table[1:] for cell in row[2:])
     return format_table(table) + ("\n* pinned in the recipe" if marked else "")
 
@@ -150,16 +141,15 @@ def module_table(statistics: RamStatistics) -> str:
     return format_table(_module_rows(by_module(statistics), display_names(statistics)), left_columns=2)
 
 
-def _module_rows(groups: Mapping[str, Sequence[ModuleStatistics]], names: Mapping[str, str]) -> list[list[str]]:
-    rows = [["module", "model", "density", "changed", "shared", "unique", "local rho"]]
+def _module_rows(groups: Mapping[str, Sequence[OverlapCounts]], names: Mapping[str, str]) -> list[list[str]]:
+    table = [["module", "model", "density", "changed", "shared", "unique", "local rho"]]
     for module, models in groups.items():
-        rows += [[module, names[stats.model], *figures(stats), format_rho(stats.measured_rho)] for stats in models]
-    return rows
+        table += [[module, names[stats.model], *figures(stats), format_rho(stats.measured_rho)] for stats in models]
+    return table
 
 
 def card_markdown(statistics: RamStatistics) -> str:
-    """The model card's mergekit-ram sections: where the method comes from, how to rerun
-    the merge, and the statistics."""
+    """The model card's mergekit-ram sections: where the method comes from, how to rerun the merge, the statistics."""
     versions = statistics.versions
     settings = ", ".join(f"`{key}` = {value}" for key, value in statistics.parameters.items())
     lines = [

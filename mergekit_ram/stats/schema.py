@@ -10,7 +10,7 @@ from typing import Any, Mapping, Optional, Union
 from mergekit_ram.parameters import METHOD_PARAMETERS, check_parameter
 from mergekit_ram.rescaling import Rescaling
 from mergekit_ram.stats.arithmetic import by_merged_module, by_module
-from mergekit_ram.stats.data import ModelStatistics, ModuleStatistics, OverlapCounts, RamStatistics, TensorCounts
+from mergekit_ram.stats.data import ModelStatistics, OverlapCounts, RamStatistics, TensorCounts
 
 STATISTICS_FILE = "ram_statistics.json"
 SCHEMA_VERSION = 2
@@ -19,12 +19,10 @@ INFINITY = "inf"
 
 
 def write_ratio(value: float) -> Union[float, str]:
-    """A rho for the JSON file: the number, or ``"inf"``."""
     return INFINITY if math.isinf(value) else value
 
 
 def read_ratio(value: Union[float, str]) -> float:
-    """A rho from the JSON file: a number, or ``"inf"``."""
     if value == INFINITY:
         return math.inf
     if isinstance(value, str):
@@ -55,7 +53,8 @@ def counts_from_dict(data: Mapping[str, Any]) -> TensorCounts:
     )
 
 
-def _counts_fields(counts: OverlapCounts) -> dict[str, Any]:
+def _row(counts: OverlapCounts) -> dict[str, Any]:
+    """A model's counts (over the merge, or within a group) as numbers."""
     return {
         "model": counts.model,
         "parameters": counts.numel,
@@ -64,6 +63,14 @@ def _counts_fields(counts: OverlapCounts) -> dict[str, Any]:
         "unique": counts.unique,
         "shared": counts.shared,
         "overlap_histogram": {str(k + 1): v for k, v in enumerate(counts.histogram)},
+    }
+
+
+def _local(groups: Mapping[str, tuple[OverlapCounts, ...]]) -> dict[str, list[dict[str, Any]]]:
+    """Per group, each model's counts and its rho local to that group (which sets no lambda)."""
+    return {
+        group: [{**_row(counts), "local_rho": write_ratio(counts.measured_rho)} for counts in models]
+        for group, models in groups.items()
     }
 
 
@@ -78,7 +85,7 @@ def statistics_to_dict(statistics: RamStatistics, *, with_modules: bool = False)
         "versions": dict(statistics.versions),
         "models": [
             {
-                **_counts_fields(stats),
+                **_row(stats),
                 "rho": write_ratio(stats.rho),
                 "measured_rho": write_ratio(stats.measured_rho),
                 "lambda": stats.lambda_,
@@ -90,18 +97,10 @@ def statistics_to_dict(statistics: RamStatistics, *, with_modules: bool = False)
     }
     merged_modules = by_merged_module(statistics)
     if merged_modules:
-        data["modules"] = _local_figures(merged_modules)
+        data["modules"] = _local(merged_modules)
     if with_modules:
-        data["by_module"] = _local_figures(by_module(statistics))
+        data["by_module"] = _local(by_module(statistics))
     return data
-
-
-def _local_figures(groups: Mapping[str, tuple[ModuleStatistics, ...]]) -> dict[str, list[dict[str, Any]]]:
-    """Per group, each model's counts and its rho local to that group (which sets no lambda)."""
-    return {
-        group: [{**_counts_fields(stats), "local_rho": write_ratio(stats.measured_rho)} for stats in models]
-        for group, models in groups.items()
-    }
 
 
 def statistics_to_json(statistics: RamStatistics) -> str:
