@@ -113,17 +113,6 @@ def read_documents(path: str, text: str) -> list[Any]:
     return [document for document in documents if document is not None]
 
 
-def read_single_document(path: str, text: str, script: str) -> Any:
-    """The one recipe document ``mergekit-yaml`` / ``mergekit-pytorch`` reads."""
-    documents = read_documents(path, text)
-    if len(documents) != 1:
-        raise RecipeError(
-            f"{path} holds {len(documents)} YAML documents; {script} reads one recipe "
-            "(a file of named stages separated by '---' is for mergekit-multi)"
-        )
-    return documents[0]
-
-
 def validate(path: str, document: Any, schema: type[BaseModel], where: str = "") -> Any:
     """``schema.model_validate(document)``, its first errors on one line on refusal."""
     try:

@@ -96,7 +96,7 @@ def model_identity(model: Any) -> ModelIdentity:
     """A ``ModelReference`` (or a ``mergekit-pytorch`` path) as plain data: a local model's real path
     (``./ft``, ``ft/``, symlinks, ``~`` resolved) or the Hub id, its revision, LoRA and architecture override."""
     if isinstance(model, str):
-        return ModelIdentity(label=model, path=_real_path(model), local_paths=tuple(_local_paths([model])))
+        return ModelIdentity(label=model, path=_real_path(model), local_paths=_local_paths(model))
     lora = model.lora
     return ModelIdentity(
         label=str(model),
@@ -105,7 +105,7 @@ def model_identity(model: Any) -> ModelIdentity:
         lora_path=_real_path(lora.path) if lora is not None else None,
         lora_revision=lora.revision if lora is not None else None,
         override_architecture=model.override_architecture,
-        local_paths=tuple(_local_paths([model.model.path] + ([lora.path] if lora is not None else []))),
+        local_paths=_local_paths(model.model.path, *([lora.path] if lora is not None else [])),
     )
 
 
@@ -115,11 +115,9 @@ def _real_path(path: str) -> str:
     return os.path.realpath(expanded) if os.path.exists(expanded) else path
 
 
-def _local_paths(paths: list[str]) -> Iterator[str]:
+def _local_paths(*paths: str) -> tuple[str, ...]:
     """Paths that must exist: absolute or explicitly relative ones (not Hub ids)."""
-    for path in paths:
-        if os.path.isabs(path) or path.startswith((".", "~")):
-            yield os.path.expanduser(path)
+    return tuple(os.path.expanduser(path) for path in paths if os.path.isabs(path) or path.startswith((".", "~")))
 
 
 def model_lists(config: Any) -> Iterator[tuple[str, list[ModelIdentity]]]:

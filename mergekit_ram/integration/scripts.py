@@ -15,7 +15,7 @@ from mergekit_ram.integration.output import refuse_stage_outputs
 from mergekit_ram.integration.recipes import check_method_name, check_stage_keys, read_stages
 from mergekit_ram.integration.registry import is_ours
 from mergekit_ram.interrupts import exit_interrupted, merge_started
-from mergekit_ram.recipe_file import declared_methods, read_single_document, read_text, validate
+from mergekit_ram.recipe_file import declared_methods, read_documents, read_text, validate
 
 #: mergekit's console scripts by click command name: (the command as installed, its recipe file argument)
 SCRIPTS = {
@@ -86,7 +86,13 @@ def check_script_recipe(name: str, path: Optional[str], arguments: dict[str, Any
             if name == "mergekit-pytorch"
             else MergeConfiguration
         )
-        validate(path, read_single_document(path, text, name), schema)
+        documents = read_documents(path, text)
+        if len(documents) != 1:
+            raise RecipeError(
+                f"{path} holds {len(documents)} YAML documents; {name} reads one recipe "
+                "(a file of named stages separated by '---' is for mergekit-multi)"
+            )
+        validate(path, documents[0], schema)
     options = merge_options(**{key: value for key, value in arguments.items() if key in MergeOptions.model_fields})
     check_options_device(options)
     if stages:
