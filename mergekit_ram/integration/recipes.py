@@ -144,7 +144,8 @@ def check_recipe(method: str, config: BaseModel) -> None:
         if name not in declared and name in others and close_match(name, declared) is None:
             ignored.setdefault(name, []).append(where)
             continue
-        if per_model and not parameter_info(method, name, where).per_model:
+        info = parameter_info(method, name, where)  # an unknown name is refused even with no value
+        if per_model and not info.per_model:
             raise ParameterError(
                 f"{method}: parameter {name!r} in {where} is set for one model, but {name} applies to the whole "
                 f"merge and mergekit would ignore it there: move it to the top-level `parameters:`"
