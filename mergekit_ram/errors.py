@@ -1,6 +1,5 @@
-"""The plugin's errors share one base class, so the console scripts tell them from mergekit's by type and
-show them (and a resource failure, ``resource_message``) as one ``Error:`` line, exit 1, the traceback only
-under ``-v``. Standard library only: the start-up hook imports this without torch or mergekit.
+"""The plugin's errors share one base class, so the console scripts tell them from mergekit's by type and show
+them (and a resource failure) as one ``Error:`` line, exit 1. Standard library only: the start-up hook imports it.
 """
 
 from __future__ import annotations
@@ -48,7 +47,6 @@ def one_line(error: BaseException) -> str:
 
 
 def _joined(text: str) -> str:
-    """The non-empty lines of ``text``, stripped, joined with '; '."""
     return "; ".join(line.strip() for line in text.splitlines() if line.strip())
 
 
@@ -71,9 +69,8 @@ RESOURCE_FAILURES = {
 
 
 def resource_message(error: BaseException, doing: str) -> Optional[str]:
-    """One line naming the resource that ran out while ``doing`` and its fix, when the first error of
-    ``error``'s chain (not one raised while cleaning up) is an ``OSError`` of ``RESOURCE_FAILURES``, a
-    ``MemoryError``, or quotes the system's text for one (safetensors', torch's); else None."""
+    """One line naming the resource that ran out while ``doing`` and its fix, when the chain's first error (not
+    one raised while cleaning up) is such an ``OSError``, a ``MemoryError``, or quotes the system's text for one."""
     root = _root(error)
     code: Optional[int]
     if isinstance(root, OSError) and root.errno in RESOURCE_FAILURES:
@@ -101,8 +98,8 @@ def _root(error: BaseException) -> BaseException:
 
 
 def _quoted_failure(message: str) -> tuple[Optional[int], str]:
-    """(errno, the message without the system's text) for a message quoting a resource failure (the longest
-    text first: ENFILE's holds EMFILE's); (None, "") for any other."""
+    """(errno, the message without the system's text) for a message quoting a resource failure (longest text
+    first: ENFILE's holds EMFILE's), else (None, "")."""
     for code in sorted(RESOURCE_FAILURES, key=lambda code: -len(os.strerror(code))):
         found = re.search(re.escape(os.strerror(code)), message, re.IGNORECASE)
         if found:
@@ -111,8 +108,7 @@ def _quoted_failure(message: str) -> tuple[Optional[int], str]:
 
 
 def exit_on_one_line(error: BaseException, verbose: bool, message: Optional[str] = None) -> NoReturn:
-    """click's ``Error: <message>`` (the error's own by default), exit 1; under ``-v`` the traceback first.
-    Call it inside the ``except`` block that caught ``error``."""
+    """click's ``Error: <message>`` (the error's own by default), exit 1; the traceback first under ``-v``."""
     import click
 
     if verbose:
@@ -121,8 +117,8 @@ def exit_on_one_line(error: BaseException, verbose: bool, message: Optional[str]
 
 
 def exit_if_reported(error: BaseException, verbose: bool, doing: str) -> None:
-    """``exit_on_one_line`` for a ``RamError`` or a resource failure; returns for any other error, which the
-    caller re-raises. Call it inside the ``except`` block that caught ``error``."""
+    """``exit_on_one_line`` for a ``RamError`` or a resource failure; returns for any other, which the caller
+    re-raises (both called inside the ``except`` block that caught ``error``)."""
     message = one_line(error) if isinstance(error, RamError) else resource_message(error, doing)
     if message is not None:
         exit_on_one_line(error, verbose, message)

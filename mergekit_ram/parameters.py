@@ -86,26 +86,15 @@ def declared_names(method: str) -> list[str]:
     return [info.name for info in METHOD_PARAMETERS[method]]
 
 
-def parameter_scopes(method: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """The method's parameter names: those of the whole merge, then those set per model."""
-    infos = METHOD_PARAMETERS[method]
-    return tuple(i.name for i in infos if not i.per_model), tuple(i.name for i in infos if i.per_model)
-
-
 def close_match(name: str, candidates: Iterable[str]) -> Optional[str]:
     """The other candidate ``name`` looks like a misspelling of (difflib's default cutoff), if any."""
     hint = difflib.get_close_matches(name, [candidate for candidate in candidates if candidate != name], n=1)
     return hint[0] if hint else None
 
 
-def close_name(method: str, name: str) -> Optional[str]:
-    """The method's parameter ``name`` looks like a misspelling of, if any."""
-    return close_match(name, declared_names(method))
-
-
 def unknown_parameter(method: str, name: str, where: str) -> ParameterError:
     """The error for a name neither the method nor any other method declares, or a near miss."""
-    hint = close_name(method, name)
+    hint = close_match(name, declared_names(method))
     suggestion = f" (did you mean {hint!r}?)" if hint else ""
     return ParameterError(
         f"{method}: unknown parameter {name!r} in {where}{suggestion}; "
@@ -115,10 +104,10 @@ def unknown_parameter(method: str, name: str, where: str) -> ParameterError:
 
 def parameter_info(method: str, name: str, where: str = "parameters") -> ParameterInfo:
     """The declaration of ``name`` for ``method``, or a ParameterError listing the valid names."""
-    declared = {info.name: info for info in METHOD_PARAMETERS[method]}
-    if name in declared:
-        return declared[name]
-    raise unknown_parameter(method, name, where)
+    info = next((info for info in METHOD_PARAMETERS[method] if info.name == name), None)
+    if info is None:
+        raise unknown_parameter(method, name, where)
+    return info
 
 
 def check_parameter(method: str, name: str, value: Any, where: str = "parameters") -> Any:

@@ -1,6 +1,5 @@
 """Recipe files read as mergekit's scripts read them (one document, or ``mergekit-multi``'s stages), with a
-one-line ``RecipeError`` naming the file, the place and the fix instead of a yaml, recursion or pydantic
-traceback.
+one-line ``RecipeError`` naming the file, the place and the fix instead of a yaml, recursion or pydantic traceback.
 """
 
 from __future__ import annotations
@@ -13,8 +12,6 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from mergekit_ram.errors import RecipeError
-
-_SHOWN_VALIDATION_ERRORS = 3
 
 
 @dataclass(frozen=True)
@@ -30,22 +27,20 @@ class Stage:
         return self.name if self.name is not None else "(unnamed final stage)"
 
 
-#: The deepest nesting a recipe may have (it needs about ten levels): far deeper YAML exhausts Python's
-#: recursion in yaml's composer and in validation, so it is refused first, from the parser's events.
+#: The deepest nesting a recipe may have (it needs about ten): far deeper YAML exhausts Python's recursion in
+#: yaml's composer and in validation, so it is refused first, from the parser's events.
 MAX_NESTING = 64
 
 
 class _Scan(NamedTuple):
-    """What the parser's events say, read as far as the text is valid YAML and not nested too deep."""
-
-    methods: list[str]  # the ``merge_method`` scalar of each document, as spelt (no merge keys, no aliases)
+    methods: list[str]  # each document's ``merge_method`` scalar as spelt (no merge keys, no aliases)
     too_deep: Optional[yaml.Mark]  # where the nesting goes beyond MAX_NESTING (the scan stops there)
     complete: bool  # every event parsed: no syntax error, not too deep
 
 
 def _scan(text: str) -> _Scan:
-    """One iterative pass over the parser's events, stopped where the nesting goes too deep (yaml's scanner
-    takes time in proportion to the depth for each token: 20,000 levels would take minutes)."""
+    """One iterative pass over the parser's events, as far as the text is valid YAML, stopped where it nests
+    too deep (yaml's scanner takes time in proportion to the depth for each token)."""
     methods: list[str] = []
     open_nodes: list[Optional[int]] = []  # per open collection: nodes read so far in a mapping, None in a list
     key: Optional[str] = None
@@ -97,16 +92,6 @@ def read_text(path: str) -> Optional[str]:
         return None
 
 
-def describe_yaml_error(error: yaml.YAMLError) -> str:
-    """'invalid YAML at line L, column C: problem', from the error's marks."""
-    mark = getattr(error, "problem_mark", None)
-    problem = getattr(error, "problem", None)
-    context = getattr(error, "context", None)
-    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-    detail = ", ".join(part for part in (context, problem) if part) or str(error)
-    return f"invalid YAML{where}: {detail}"
-
-
 def read_documents(path: str, text: str) -> list[Any]:
     """The non-empty YAML documents of a recipe file; one nested beyond ``MAX_NESTING`` is refused first."""
     too_deep = _scan(text).too_deep
@@ -118,21 +103,14 @@ def read_documents(path: str, text: str) -> list[Any]:
     try:
         documents = list(yaml.safe_load_all(text))
     except yaml.YAMLError as error:
-        raise RecipeError(f"{path}: {describe_yaml_error(error)}") from error
+        mark = getattr(error, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        parts = (getattr(error, "context", None), getattr(error, "problem", None))
+        detail = ", ".join(part for part in parts if part) or str(error)
+        raise RecipeError(f"{path}: invalid YAML{where}: {detail}") from error
     except ValueError as error:  # a value yaml cannot convert (a date 2020-13-45, ``!!int abc``)
         raise RecipeError(f"{path}: invalid YAML: a value cannot be read ({error})") from error
     return [document for document in documents if document is not None]
-
-
-def read_single_document(path: str, text: str, script: str) -> Any:
-    """The one recipe document ``mergekit-yaml`` / ``mergekit-pytorch`` reads."""
-    documents = read_documents(path, text)
-    if len(documents) != 1:
-        raise RecipeError(
-            f"{path} holds {len(documents)} YAML documents; {script} reads one recipe "
-            "(a file of named stages separated by '---' is for mergekit-multi)"
-        )
-    return documents[0]
 
 
 def validate(path: str, document: Any, schema: type[BaseModel], where: str = "") -> Any:
@@ -143,7 +121,7 @@ def validate(path: str, document: Any, schema: type[BaseModel], where: str = "")
         problems = error.errors(include_url=False)
         shown = [
             f"{'.'.join(str(part) for part in problem['loc']) or 'the document'}: {problem['msg']}"
-            for problem in problems[:_SHOWN_VALIDATION_ERRORS]
+            for problem in problems[:3]
         ]
         more = len(problems) - len(shown)
         suffix = f" (and {more} more)" if more > 0 else ""

@@ -1,17 +1,15 @@
-"""Recipe checks of RAM recipes, over mergekit's recipe classes: parameters, keys, models.
+"""Recipe checks of RAM recipes over mergekit's recipe classes (parameters, keys, models), mergekit-multi's
+stages, and the recipe's models as plain ``ModelIdentity`` values for ``mergekit_ram.checks``.
 
-mergekit's pydantic recipe classes drop what they do not know, so a misspelled key or a
-parameter in the wrong block would merge with the defaults; these checks refuse them, before
-anything is read. Also here: reading mergekit-multi's stages, and the recipe's models as
-plain ``ModelIdentity`` values for ``mergekit_ram.checks``.
+mergekit's pydantic recipe classes drop what they do not know, so a misspelled key or a parameter in the
+wrong block would merge with the defaults: these checks refuse them before anything is read.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import types
-from typing import Any, Iterator, NamedTuple, Optional, Union, get_args, get_origin
+from typing import Any, Iterator, Optional
 
 import yaml
 from pydantic import BaseModel
@@ -26,25 +24,31 @@ from mergekit_ram.parameters import (
     check_lambda_range,
     check_parameter,
     close_match,
-    close_name,
     declared_names,
     parameter_info,
-    unknown_parameter,
 )
 from mergekit_ram.planned import ModelIdentity
 from mergekit_ram.recipe_file import Stage, read_documents, validate
 
 LOG = logging.getLogger(__name__)
 MergeConfiguration: Any = internal("mergekit.config", "MergeConfiguration")
+#: Recipe classes whose keys are checked; others (model references, tokenizer settings) are leaves.
+_RECIPE_MODULES = ("mergekit.config", "mergekit.scripts.merge_raw_pytorch")
+_LAMBDA_SCOPE = " (lambda_t = 1 + r * clip(rho_t, 0, alpha) is global: one r, one alpha, one rule per merge)"
+_SHARED_SCOPE = {
+    "epsilon": " (epsilon may vary per tensor with `filter`, or per slice in `slices[i].parameters`, "
+    "but not per model)",
+    **dict.fromkeys(("r", "alpha", "rule"), _LAMBDA_SCOPE),
+    "density": " (ram_ties trims every model's shared updates to one density)",
+}
 
 
 def check_config(
     method: str, config: Any, headers: HeaderCache, source: Optional[str] = None, *, allow_crimes: Optional[bool] = None
 ) -> None:
-    """Keys (when the recipe's YAML ``source`` is at hand), parameters, base model, model paths, and
-    models that do not fit the base of a RAM recipe, before anything is read; ``headers`` keeps what it
-    read for the tensor checks. ``allow_crimes`` is mergekit's option: architectures are compared only
-    where it is False (None: the caller has no options, and mergekit compares them itself)."""
+    """Keys (given the recipe's YAML ``source``), parameters, base model and models of a RAM recipe, before
+    anything is read; ``headers`` keeps what it read. Architectures are compared only where mergekit's
+    ``allow_crimes`` is False (None: the caller has no options, and mergekit compares them itself)."""
     if source is not None:
         check_recipe_keys(method, yaml.safe_load(source), type(config))
     check_recipe(method, config)
@@ -63,15 +67,13 @@ def _definitions(architecture: str) -> list[Any]:
 
 
 def same_architecture(name: str, other: str) -> bool:
-    """Whether mergekit merges models of these two ``architectures`` without ``--allow-crimes``: one of its
-    definitions for both, or a name it has none for (it then infers the architecture from the tensors)."""
+    """Whether mergekit merges the two without ``--allow-crimes``: a shared definition, or a name without one."""
     known, other_known = _definitions(name), _definitions(other)
     return name == other or not known or not other_known or any(one in other_known for one in known)
 
 
 def vocabulary_axes(architecture: str) -> dict[str, int]:
-    """The tensors mergekit's definition of ``architecture`` gives a vocabulary axis (embeddings, output
-    head), by name and alias: the axis ``tokenizer_source`` aligns."""
+    """The vocabulary axis (the one ``tokenizer_source`` aligns) of each tensor that has one, by name and alias."""
     axes = {}
     for definition in _definitions(architecture):
         for module in definition.modules.values():
@@ -83,21 +85,18 @@ def vocabulary_axes(architecture: str) -> dict[str, int]:
 
 
 def check_method_name(method: str) -> None:
-    """A merge method mergekit does not know whose name misspells one of this plugin's: one line with the
-    right name (mergekit's own error is a traceback, without it). Other unknown names stay mergekit's."""
+    """An unknown method name that misspells one of this plugin's: one line with the right name (mergekit's
+    error is a traceback without it). Other unknown names stay mergekit's."""
     hint = close_method(method)
-    if hint is None:
-        return
-    if method not in internal("mergekit.merge_methods.registry", "_METHODS"):
+    if hint is not None and method not in internal("mergekit.merge_methods.registry", "_METHODS"):
         raise RecipeError(f"unknown merge method {method!r} (did you mean {hint!r}?)")
 
 
 def model_identity(model: Any) -> ModelIdentity:
-    """A mergekit ``ModelReference`` (or a path string, as ``mergekit-pytorch`` has them) as plain data:
-    the real path of a local model (``./ft``, ``ft/``, symlinks and ``~`` resolved) or the Hub id, with
-    its revision, LoRA and architecture override."""
+    """A ``ModelReference`` (or a ``mergekit-pytorch`` path) as plain data: a local model's real path
+    (``./ft``, ``ft/``, symlinks, ``~`` resolved) or the Hub id, its revision, LoRA and architecture override."""
     if isinstance(model, str):
-        return ModelIdentity(label=model, path=_real_path(model), local_paths=tuple(_local_paths([model])))
+        return ModelIdentity(label=model, path=_real_path(model), local_paths=_local_paths(model))
     lora = model.lora
     return ModelIdentity(
         label=str(model),
@@ -106,7 +105,7 @@ def model_identity(model: Any) -> ModelIdentity:
         lora_path=_real_path(lora.path) if lora is not None else None,
         lora_revision=lora.revision if lora is not None else None,
         override_architecture=model.override_architecture,
-        local_paths=tuple(_local_paths([model.model.path] + ([lora.path] if lora is not None else []))),
+        local_paths=_local_paths(model.model.path, *([lora.path] if lora is not None else [])),
     )
 
 
@@ -116,68 +115,44 @@ def _real_path(path: str) -> str:
     return os.path.realpath(expanded) if os.path.exists(expanded) else path
 
 
-def _local_paths(paths: list[str]) -> Iterator[str]:
+def _local_paths(*paths: str) -> tuple[str, ...]:
     """Paths that must exist: absolute or explicitly relative ones (not Hub ids)."""
-    for path in paths:
-        if os.path.isabs(path) or path.startswith((".", "~")):
-            yield os.path.expanduser(path)
+    return tuple(os.path.expanduser(path) for path in paths if os.path.isabs(path) or path.startswith((".", "~")))
 
 
 def model_lists(config: Any) -> Iterator[tuple[str, list[ModelIdentity]]]:
-    """Each list of a recipe's input models, with where it is: models, each slice's sources, modules."""
-    if getattr(config, "models", None):
-        yield "models", [model_identity(entry.model) for entry in config.models]
-    for index, output_slice in enumerate(getattr(config, "slices", None) or []):
-        yield f"slices[{index}].sources", [model_identity(source.model) for source in output_slice.sources]
-    for name, module in (getattr(config, "modules", None) or {}).items():
-        if module.models:
-            yield f"modules.{name}.models", [model_identity(entry.model) for entry in module.models]
-        for index, output_slice in enumerate(module.slices or []):
-            yield (
-                f"modules.{name}.slices[{index}].sources",
-                [model_identity(source.model) for source in output_slice.sources],
-            )
-
-
-class RecipeSetting(NamedTuple):
-    """One parameter set in a recipe: where (``models[1].parameters``), name, setting, and whether
-    the block is a model's own (``models[i]``, ``slices[j].sources[i]``)."""
-
-    where: str
-    name: str
-    value: Any
-    per_model: bool
+    """Each list of a recipe's input models, with where it is: models, each slice's sources, then each module's."""
+    modules = (getattr(config, "modules", None) or {}).items()
+    for prefix, block in [("", config), *((f"modules.{name}.", module) for name, module in modules)]:
+        if getattr(block, "models", None):
+            yield f"{prefix}models", [model_identity(entry.model) for entry in block.models]
+        for index, output_slice in enumerate(getattr(block, "slices", None) or []):
+            yield f"{prefix}slices[{index}].sources", [model_identity(source.model) for source in output_slice.sources]
 
 
 def check_recipe(method: str, config: BaseModel) -> None:
     """Every parameter of a RAM recipe: known, in a block where it applies, with a valid value.
 
-    mergekit silently drops parameters a method does not declare. A name another registered
-    method declares (``weight``, ``density``, ...) is ignored with a warning, as mergekit's
-    built-in ``ram`` ignored it; a near miss of one of ours (``apha``) or a name no method
-    declares is an error. Shared settings (``epsilon``, ``r``, ``alpha``, ``rule``) set in a
-    model's block would be ignored by mergekit, so they are refused there.
+    mergekit silently drops parameters a method does not declare. A name another registered method declares
+    is ignored with a warning, as mergekit's built-in ``ram`` ignored it; a near miss of ours (``apha``) or a
+    name no method declares is an error, and so is a whole-merge setting in a model's block.
     """
-    others = declared_by_other_methods(method)
+    declared, others = declared_names(method), declared_by_other_methods(method)
     ignored: dict[str, list[str]] = {}
     values: dict[str, list[tuple[Any, str]]] = {}
-    for setting in _parameter_settings(config):
-        if setting.name not in declared_names(method):
-            if setting.name in others and close_name(method, setting.name) is None:
-                ignored.setdefault(setting.name, []).append(setting.where)
-                continue
-            raise unknown_parameter(method, setting.name, setting.where)
-        info = parameter_info(method, setting.name, setting.where)
-        if setting.per_model and not info.per_model:
+    for where, name, setting, per_model in _parameter_settings(config):
+        if name not in declared and name in others and close_match(name, declared) is None:
+            ignored.setdefault(name, []).append(where)
+            continue
+        info = parameter_info(method, name, where)  # an unknown name is refused even with no value
+        if per_model and not info.per_model:
             raise ParameterError(
-                f"{method}: parameter {setting.name!r} in {setting.where} is set for one model, but "
-                f"{setting.name} applies to the whole merge and mergekit would ignore it there: move it to "
-                f"the top-level `parameters:`{_SHARED_SCOPE.get(setting.name, '')}"
+                f"{method}: parameter {name!r} in {where} is set for one model, but {name} applies to the whole "
+                f"merge and mergekit would ignore it there: move it to the top-level `parameters:`"
+                f"{_SHARED_SCOPE.get(name, '')}"
             )
-        for scalar in _scalars(setting.value):
-            values.setdefault(setting.name, []).append(
-                (check_parameter(method, setting.name, scalar, setting.where), setting.where)
-            )
+        for scalar in _scalars(setting):
+            values.setdefault(name, []).append((check_parameter(method, name, scalar, where), where))
     for name, places in ignored.items():
         users = [other for other in METHOD_PARAMETERS if name in declared_names(other)]
         hint = f"; set merge_method: {' or '.join(users)} to use it" if users else ""
@@ -190,21 +165,13 @@ def check_recipe(method: str, config: BaseModel) -> None:
             method,
             hint,
         )
-    if "r" in declared_names(method):
-        r, where = max(values.get("r", [(parameter_info(method, "r").default, "the defaults")]))
-        alphas = [value for value, _ in values.get("alpha", [(parameter_info(method, "alpha").default, "")])]
-        rules = [value for value, _ in values.get("rule", [(parameter_info(method, "rule").default, "")])]
-        check_lambda_range(method, r, alphas, rules, where)
-
-
-_SHARED_SCOPE = {
-    "epsilon": " (epsilon may vary per tensor with `filter`, or per slice in `slices[i].parameters`, "
-    "but not per model)",
-    "r": " (lambda_t = 1 + r * clip(rho_t, 0, alpha) is global: one r, one alpha, one rule per merge)",
-    "alpha": " (lambda_t = 1 + r * clip(rho_t, 0, alpha) is global: one r, one alpha, one rule per merge)",
-    "rule": " (lambda_t = 1 + r * clip(rho_t, 0, alpha) is global: one r, one alpha, one rule per merge)",
-    "density": " (ram_ties trims every model's shared updates to one density)",
-}
+    if "r" in declared:
+        found = {name: [(parameter_info(method, name).default, "the defaults")] for name in ("r", "alpha", "rule")}
+        found.update(values)
+        r, where = max(found["r"])
+        check_lambda_range(
+            method, r, [alpha for alpha, _ in found["alpha"]], [rule for rule, _ in found["rule"]], where
+        )
 
 
 def _listing(names: list[str], shown: int = 4) -> str:
@@ -213,17 +180,16 @@ def _listing(names: list[str], shown: int = 4) -> str:
     return ", ".join(names[:shown]) + more
 
 
-def _parameter_settings(node: Any, where: str = "") -> Iterator[RecipeSetting]:
-    """Every ``parameters`` entry of a recipe, depth first, with its location."""
+def _parameter_settings(node: Any, where: str = "") -> Iterator[tuple[str, str, Any, bool]]:
+    """(where, name, setting, in one model's block) for each ``parameters`` entry of a recipe, depth first."""
     if isinstance(node, BaseModel):
         fields = type(node).model_fields
-        per_model = "model" in fields  # models[i], slices[j].sources[i]: one model's block
         for field_name in fields:
             value = getattr(node, field_name)
             location = f"{where}.{field_name}" if where else field_name
             if field_name == "parameters" and isinstance(value, dict):
-                for name, setting in value.items():
-                    yield RecipeSetting(location, name, setting, per_model)
+                # "model": models[i], slices[j].sources[i]
+                yield from ((location, name, setting, "model" in fields) for name, setting in value.items())
             elif field_name != "parameters":
                 yield from _parameter_settings(value, location)
     elif isinstance(node, (list, tuple)):
@@ -247,24 +213,32 @@ def _scalars(setting: Any) -> Iterator[Any]:
 
 def check_recipe_file(path: Optional[str], schema: type[BaseModel]) -> None:
     """Unknown keys in the recipe file at ``path`` (a RAM one), before mergekit drops them."""
-    if path is None or not os.path.isfile(path):
-        return
-    with open(path, encoding="utf-8") as handle:
-        check_raw_keys(yaml.safe_load(handle), schema)
+    if path is not None and os.path.isfile(path):
+        with open(path, encoding="utf-8") as handle:
+            _check_keys(yaml.safe_load(handle), schema)
 
 
-def check_raw_keys(raw: Any, schema: type[BaseModel]) -> None:
+def check_stage_keys(path: str, text: str) -> None:
+    """Unknown keys of each RAM stage of a mergekit-multi file (mergekit-multi rebuilds a stage without them)."""
+    for document in read_documents(path, text):
+        if isinstance(document, dict):
+            _check_keys({key: value for key, value in document.items() if key != "name"}, MergeConfiguration)
+
+
+def _check_keys(raw: Any, schema: type[BaseModel]) -> None:
     method = raw.get("merge_method") if isinstance(raw, dict) else None
     if isinstance(method, str) and is_ours(method):
         check_recipe_keys(method, raw, schema)
 
 
 def check_recipe_keys(method: str, raw: Any, schema: type[BaseModel]) -> None:
-    """Refuse keys mergekit's recipe classes do not have (``paramaters:``, a top-level ``rule:``).
-
-    pydantic drops unknown keys silently, so such a setting would merge with the defaults.
-    """
-    for where, key, valid in _unknown_keys(raw, schema, ""):
+    """Refuse keys mergekit's recipe classes do not have (``paramaters:``, a top-level ``rule:``), which
+    pydantic drops: ``raw`` against what ``schema`` validates it to (one mergekit cannot read is its to report)."""
+    try:
+        validated = schema.model_validate(raw)
+    except Exception:  # noqa: BLE001 - mergekit reads the recipe again and says what is wrong
+        return
+    for where, key, valid in _unknown_keys(raw, validated, ""):
         place = f"in `{where}`" if where else "at the top level of the recipe"
         if key in declared_names(method) and "parameters" in valid:
             per_model = parameter_info(method, key).per_model and where
@@ -279,73 +253,28 @@ def check_recipe_keys(method: str, raw: Any, schema: type[BaseModel]) -> None:
         )
 
 
-#: Recipe classes whose keys are checked; others (model references, tokenizer settings) are leaves.
-_RECIPE_MODULES = ("mergekit.config", "mergekit.scripts.merge_raw_pytorch")
-
-
-def _unknown_keys(raw: Any, annotation: Any, where: str) -> Iterator[tuple[str, str, tuple[str, ...]]]:
-    """(where, key, valid keys) for each key of ``raw`` that its recipe class does not have."""
-    if isinstance(raw, dict):
-        classes = _recipe_classes(annotation)
-        if len(classes) == 1:
-            fields = classes[0].model_fields
-            for key, value in raw.items():
-                if key not in fields:
-                    yield where, str(key), tuple(fields)
-                else:
-                    yield from _unknown_keys(value, fields[key].annotation, f"{where}.{key}" if where else str(key))
+def _unknown_keys(raw: Any, validated: Any, where: str) -> Iterator[tuple[str, str, tuple[str, ...]]]:
+    """(where, key, valid keys) for each key of ``raw`` that the recipe class it was validated to lacks."""
+    fields = None
+    if isinstance(validated, BaseModel):
+        if type(validated).__module__ not in _RECIPE_MODULES:
             return
-        members = _members(annotation, dict)
-        if len(members) == 1:
-            for key, value in raw.items():
-                yield from _unknown_keys(value, members[0], f"{where}.{key}" if where else str(key))
-    elif isinstance(raw, list):
-        members = _members(annotation, list)
-        if members:
-            item = members[0] if len(members) == 1 else Union[tuple(members)]
-            for index, value in enumerate(raw):
-                yield from _unknown_keys(value, item, f"{where}[{index}]")
-
-
-def _alternatives(annotation: Any) -> tuple[Any, ...]:
-    """The arms of a Union / Optional, or the annotation itself."""
-    if get_origin(annotation) in (Union, types.UnionType):
-        return tuple(arm for arg in get_args(annotation) for arm in _alternatives(arg))
-    return (annotation,)
-
-
-def _recipe_classes(annotation: Any) -> list[type[BaseModel]]:
-    return [
-        arm
-        for arm in _alternatives(annotation)
-        if isinstance(arm, type) and issubclass(arm, BaseModel) and arm.__module__ in _RECIPE_MODULES
-    ]
-
-
-def _members(annotation: Any, container: type) -> list[Any]:
-    """The item types of the ``list`` arms, or the value types of the ``dict`` arms, of an annotation."""
-    found = []
-    for arm in _alternatives(annotation):
-        if get_origin(arm) is container and get_args(arm) and get_args(arm)[-1] not in found:
-            found.append(get_args(arm)[-1])
-    return found
-
-
-def check_stage_keys(path: str, text: str) -> None:
-    """Unknown keys of each RAM stage of a mergekit-multi file (mergekit-multi rebuilds a stage without them)."""
-    for document in read_documents(path, text):
-        if isinstance(document, dict):
-            check_raw_keys({key: value for key, value in document.items() if key != "name"}, MergeConfiguration)
+        fields, validated = tuple(type(validated).model_fields), dict(validated)
+    if isinstance(raw, dict) and isinstance(validated, dict):
+        for key, value in raw.items():
+            if fields is not None and key not in fields:
+                yield where, str(key), fields
+            else:
+                yield from _unknown_keys(value, validated.get(key), f"{where}.{key}" if where else str(key))
+    elif isinstance(raw, list) and isinstance(validated, (list, tuple)):
+        for index, (value, item) in enumerate(zip(raw, validated)):
+            yield from _unknown_keys(value, item, f"{where}[{index}]")
 
 
 def read_stages(path: str, text: str, intermediate_dir: str = "") -> list[Stage]:
-    """The stages of a recipe file as mergekit-multi reads them (a single recipe is one stage).
-
-    A model named like another stage becomes ``intermediate_dir/<name>`` (mergekit's own
-    ``patched_config``), and the stage records that it depends on that one.
-    """
+    """The stages of a recipe file as mergekit-multi reads them (a single recipe is one stage); a model named
+    like another stage becomes ``intermediate_dir/<name>`` (mergekit's ``patched_config``), a dependency."""
     patched_config = internal("mergekit.scripts.multimerge", "patched_config")
-
     stages: dict[Optional[str], Any] = {}
     for index, document in enumerate(read_documents(path, text)):
         where = f", document {index + 1}"
@@ -360,9 +289,8 @@ def read_stages(path: str, text: str, intermediate_dir: str = "") -> list[Stage]
                 + "; each stage needs its own name (at most one may have none: the final merge)"
             )
         stages[name] = validate(path, document, MergeConfiguration, where)
-    names = set(stages)
     result = []
     for name, config in stages.items():
-        patched, used = patched_config(config, names, intermediate_dir)
+        patched, used = patched_config(config, set(stages), intermediate_dir)
         result.append(Stage(name=name, config=patched, depends_on=tuple(sorted(used))))
     return result

@@ -15,10 +15,9 @@ from mergekit_ram.integration.output import raw_pytorch_merge, refuse_stage_outp
 from mergekit_ram.integration.recipes import check_method_name, check_stage_keys, read_stages
 from mergekit_ram.integration.registry import is_ours
 from mergekit_ram.interrupts import exit_interrupted, merge_started
-from mergekit_ram.recipe_file import declared_methods, read_single_document, read_text, validate
+from mergekit_ram.recipe_file import declared_methods, read_documents, read_text, validate
 
-#: mergekit's console scripts, by their click command's name: (the command as installed, the argument
-#: that names the recipe file)
+#: mergekit's console scripts by click command name: (the command as installed, its recipe file argument)
 SCRIPTS = {
     "mergekit-yaml": ("mergekit-yaml", "config_file"),
     "mergekit-multimerge": ("mergekit-multi", "config_file"),
@@ -29,16 +28,13 @@ MergeOptions: Any = internal("mergekit.options", "MergeOptions")
 
 
 def patch_scripts(options: ModuleType) -> None:
-    """The plugin's errors as one line (``Error: ...``, exit 1; the traceback with ``-v``), for the three
-    console scripts at once: they share mergekit's click command class, whose ``invoke`` runs each.
+    """The plugin's errors as one line (``Error: ...``, exit 1; the traceback with ``-v``) in the three console
+    scripts, through their shared click command class's ``invoke``.
 
-    The plugin's own errors are told by type (``RamError``). A YAML or schema error, a
-    missing CUDA device and a resource failure (``errors.resource_message``: too many open files,
-    a full disk) are reported so only for a file that asks for one of this plugin's methods,
-    and a misspelling of their names for any file: for every other recipe mergekit's output stays
-    as it was. A failed ``mergekit-multi`` run of a RAM recipe removes the ``-I`` folder it made, if
-    empty (the failed stage has removed its own folder). Ctrl-C, but during a merge of another method,
-    is one line saying what the output folder holds and exit status 130 (``mergekit_ram.interrupts``).
+    A ``RamError`` always; a YAML or schema error, a missing CUDA device or a resource failure
+    (``errors.resource_message``) only for a file asking for one of this plugin's methods, so other recipes
+    keep mergekit's output. A failed ``mergekit-multi`` run of a RAM recipe removes the ``-I`` folder it made,
+    if empty. Ctrl-C, but during another method's merge, is one line and exit 130 (``mergekit_ram.interrupts``).
     """
 
     def make(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -74,10 +70,9 @@ def patch_scripts(options: ModuleType) -> None:
 
 
 def check_script_recipe(name: str, path: Optional[str], arguments: dict[str, Any]) -> Optional[MergeOptions]:
-    """For a recipe file that asks for a RAM method (its ``merge_method``, or a misspelling of one, which is
-    refused here): read and validate it as ``name`` will, check the device and (``mergekit-multi``) that
-    no RAM stage writes into a folder a stage reads, and return the command's MergeOptions; None for
-    any other file."""
+    """For a recipe file asking for a RAM method (or misspelling one: refused): read and validate it as ``name``
+    will, check the device and that no RAM stage of ``mergekit-multi`` writes into a folder a stage reads; the
+    command's MergeOptions, or None for any other file."""
     if path is not None and not os.path.exists(path):  # mergekit-yaml's own open() would raise a traceback
         raise RecipeError(f"recipe file {path} does not exist")
     text = read_text(path) if path else None
@@ -95,7 +90,13 @@ def check_script_recipe(name: str, path: Optional[str], arguments: dict[str, Any
             if name == "mergekit-pytorch"
             else MergeConfiguration
         )
-        validate(path, read_single_document(path, text, name), schema)
+        documents = read_documents(path, text)
+        if len(documents) != 1:
+            raise RecipeError(
+                f"{path} holds {len(documents)} YAML documents; {name} reads one recipe "
+                "(a file of named stages separated by '---' is for mergekit-multi)"
+            )
+        validate(path, documents[0], schema)
     options = merge_options(**{key: value for key, value in arguments.items() if key in MergeOptions.model_fields})
     check_options_device(options)
     if stages:
@@ -104,9 +105,8 @@ def check_script_recipe(name: str, path: Optional[str], arguments: dict[str, Any
     return options
 
 
-def merge_options(**arguments: Any) -> MergeOptions:
-    """mergekit's options from command-line arguments (its own validation applies)."""
-    return MergeOptions(**arguments)
+#: mergekit's options from command-line arguments (its own validation applies).
+merge_options = MergeOptions
 
 
 def check_options_device(options: MergeOptions) -> None:
