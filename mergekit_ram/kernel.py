@@ -53,7 +53,6 @@ DEVICE_CHUNK_ELEMENTS = 1 << 24
 
 #: The shared region's rule: the mean (ram, ram_plus), TIES (ram_ties), the base's value (ram_unique).
 SharedRule = Literal["mean", "ties", "base"]
-OverflowCause = Literal["update", "lambda", "sum", "cast"]
 Histograms = tuple[tuple[int, ...], ...]
 Scratch = TypeVar("Scratch")
 
@@ -75,7 +74,7 @@ class MergeOverflowError(ValueError):
     update; ``sum``: the merged update, or the base plus it; ``cast``: the result in the output dtype.
     """
 
-    def __init__(self, cause: OverflowCause, index: Optional[int], dtype: torch.dtype):
+    def __init__(self, cause: Literal["update", "lambda", "sum", "cast"], index: Optional[int], dtype: torch.dtype):
         self.cause, self.index, self.dtype = cause, index, dtype
         what = {
             "update": f"the update of fine-tuned input {index} (minus the base)",
@@ -324,10 +323,7 @@ def _map_chunks(
                     failed.set()
                     raise
 
-    if workers <= 1:
-        drain()
-        return states
-    pool = concurrent.futures.ThreadPoolExecutor(workers - 1, thread_name_prefix="mergekit-ram")
+    pool = concurrent.futures.ThreadPoolExecutor(max(workers - 1, 1), thread_name_prefix="mergekit-ram")
     try:
         futures = [pool.submit(drain) for _ in range(workers - 1)]
         drain()
@@ -495,17 +491,14 @@ class _RuleSums(NamedTuple):
         if self.total is not None:
             _add(self.total, first, value, active)
         _add(self.unique, first, value, active, plan.lambdas[index] if plan.lambdas else 1.0)
-        if self.kept:
-            positive, negative, positive_count, negative_count = self.kept
-            kept_from = plan.kept_from[index]  # > epsilon and > 0: kept entries are active and signed
-            torch.ge(tau, kept_from, out=active)
-            _add(positive, first, value, active)
+        kept_from = plan.kept_from[index] if self.kept else 0.0  # > epsilon and > 0: kept entries are active
+        for compare, bound, kept, counts in zip(
+            (torch.ge, torch.le), (kept_from, -kept_from), self.kept, self.kept[2:]
+        ):
+            compare(tau, bound, out=active)
+            _add(kept, first, value, active)
             if counting:
-                _add(positive_count, first, active)
-            torch.le(tau, -kept_from, out=active)
-            _add(negative, first, value, active)
-            if counting:
-                _add(negative_count, first, active)
+                _add(counts, first, active)
 
     def combine(
         self,
