@@ -467,12 +467,11 @@ class _RuleSums(NamedTuple):
     kept: tuple[Tensor, ...]  # positive, negative, positive count, negative count; () but for "ties"
 
     @classmethod
-    def allocate(cls, size: int, plan: _MergePlan, dtype: torch.dtype, device: torch.device) -> _RuleSums:
-        def buffer() -> Tensor:
-            return torch.empty(size, dtype=dtype, device=device)
-
-        total = buffer() if plan.shared == "mean" and plan.lambdas else None
-        return cls(buffer(), buffer(), total, tuple(buffer() for _ in range(4)) if plan.shared == "ties" else ())
+    def allocate(cls, plan: _MergePlan, like: Tensor) -> _RuleSums:
+        """New buffers shaped like ``like``."""
+        total = torch.empty_like(like) if plan.shared == "mean" and plan.lambdas else None
+        kept = tuple(torch.empty_like(like) for _ in range(4)) if plan.shared == "ties" else ()
+        return cls(torch.empty_like(like), torch.empty_like(like), total, kept)
 
     def prefix(self, length: int) -> _RuleSums:
         """The sums of a chunk of ``length`` elements (views)."""
@@ -503,15 +502,15 @@ class _RuleSums(NamedTuple):
     def combine(
         self,
         plan: _MergePlan,
-        elected: Optional[Tensor],
         weight: Tensor,
+        spare: Tensor,
         counts: Optional[_RuleSums] = None,
         inputs: Optional[tuple[Tensor, Sequence[Tensor]]] = None,
     ) -> Tensor:
-        """tau_merged of these sums (of one model's, with the updates' ``counts`` and signs: w_t times its values).
+        """tau_merged of these sums (of one model's, with the updates' ``counts``: w_t times its values).
 
-        Overwrites the sums and ``weight``. Blended as shared - shared * w + unique * w: exact for w 0 and 1,
-        never inf - inf from finite operands; else selected (a NaN or Inf input named, given ``inputs``).
+        Overwrites the sums, ``weight`` and ``spare``. Blended as shared - shared * w + unique * w: exact for w
+        0 and 1, never inf - inf from finite operands; else selected (a NaN or Inf input named, given ``inputs``).
         """
         counts = self if counts is None else counts
         count = counts.c.clamp_(min=1)  # c == 0 leaves every sum at 0 below
@@ -520,7 +519,8 @@ class _RuleSums(NamedTuple):
             shared = (self.unique if self.total is None else self.total).div_(count)
             if self.total is None:  # c == 1 divides the unique update by one
                 return shared
-        elif self.kept and elected is not None:  # the mean of the kept entries of the elected sign, else 0
+        elif self.kept:  # the mean of the kept entries of the elected sign, else 0
+            elected = torch.add(counts.kept[0], counts.kept[1], out=spare)
             positive = self.kept[0].div_(counts.kept[2].clamp_(min=1))
             negative = self.kept[1].div_(counts.kept[3].clamp_(min=1))
             positive.mul_(torch.gt(elected, 0, out=weight))
@@ -549,7 +549,7 @@ class _MergeScratch:
         self.plan, self.dtype = plan, dtype
         self.base = _base_buffer(size, like, dtype)
         self.tau, self.active = (torch.empty(size, dtype=dtype, device=like.device) for _ in range(2))
-        self.sums = _RuleSums.allocate(size, plan, dtype, like.device)
+        self.sums = _RuleSums.allocate(plan, self.tau)
         self.pattern = _Patterns(size, n, like.device) if plan.counting else None
 
     def run(self, base: Tensor, finetunes: Sequence[Tensor], out: Tensor) -> None:
@@ -557,9 +557,9 @@ class _MergeScratch:
         length = base.numel()
         base_c = _load(self.base, base)
         bits = self.pattern.bits[:length] if self.pattern is not None else None
-        sums, elected = self._sums_of_updates(base_c, finetunes, self.tau[:length], bits)
-        active = self.active[:length]
-        update = sums.combine(self.plan, elected, active, inputs=(base, finetunes)) if finetunes else active.zero_()
+        sums = self._sums(base_c, finetunes, range(len(finetunes)), bits=bits)
+        tau, active = self.tau[:length], self.active[:length]
+        update = sums.combine(self.plan, active, tau, inputs=(base, finetunes)) if finetunes else active.zero_()
         if out.dtype == self.dtype:
             result = torch.add(update, base_c, out=out)
         else:
@@ -570,37 +570,25 @@ class _MergeScratch:
         if self.pattern is not None and bits is not None:
             self.pattern.tally(bits)
 
-    def _sums_of_updates(
-        self, base_c: Tensor, finetunes: Sequence[Tensor], elected: Tensor, bits: Optional[Tensor] = None
-    ) -> tuple[_RuleSums, Optional[Tensor]]:
-        """The sums of the updates with their counts, the patterns into ``bits`` if counting, and for "ties"
-        (sum of kept positive) - (sum of kept negative magnitudes) into ``elected`` (may be ``self.tau``)."""
-        length = base_c.numel()
-        tau, active, sums = self.tau[:length], self.active[:length], self.sums.prefix(length)
-        for index, finetune in enumerate(finetunes):
-            _update_and_mask(finetune, base_c, self.plan.epsilon, tau, active)
-            if bits is not None:
-                _Patterns.mark(bits, index, active)
-            sums.add(self.plan, index == 0, index, tau, active, tau, counting=True)
-        return sums, torch.add(sums.kept[0], sums.kept[1], out=elected) if sums.kept else None
-
-    def _rule_of_values(
+    def _sums(
         self,
         base_c: Tensor,
         finetunes: Sequence[Tensor],
         models: Sequence[int],
-        value: Optional[Tensor],
-        counts: _RuleSums,
-        elected: Optional[Tensor],
-    ) -> Tensor:
-        """sum over ``models`` of w_t * ``value`` (None: each one's update), with the updates' counts and signs."""
+        value: Optional[Tensor] = None,
+        counts: Optional[_RuleSums] = None,
+        bits: Optional[Tensor] = None,
+    ) -> _RuleSums:
+        """The sums over ``models`` of their masked ``value`` (None: update), counted in ``sums`` without ``counts``."""
         length = base_c.numel()
         tau, active = self.tau[:length], self.active[:length]
-        values = _RuleSums.allocate(length, self.plan, self.dtype, base_c.device)
+        sums = self.sums.prefix(length) if counts is None else _RuleSums.allocate(self.plan, tau)
         for position, index in enumerate(models):
             _update_and_mask(finetunes[index], base_c, self.plan.epsilon, tau, active)
-            values.add(self.plan, position == 0, index, tau, active, tau if value is None else value, counting=False)
-        return values.combine(self.plan, elected, active, counts=counts)
+            if bits is not None:
+                _Patterns.mark(bits, index, active)
+            sums.add(self.plan, position == 0, index, tau, active, tau if value is None else value, counts is None)
+        return sums
 
     def gradient(
         self, base: Tensor, finetunes: Sequence[Tensor], grad: Tensor, outs: Sequence[Optional[Tensor]]
@@ -612,15 +600,14 @@ class _MergeScratch:
                 base_out.copy_(grad)
             return
         base_c = _load(self.base, base)
-        g = grad.to(self.dtype)
-        counts, elected = self._sums_of_updates(base_c, finetunes, torch.empty_like(base_c))
+        g, models, weight = grad.to(self.dtype), range(len(finetunes)), self.active[: base.numel()]
+        counts, spare = self._sums(base_c, finetunes, models), torch.empty_like(base_c)
         for index, out in enumerate(finetune_outs):
             if out is not None:
-                out.copy_(self._rule_of_values(base_c, finetunes, [index], g, counts, elected))
+                out.copy_(self._sums(base_c, finetunes, [index], g, counts).combine(self.plan, weight, spare, counts))
         if base_out is not None:
-            models = range(len(finetunes))
-            weights = self._rule_of_values(base_c, finetunes, models, torch.ones_like(g), counts, elected)
-            base_out.copy_(weights.neg_().add_(1.0).mul_(g))
+            weights = self._sums(base_c, finetunes, models, torch.ones_like(g), counts)
+            base_out.copy_(weights.combine(self.plan, weight, spare, counts).neg_().add_(1.0).mul_(g))
 
     def _diagnose(self, base: Tensor, finetunes: Sequence[Tensor], out: Tensor, result: Tensor) -> None:
         """Raise for a NaN or Inf input, or else for the first cause (``MergeOverflowError``) of a non-finite ``out``.
@@ -638,9 +625,10 @@ class _MergeScratch:
             if not bool(torch.isfinite(torch.sub(finetune, base_c)[overflowed]).all()):
                 raise MergeOverflowError("update", index, self.dtype)
         if self.plan.lambdas:
-            counts, elected = self._sums_of_updates(base_c, finetunes, torch.empty_like(base_c))
-            for index in range(len(finetunes)):
-                alone = self._rule_of_values(base_c, finetunes, [index], None, counts, elected)
+            models, weight = range(len(finetunes)), self.active[: base.numel()]
+            counts, spare = self._sums(base_c, finetunes, models), torch.empty_like(base_c)
+            for index in models:
+                alone = self._sums(base_c, finetunes, [index], counts=counts).combine(self.plan, weight, spare, counts)
                 if not bool(torch.isfinite(alone.add_(base_c)).all()):
                     raise MergeOverflowError("lambda", index, self.dtype)
         raise MergeOverflowError("sum", None, self.dtype)
