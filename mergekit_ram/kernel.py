@@ -61,8 +61,7 @@ class NonFiniteInputError(ValueError):
     """An input holds NaN or Inf; ``index`` is the fine-tune's position, or None for the base."""
 
     def __init__(self, index: Optional[int], value: Literal["NaN", "Inf"] = "NaN"):
-        self.index = index
-        self.value = value
+        self.index, self.value = index, value
         where = "base" if index is None else f"fine-tuned input {index}"
         super().__init__(f"{where} contains {value}")
 
@@ -335,13 +334,8 @@ def _map_chunks(
     return states
 
 
-def _base_buffer(size: int, like: Tensor, dtype: torch.dtype) -> Optional[Tensor]:
-    """A buffer for a chunk of the base in the arithmetic dtype; None where it already is."""
-    return None if like.dtype == dtype else torch.empty(size, dtype=dtype, device=like.device)
-
-
 def _load(buffer: Optional[Tensor], base: Tensor) -> Tensor:
-    """``base`` (one chunk) in the arithmetic dtype: itself, or its copy in ``buffer``."""
+    """``base`` (one chunk) in the arithmetic dtype: itself, or its copy in ``buffer`` (None where it already is)."""
     return base if buffer is None else buffer[: base.numel()].copy_(base)
 
 
@@ -425,7 +419,7 @@ class _CountScratch:
     """One counting worker's buffers, reused across chunks: the base, |tau_t| then m_t, the pattern."""
 
     def __init__(self, size: int, n: int, like: Tensor, dtype: torch.dtype) -> None:
-        self.base = _base_buffer(size, like, dtype)
+        self.base = None if like.dtype == dtype else torch.empty(size, dtype=dtype, device=like.device)
         self.active = torch.empty(size, dtype=dtype, device=like.device)
         self.pattern = _Patterns(size, n, like.device)
 
@@ -547,7 +541,7 @@ class _MergeScratch:
 
     def __init__(self, plan: _MergePlan, size: int, n: int, like: Tensor, dtype: torch.dtype) -> None:
         self.plan, self.dtype = plan, dtype
-        self.base = _base_buffer(size, like, dtype)
+        self.base = None if like.dtype == dtype else torch.empty(size, dtype=dtype, device=like.device)
         self.tau, self.active = (torch.empty(size, dtype=dtype, device=like.device) for _ in range(2))
         self.sums = _RuleSums.allocate(plan, self.tau)
         self.pattern = _Patterns(size, n, like.device) if plan.counting else None
@@ -683,7 +677,7 @@ class _RadixScratch:
     def __init__(self, size: int, n: int, like: Tensor, dtype: torch.dtype) -> None:
         device = like.device
         self.first_shift = torch.finfo(dtype).bits - _DIGIT_BITS
-        self.base = _base_buffer(size, like, dtype)
+        self.base = None if like.dtype == dtype else torch.empty(size, dtype=dtype, device=like.device)
         self.tau, self.mask = (torch.empty(size, dtype=dtype, device=device) for _ in range(2))
         self.keys = torch.empty(size, dtype=torch.int32 if dtype == torch.float32 else torch.int64, device=device)
         self.tables = torch.zeros((n, 1 << _DIGIT_BITS), dtype=torch.int64, device=device)
