@@ -322,7 +322,10 @@ def _map_chunks(
                     failed.set()
                     raise
 
-    pool = concurrent.futures.ThreadPoolExecutor(max(workers - 1, 1), thread_name_prefix="mergekit-ram")
+    if workers <= 1:
+        drain()
+        return states
+    pool = concurrent.futures.ThreadPoolExecutor(workers - 1, thread_name_prefix="mergekit-ram")
     try:
         futures = [pool.submit(drain) for _ in range(workers - 1)]
         drain()
@@ -468,7 +471,9 @@ class _RuleSums(NamedTuple):
         return cls(torch.empty_like(like), torch.empty_like(like), total, kept)
 
     def prefix(self, length: int) -> _RuleSums:
-        """The sums of a chunk of ``length`` elements (views)."""
+        """The sums of a chunk of ``length`` elements (views; these for a whole chunk)."""
+        if length == self.c.numel():
+            return self
         total = None if self.total is None else self.total[:length]
         return _RuleSums(self.c[:length], self.unique[:length], total, tuple(kept[:length] for kept in self.kept))
 
