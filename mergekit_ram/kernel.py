@@ -29,11 +29,11 @@ import collections
 import concurrent.futures
 import contextlib
 import ctypes
-import functools
 import itertools
 import math
 import threading
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Callable, Iterator, Literal, NamedTuple, Optional, Sequence, TypeVar, get_args
 
 import torch
@@ -67,11 +67,9 @@ class NonFiniteInputError(ValueError):
 
 
 class MergeOverflowError(ValueError):
-    """Finite inputs, a result that is not: ``cause`` is the first that does not fit ``dtype`` where it overflowed.
-
-    ``update``: fine-tune ``index``'s update; ``lambda``: its lambda, or the base plus lambda times its
-    update; ``sum``: the merged update, or the base plus it; ``cast``: the result in the output dtype.
-    """
+    """Finite inputs, a non-finite result; ``cause``, the first not to fit ``dtype`` where it overflowed: ``update``
+    (fine-tune ``index``'s), ``lambda`` (its lambda, or base + lambda * update), ``sum`` (the merged update, or
+    base + it), ``cast`` (the result, in the output dtype)."""
 
     def __init__(self, cause: Literal["update", "lambda", "sum", "cast"], index: Optional[int], dtype: torch.dtype):
         self.cause, self.index, self.dtype = cause, index, dtype
@@ -110,7 +108,7 @@ def count_overlaps(
     """The overlap histograms of one tensor group with the merge's masks, without merging (the pre-pass)."""
     _check_group(base, finetunes, workers, count=True)
     detached = [finetune.detach() for finetune in finetunes]
-    work = functools.partial(_CountScratch.run, epsilon=epsilon)
+    work = partial(_CountScratch.run, epsilon=epsilon)
     scratches = _for_each_chunk(base.detach(), detached, chunk_elements, workers, _CountScratch, work)
     return OverlapCounts(histograms=_histograms([scratch.pattern for scratch in scratches]))
 
@@ -128,10 +126,8 @@ def merge_tensors(
     shared: SharedRule = "mean",
     density: float = 1.0,
 ) -> MergeResult:
-    """Merge one tensor group (``lambdas`` None: all 1; ``density``: the share "ties" keeps), counting if asked.
-
-    ``out_dtype`` defaults to the base's; inputs that require grad give a result with autograd history.
-    """
+    """Merge one tensor group (``lambdas`` None: all 1; ``density``: the share "ties" keeps), counting if asked;
+    ``out_dtype`` defaults to the base's; inputs that require grad give a result with autograd history."""
     n = len(finetunes)
     if lambdas is not None and len(lambdas) != n:
         raise ValueError(f"expected {n} lambda values, got {len(lambdas)}")
@@ -142,10 +138,8 @@ def merge_tensors(
     _check_group(base, finetunes, workers, count)
     detached = [finetune.detach() for finetune in finetunes]
     scale = _unique_scale(lambdas, compute_dtype(base.dtype, *(finetune.dtype for finetune in finetunes)))
-    kept_from = (
-        _kept_from(base.detach(), detached, epsilon, density, chunk_elements, workers) if shared == "ties" else ()
-    )
-    plan = _MergePlan(epsilon, scale, shared, kept_from, count, out_dtype, chunk_elements, workers)
+    kept = _kept_from(base.detach(), detached, epsilon, density, chunk_elements, workers) if shared == "ties" else ()
+    plan = _MergePlan(epsilon, scale, shared, kept, count, out_dtype, chunk_elements, workers)
     inputs = (base, *finetunes)
     if torch.is_grad_enabled() and any(tensor.requires_grad for tensor in inputs):
         histograms: list[Optional[Histograms]] = []
@@ -196,19 +190,15 @@ def _merge(plan: _MergePlan, base: Tensor, finetunes: Sequence[Tensor]) -> Merge
     def work(scratch: _MergeScratch, chunk: slice, base_chunk: Tensor, chunks: list[Tensor]) -> None:
         scratch.run(base_chunk, chunks, merged[chunk])
 
-    scratches = _for_each_chunk(
-        base, finetunes, plan.chunk_elements, plan.workers, functools.partial(_MergeScratch, plan), work
-    )
+    scratches = _for_each_chunk(base, finetunes, plan.chunk_elements, plan.workers, partial(_MergeScratch, plan), work)
     patterns = [scratch.pattern for scratch in scratches if scratch.pattern is not None]
     return MergeResult(merged=merged.view(base.shape), histograms=_histograms(patterns) if plan.counting else None)
 
 
 class _RamFunction(torch.autograd.Function):
-    """The merge with autograd history, bit for bit the kernel's; masks, kept entries and signs are step functions.
-
-    With w_t the coefficient of tau_t in tau_merged (lambda_t where only t changed an element, 1 / n where it
-    is one of n averaged entries, else 0): d merged / d theta_t = w_t, d merged / d theta_pre = 1 - sum_t w_t.
-    """
+    """The merge with autograd history, values bit for bit the kernel's. Masks, kept entries and signs are step
+    functions, so with w_t the coefficient of tau_t in tau_merged (lambda_t where only t changed an element, 1 / n
+    where one of n averaged entries, else 0): d merged / d theta_t = w_t, d merged / d theta_pre = 1 - sum_t w_t."""
 
     @staticmethod
     def forward(ctx: Any, plan: _MergePlan, histograms: list, base: Tensor, *finetunes: Tensor) -> Tensor:
@@ -233,9 +223,7 @@ class _RamFunction(torch.autograd.Function):
             )
 
         plan = ctx.plan._replace(counting=False)
-        _for_each_chunk(
-            inputs[0], inputs[1:], plan.chunk_elements, plan.workers, functools.partial(_MergeScratch, plan), work
-        )
+        _for_each_chunk(inputs[0], inputs[1:], plan.chunk_elements, plan.workers, partial(_MergeScratch, plan), work)
         return None, None, *(out if out is None else out.view(inputs[0].shape) for out in grads)
 
 
@@ -247,10 +235,8 @@ def _for_each_chunk(
     make_scratch: Callable[[int, int, Tensor, torch.dtype], Scratch],
     work: Callable[[Scratch, slice, Tensor, list[Tensor]], None],
 ) -> list[Scratch]:
-    """``work(scratch, chunk, base_chunk, finetune_chunks)`` on each chunk of the flat group; the workers' scratches.
-
-    ``make_scratch(size, n, base, dtype)``: a worker's buffers of ``size`` elements in the arithmetic dtype.
-    """
+    """``work(scratch, chunk, base_chunk, finetune_chunks)`` on each chunk of the flat group; the workers' scratches
+    (``make_scratch(size, n, base, dtype)``: a worker's buffers of ``size`` elements in the arithmetic dtype)."""
     dtype = compute_dtype(base.dtype, *(finetune.dtype for finetune in finetunes))
     flat_base = base.reshape(-1)
     flat_finetunes = [finetune.reshape(-1) for finetune in finetunes]
@@ -264,7 +250,7 @@ def _for_each_chunk(
         chunk = slice(start, min(start + chunk_elements, numel))
         work(scratch, chunk, flat_base[chunk], [finetune[chunk] for finetune in flat_finetunes])
 
-    scratch = functools.partial(make_scratch, size, len(finetunes), base, dtype)
+    scratch = partial(make_scratch, size, len(finetunes), base, dtype)
     return _map_chunks(run, scratch, range(0, numel, chunk_elements), workers)
 
 
@@ -293,12 +279,9 @@ def _one_intra_op_thread() -> Iterator[None]:
 def _map_chunks(
     run: Callable[[int, Scratch], None], make_state: Callable[[], Scratch], starts: Sequence[int], workers: int
 ) -> list[Scratch]:
-    """Run every chunk, each worker thread with its own state; the states.
-
-    Intra-op parallelism makes each small op a fork and a join that a descheduled thread stalls (3-6x on a
-    busy machine): whole chunks go to the caller and ``workers - 1`` threads, each on one intra-op thread.
-    ``workers`` 0: the caller alone, as it is (accelerators).
-    """
+    """Run every chunk, each worker thread with its own state; the states. Intra-op parallelism makes each small op
+    a fork and a join that a descheduled thread stalls (3-6x on a busy machine): whole chunks go to the caller and
+    ``workers - 1`` threads, each on one intra-op thread; ``workers`` 0: the caller alone, as it is (accelerators)."""
     threads = _one_intra_op_thread if workers else contextlib.nullcontext
     workers = min(workers, len(starts))
     pending = iter(starts)
@@ -452,11 +435,9 @@ def _add(target: Tensor, first: bool, value: Tensor, mask: Optional[Tensor] = No
 
 
 class _RuleSums(NamedTuple):
-    """A chunk's sums over the models of masked values v_t (updates, or the gradient) that the rule combines.
-
-    c; sum_t lambda_t m_t v_t; sum_t m_t v_t ("mean" with lambdas, else None: ``unique``); ("ties") over the
-    kept entries (magnitude at least the model's threshold), the sums of v_t by sign, then their counts.
-    """
+    """A chunk's sums over the models of masked values v_t (updates, or the gradient): c, sum_t lambda_t m_t v_t,
+    sum_t m_t v_t ("mean" with lambdas, else None: ``unique``), and ("ties") over the kept entries (magnitude at
+    least the model's threshold) the sums of v_t by sign, then their counts."""
 
     c: Tensor
     unique: Tensor
@@ -480,10 +461,8 @@ class _RuleSums(NamedTuple):
     def add(
         self, plan: _MergePlan, first: bool, index: int, tau: Tensor, active: Tensor, value: Tensor, counting: bool
     ) -> None:
-        """Model ``index`` (update ``tau``, mask ``active``, overwritten) adds ``value``; ``first`` sets the sums.
-
-        NaN * 0 is NaN: masking keeps a non-finite value visible in the sums.
-        """
+        """Model ``index`` (update ``tau``, mask ``active``, overwritten) adds ``value``; ``first`` sets the sums
+        (NaN * 0 is NaN: masking keeps a non-finite value visible)."""
         if counting:
             _add(self.c, first, active)
         if self.total is not None:
@@ -506,11 +485,9 @@ class _RuleSums(NamedTuple):
         counts: Optional[_RuleSums] = None,
         inputs: Optional[tuple[Tensor, Sequence[Tensor]]] = None,
     ) -> Tensor:
-        """tau_merged of these sums (of one model's, with the updates' ``counts``: w_t times its values).
-
-        Overwrites the sums, ``weight`` and ``spare``. Blended as shared - shared * w + unique * w: exact for w
-        0 and 1, never inf - inf from finite operands; else selected (a NaN or Inf input named, given ``inputs``).
-        """
+        """tau_merged of these sums (of one model's, with the updates' ``counts``: w_t times its values); overwrites
+        them, ``weight`` and ``spare``. Blended as shared - shared * w + unique * w: exact for w 0 and 1, never
+        inf - inf from finite operands; else selected (a NaN or Inf input named, given ``inputs``)."""
         counts = self if counts is None else counts
         count = counts.c.clamp_(min=1)  # c == 0 leaves every sum at 0 below
         shared: Optional[Tensor] = None
@@ -538,11 +515,9 @@ class _RuleSums(NamedTuple):
 
 
 class _MergeScratch:
-    """One merging worker's buffers, reused across chunks: ``run`` merges a chunk, ``gradient`` differentiates one.
-
-    In the arithmetic dtype, with masks and counts as 0.0 / 1.0 and small integers: this torch's bool kernels
-    are several times slower (per 2**17 elements: ``gt`` 57 vs 16 us, ``mul`` 94 vs 17, ``where`` 290 vs 23).
-    """
+    """One merging worker's buffers: ``run`` merges a chunk, ``gradient`` differentiates one. Masks and counts are
+    0.0 / 1.0 and small integers in the arithmetic dtype: bool kernels are several times slower here (per 2**17
+    elements: ``gt`` 57 vs 16 us, ``mul`` 94 vs 17, ``where`` 290 vs 23)."""
 
     def __init__(self, plan: _MergePlan, size: int, n: int, like: Tensor, dtype: torch.dtype) -> None:
         self.plan, self.dtype = plan, dtype
@@ -609,10 +584,8 @@ class _MergeScratch:
             base_out.copy_(weights.combine(self.plan, weight, spare, counts).neg_().add_(1.0).mul_(g))
 
     def _diagnose(self, base: Tensor, finetunes: Sequence[Tensor], out: Tensor, result: Tensor) -> None:
-        """Raise for a NaN or Inf input, or else for the first cause (``MergeOverflowError``) of a non-finite ``out``.
-
-        A lambda is the cause where the base plus its scaled update overflows (with lambda 1: the model's value).
-        """
+        """Raise for a NaN or Inf input, else for the first cause of a non-finite ``out`` (a lambda where the base plus
+        its scaled update overflows; with lambda 1 that is the model's own value)."""
         _check_finite(base, finetunes)
         if bool(torch.isfinite(out).all()):
             return
@@ -636,16 +609,14 @@ class _MergeScratch:
 def _kept_from(
     base: Tensor, finetunes: Sequence[Tensor], epsilon: float, density: float, chunk_elements: int, workers: int
 ) -> tuple[float, ...]:
-    """For "ties": per model, the k-th smallest of |tau_t| m_t at the P shared positions (0 when k == 0), above epsilon.
-
-    Exact: non-negative floats order as their bits, found 16 at a time by a radix select, a pass per digit.
-    """
+    """For "ties": per model, the k-th smallest of |tau_t| m_t at the P shared positions (0 when k == 0), above
+    epsilon; exact: non-negative floats order as their bits, found 16 at a time by a radix select, a pass per digit."""
     n = len(finetunes)
     dtype = compute_dtype(base.dtype, *(finetune.dtype for finetune in finetunes))
     width = torch.finfo(dtype).bits
     prefixes, ranks = [0] * n, [0] * n
     for shift in range(width - _DIGIT_BITS, -1, -_DIGIT_BITS) if density < 1.0 and n else ():
-        count_digits = functools.partial(_RadixScratch.run_chunk, epsilon=epsilon, shift=shift, prefixes=prefixes)
+        count_digits = partial(_RadixScratch.run_chunk, epsilon=epsilon, shift=shift, prefixes=prefixes)
         scratches = _for_each_chunk(base, finetunes, chunk_elements, workers, _RadixScratch, count_digits)
         tables = scratches[0].tables
         for scratch in scratches[1:]:
@@ -673,11 +644,9 @@ def _select_digit(table: Tensor, prefix: int, rank: int) -> tuple[int, int]:
 
 
 class _RadixScratch:
-    """One worker's buffers for a radix pass: per model, a histogram of a 16-bit digit under the prefix so far.
-
-    Entries are |tau_t| at shared positions (``shared``: P), inactive ones too: at most epsilon, they change
-    the k-th smallest only where it is raised above epsilon anyway. Unshared positions read as 0.
-    """
+    """One worker's buffers for a radix pass: per model, a histogram of a 16-bit digit under the prefix so far, of
+    |tau_t| at shared positions (``shared``: P). Inactive entries are counted too: at most epsilon, they change the
+    k-th smallest only where it is raised above epsilon anyway. Unshared positions read as 0."""
 
     def __init__(self, size: int, n: int, like: Tensor, dtype: torch.dtype) -> None:
         device = like.device
