@@ -629,18 +629,15 @@ def _kept_from(
         for index in range(n):
             if prefixes[index] == 0:  # the unshared positions are zeros there: not entries
                 tables[index, 0] -= base.numel() - shared
-            prefixes[index], ranks[index] = _select_digit(tables[index], prefixes[index], ranks[index])
+            below = tables[index].cumsum(0)  # the digit of the ranks[index]-th smallest entry (1-based)
+            digit = int(torch.searchsorted(below, ranks[index]))
+            ranks[index] -= int(below[digit - 1]) if digit else 0
+            prefixes[index] = prefixes[index] << _DIGIT_BITS | digit
+            del below  # one table at a time
         del scratches, tables  # freed before the next pass allocates its own
     bits_dtype = torch.int32 if width == 32 else torch.int64
     above = torch.nextafter(torch.tensor(max(epsilon, 0.0), dtype=dtype), torch.tensor(math.inf, dtype=dtype)).item()
     return tuple(max(torch.tensor(bits, dtype=bits_dtype).view(dtype).item(), above) for bits in prefixes)
-
-
-def _select_digit(table: Tensor, prefix: int, rank: int) -> tuple[int, int]:
-    """The prefix grown by the digit of the ``rank``-th smallest entry (1-based), and its rank within the digit."""
-    below = table.cumsum(0)
-    digit = int(torch.searchsorted(below, rank))
-    return prefix << _DIGIT_BITS | digit, rank - (int(below[digit - 1]) if digit else 0)
 
 
 class _RadixScratch:
