@@ -46,7 +46,7 @@ ALTERNATIVES: dict[str, dict[str, Any]] = {
     "int32 codes (no int16 tier)": {"_INT16_MAX_MODELS": 0},
     "int64 patterns (no float32 tier)": {"_FLOAT_PATTERN_MAX_MODELS": 0},
     "torch.unique tally (no bincount tier)": {"_BINCOUNT_MAX_MODELS": 0},
-    "torch.set_num_threads (no ctypes)": {"_omp_set_num_threads": lambda: None},
+    "torch.set_num_threads (no ctypes)": {"_intra_op_setter": lambda: torch.set_num_threads},
     "workers on torch's threads (no setting)": {"_one_intra_op_thread": contextlib.nullcontext},
 }
 
