@@ -6,22 +6,12 @@ Importing this package is cheap (no torch, no mergekit); the heavy parts load on
 from mergekit_ram._version import __version__
 
 _LAZY = {
+    "register": "mergekit_ram.integration",
     "merge_state_dicts": "mergekit_ram.integration.inmemory",
     "RamStatistics": "mergekit_ram.stats",
     "TensorCounts": "mergekit_ram.stats.data",
     "ParameterError": "mergekit_ram.parameters",
 }
-
-
-def register() -> None:
-    """Register the four methods with mergekit and hook its run_merge and scripts (idempotent).
-
-    Only needed where the automatic registration is off (``MERGEKIT_RAM_AUTOLOAD=0``) or
-    unavailable; it imports mergekit.
-    """
-    from mergekit_ram.integration import register as _register
-
-    _register()
 
 
 def __getattr__(name: str) -> object:
@@ -32,4 +22,4 @@ def __getattr__(name: str) -> object:
     raise AttributeError(f"module 'mergekit_ram' has no attribute {name!r}")
 
 
-__all__ = ["__version__", "register", *_LAZY]
+__all__ = ["__version__", *_LAZY]

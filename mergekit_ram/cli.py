@@ -1,7 +1,5 @@
 """The ``mergekit-ram`` command: the demo, the probe, the check before sharing a merged folder, and
-fallbacks that register before mergekit runs.
-
-Imports stay inside the commands, so ``mergekit-ram --help`` does not pay for mergekit.
+mergekit's scripts with the plugin registered. Imports stay inside the commands: ``--help`` is fast.
 """
 
 from __future__ import annotations
@@ -34,9 +32,8 @@ def _print_versions(context: click.Context, _: click.Parameter, value: bool) -> 
 
     from mergekit_ram.stats.arithmetic import package_versions
 
-    versions = package_versions()
     build = "CPU build" if torch.version.cuda is None else f"CUDA {torch.version.cuda} build"
-    for name, version in versions.items():
+    for name, version in package_versions().items():
         click.echo(f"{name} {version}" + (f" ({build})" if name == "torch" else ""))
     context.exit()
 
@@ -66,28 +63,24 @@ def _passthrough(kind: str) -> click.Command:
     )
     @click.pass_context
     def command(context: click.Context) -> None:
-        """Where mergekit-ram cannot attach to this mergekit, the script runs as mergekit alone and refuses
-        recipes naming mergekit-ram's methods in one line (``integration.guard``)."""
+        """Where the plugin cannot attach to this mergekit, the script runs alone and refuses RAM recipes."""
         import importlib
 
-        from mergekit_ram import register
         from mergekit_ram.errors import exit_on_one_line
+        from mergekit_ram.integration import register
         from mergekit_ram.integration.guard import refuse
         from mergekit_ram.integration.internals import MergekitMovedError
 
         try:
             register()
-            moved = None
-        except MergekitMovedError as error:
-            moved = error
-        try:
-            script = importlib.import_module(module_name)
-        except ImportError:
-            if moved is None:
-                raise
-            exit_on_one_line(moved, verbose=False)
-        if moved is not None:
+        except MergekitMovedError as moved:
+            try:
+                script = importlib.import_module(module_name)
+            except ImportError:
+                exit_on_one_line(moved, verbose=False)
             refuse(script, str(moved))
+        else:
+            script = importlib.import_module(module_name)
         script.main.main(args=list(context.args), prog_name=f"mergekit-ram {kind}")
 
     return command
@@ -150,16 +143,13 @@ def demo(out_dir: str, architecture: str, seed: int) -> None:
     merged_path = os.path.join(out_dir, "merged")
     command = [console_script("mergekit-yaml"), recipe_path, merged_path, "--quiet"]
     click.echo("Merging: " + " ".join(command))
-    environment = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    completed = subprocess.run(command, env=environment, capture_output=True, text=True)
+    completed = subprocess.run(command, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True)
     if completed.returncode != 0:
         raise click.ClickException(f"mergekit-yaml failed:\n{completed.stderr[-4000:]}")
 
     with open(os.path.join(merged_path, STATISTICS_FILE), encoding="utf-8") as handle:
         statistics = statistics_from_dict(json.load(handle))
-    click.echo("")
-    click.echo(model_table(statistics))
-    click.echo("")
+    click.echo(f"\n{model_table(statistics)}\n")
     click.echo(
         "Paper (Qwen2.5-7B agents): density 3.2% / 46.2% / 54.3%, rho ~14.9 / 1.45 / 1.11, lambda ~1.20 / 1.145 / 1.11"
     )
@@ -167,8 +157,8 @@ def demo(out_dir: str, architecture: str, seed: int) -> None:
 
 
 def claim_demo_folder(out_dir: str) -> None:
-    """Take ``out_dir`` for the demo, which overwrites its files there: only a new or empty folder (marked
-    as the demo's), or one an earlier demo marked (a regular file, not a link); anything else is refused."""
+    """Take ``out_dir`` for the demo, which overwrites its files: a new or empty folder (then marked), or one
+    whose marker is a regular file; anything else is refused."""
     from mergekit_ram.files import UnreadableFile, open_regular
 
     os.makedirs(out_dir, exist_ok=True)
@@ -278,7 +268,7 @@ def probe(
 
 
 def _license_id(context: click.Context, parameter: click.Parameter, value: str | None) -> str | None:
-    """``--set-license``: an id as the Hub writes them (lower case: apache-2.0, mit, llama3.1, other)."""
+    """``--set-license``: an id as the Hub writes them."""
     from mergekit_ram.sharing import LICENSE_ID
 
     if value is not None and not LICENSE_ID.fullmatch(value):

@@ -1,13 +1,9 @@
 """Ctrl-C in a command that runs a merge: one line saying what the output folder holds, exit status 130.
 
-From the interpreter's start until the command's callback begins, ``quiet_start``'s handler ends the
-process at once with one line (``_autoload`` installs it for ``mergekit-yaml``, ``mergekit-multi``,
-``mergekit-pytorch`` and ``mergekit-ram yaml|multi|pytorch``): nothing is written yet, and mergekit's
-imports take seconds that would otherwise end in a ``KeyboardInterrupt`` traceback. From
-``merge_started`` on, Python's own handler raises ``KeyboardInterrupt`` again: a RAM merge's
-``run_merge`` turns it into ``MergeInterrupted``, whose message says what OUT holds, and the console
-script prints that line and exits with 130 (``exit_interrupted``) instead of click's ``Aborted!``.
-Standard library only.
+Until the command's callback begins, ``quiet_start``'s handler (installed by ``_autoload``) ends the process
+at once with one line: nothing is written yet, and mergekit's slow imports would end in a traceback. From
+``merge_started`` on, Ctrl-C raises ``KeyboardInterrupt`` again; a RAM merge turns it into
+``MergeInterrupted``, which ``exit_interrupted`` prints as one line instead of click's ``Aborted!``.
 """
 
 from __future__ import annotations
@@ -22,8 +18,7 @@ EXIT_STATUS = 128 + signal.SIGINT
 
 
 class MergeInterrupted(KeyboardInterrupt):
-    """Ctrl-C during a RAM merge; the message says what the output folder holds (any caller that catches
-    ``KeyboardInterrupt`` catches it)."""
+    """Ctrl-C during a RAM merge; the message says what the output folder holds."""
 
 
 def before_start(out: Optional[str]) -> str:
@@ -32,8 +27,7 @@ def before_start(out: Optional[str]) -> str:
 
 
 def quiet_start() -> None:
-    """Ctrl-C ends the process with one line until ``merge_started``, unless SIGINT already has another
-    handler (ignored, as in a background job, or a program's own)."""
+    """Ctrl-C ends the process with one line until ``merge_started``, unless SIGINT has another handler."""
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
         signal.signal(signal.SIGINT, _quiet_exit)
 
@@ -44,15 +38,13 @@ def _quiet_exit(_number: int, _frame: Optional[FrameType]) -> None:
 
 
 def merge_started() -> None:
-    """From the command's callback on, Ctrl-C raises ``KeyboardInterrupt`` again (where ``quiet_start``
-    set the handler): the merge's own handling applies."""
+    """From the command's callback on, Ctrl-C raises ``KeyboardInterrupt`` again (undoes ``quiet_start``)."""
     if signal.getsignal(signal.SIGINT) is _quiet_exit:
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def exit_interrupted(interrupt: KeyboardInterrupt, out: Optional[str]) -> NoReturn:
-    """The one line for ``interrupt`` (a RAM merge's ``MergeInterrupted`` says what ``out`` holds; any other
-    came before the merge began), then exit status 130; a second Ctrl-C meanwhile is ignored."""
+    """The one line for ``interrupt``, then exit status 130; a second Ctrl-C meanwhile is ignored."""
     import click
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)

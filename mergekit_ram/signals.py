@@ -1,12 +1,10 @@
 """Signals held while a merge's output folder changes, so that it holds the old or the new files.
 
-``HeldSignals`` takes every catchable signal whose default action ends the process, and SIGINT,
-for one transaction's life. Outside ``held()`` the first one unwinds the merge: SIGINT raises
-KeyboardInterrupt (as Python's own handler does), any other ``Interrupted``, re-sent at the end
-with its default action, so the process ends as it would have. Inside ``held()``, and once the
-merge is unwinding, signals wait and are delivered afterwards. Signals with another handler
-(ignored, as under ``nohup``, or a program's own) are left alone; Python runs handlers in the main
-thread only, so elsewhere nothing changes.
+``HeldSignals`` takes SIGINT and every catchable signal that ends a process by default. Outside ``held()``
+the first unwinds the merge: SIGINT as ``KeyboardInterrupt``, others as ``Interrupted``, re-sent at the end
+so the process ends as it would have. Inside ``held()``, or once unwinding, signals wait until afterwards.
+Signals with another handler (ignored under ``nohup``, or a program's own) and threads other than the main
+one are left alone.
 """
 
 from __future__ import annotations
@@ -17,8 +15,7 @@ import signal
 import threading
 from typing import Any, Iterator
 
-#: Signals that end a process by default and can be caught. SIGSEGV, SIGBUS, SIGFPE and SIGILL mean
-#: the process itself crashed: like SIGKILL, they are not held.
+#: Not held: signals that cannot be caught or do not end a process, and crashes (SIGSEGV, SIGBUS, SIGFPE, SIGILL).
 _NOT_ENDING = "SIGKILL SIGSTOP SIGSEGV SIGBUS SIGFPE SIGILL SIGCHLD SIGCONT SIGTSTP SIGTTIN SIGTTOU SIGURG SIGWINCH"
 ENDING_SIGNALS = tuple(sorted(set(signal.valid_signals()) - {getattr(signal, n, 0) for n in _NOT_ENDING.split()}))
 
@@ -32,7 +29,7 @@ class Interrupted(BaseException):
 
 
 class HeldSignals:
-    """The ending signals, taken on entry and given back on exit (see the module's docstring)."""
+    """The ending signals, taken on entry and given back on exit."""
 
     def __init__(self) -> None:
         self.previous: dict[int, Any] = {}

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
 import shutil
-from dataclasses import dataclass
-from typing import Mapping, Optional, Sequence
+from typing import Mapping, NamedTuple, Optional, Sequence
 
 import torch
 from safetensors.torch import save_file
@@ -32,14 +32,12 @@ PAPER_AGENTS = ("coding-agent", "tool-agent", "memory-agent")
 
 def independent_overlap(densities: Sequence[float]) -> dict[Subset, float]:
     """The joint distribution when each agent changes each element independently."""
-    result = {}
-    for size in range(1, len(densities) + 1):
-        for subset in itertools.combinations(range(len(densities)), size):
-            probability = 1.0
-            for index, density in enumerate(densities):
-                probability *= density if index in subset else 1.0 - density
-            result[subset] = probability
-    return result
+    agents = range(len(densities))
+    return {
+        subset: math.prod(density if index in subset else 1.0 - density for index, density in enumerate(densities))
+        for size in range(1, len(densities) + 1)
+        for subset in itertools.combinations(agents, size)
+    }
 
 
 def tiny_config(
@@ -83,7 +81,7 @@ def build_base(path: str, config, *, dtype: torch.dtype = torch.bfloat16, seed: 
     state = {name: tensor.detach().to(dtype).contiguous() for name, tensor in model.state_dict().items()}
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
-    write_checkpoint(path, state, config_source=None, config=config)
+    write_checkpoint(path, state, config=config)
     return state
 
 
@@ -99,8 +97,7 @@ def write_checkpoint(
         shutil.copy(os.path.join(config_source, "config.json"), os.path.join(path, "config.json"))
 
 
-@dataclass(frozen=True)
-class Agents:
+class Agents(NamedTuple):
     """Fine-tuned state dicts and, per tensor, which elements each agent changed."""
 
     states: list[dict[str, torch.Tensor]]
@@ -115,16 +112,16 @@ def sparse_agents(
     relative_change: tuple[float, float] = (0.02, 0.1),
     minimum_change: float = 1e-3,
 ) -> Agents:
-    """Fine-tunes of ``base`` whose changed elements follow ``overlap``; each change at least
-    ``minimum_change`` and ``relative_change`` of the weight (it survives rounding and the default epsilon),
-    unchanged elements bit-identical to the base."""
+    """Fine-tunes of ``base`` whose changed elements follow ``overlap``; a change is large enough to survive
+    rounding and the default epsilon, unchanged elements are bit-identical to the base."""
     n_agents = 1 + max(max(subset) for subset in overlap)
-    if sum(overlap.values()) > 1.0 + 1e-9:
+    total = sum(overlap.values())
+    if total > 1.0 + 1e-9:
         raise ValueError("overlap probabilities sum to more than 1")
-    subsets = [()] + list(overlap)
-    probabilities = torch.tensor([max(0.0, 1.0 - sum(overlap.values()))] + list(overlap.values()), dtype=torch.float64)
-    membership = torch.tensor([[index in subset for index in range(n_agents)] for subset in subsets])
+    probabilities = torch.tensor([max(0.0, 1.0 - total), *overlap.values()], dtype=torch.float64)
+    membership = torch.tensor([[index in subset for index in range(n_agents)] for subset in [(), *overlap]])
     thresholds = probabilities.cumsum(0)[:-1]
+    low, high = relative_change
     generator = torch.Generator().manual_seed(seed)
     states: list[dict[str, torch.Tensor]] = [{} for _ in range(n_agents)]
     masks = {}
@@ -138,14 +135,13 @@ def sparse_agents(
         mask = membership[category].movedim(-1, 0)  # [n_agents, *shape]
         weight = tensor.float()
         for index in range(n_agents):
-            low, high = relative_change
             scale = low + (high - low) * torch.rand(tensor.shape, generator=generator)
             sign = torch.where(torch.rand(tensor.shape, generator=generator) < 0.5, -1.0, 1.0)
             delta = sign * (weight.abs() * scale + minimum_change)
             changed = torch.where(mask[index], weight + delta, weight).to(tensor.dtype)
             states[index][name] = torch.where(mask[index], changed, tensor)
         masks[name] = mask
-    return Agents(states=states, masks=masks)
+    return Agents(states, masks)
 
 
 def build_agents(
