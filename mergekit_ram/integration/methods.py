@@ -17,7 +17,7 @@ import torch
 
 from mergekit_ram.errors import InputError
 from mergekit_ram.integration.internals import internal
-from mergekit_ram.kernel import MergeOverflowError, NonFiniteInputError, count_overlaps, merge_tensors
+from mergekit_ram.kernel import MergeOverflowError, MergeResult, NonFiniteInputError, count_overlaps, merge_tensors
 from mergekit_ram.lambdas import MergeRule, Resolved, merge_rule
 from mergekit_ram.parameters import METHOD_PARAMETERS, SHARED_RULES, ParameterError
 from mergekit_ram.rescaling import Rescaling
@@ -43,6 +43,8 @@ PRETTY_NAMES = {
 OUT_DTYPE = "mergekit_ram_out_dtype"
 COUNTS_TO = "mergekit_ram_counts_to"
 HIDDEN_PARAMETERS = (OUT_DTYPE, COUNTS_TO)
+#: A model's pin: the first of these set (the merge step writes a lambda with the rho it came from).
+PIN_KINDS: tuple[Pin, ...] = ("scale", "lambda", "rho")
 
 
 class RamMergeMethod(GroupMergeMethod):
@@ -142,22 +144,25 @@ class RamMergeMethod(GroupMergeMethod):
     def merge_group(self, group: Any, /, **parameters: Any) -> torch.Tensor:
         """One group merged; its counts appended to ``COUNTS_TO`` when the merge step asks for them."""
         counts_to = parameters.get(COUNTS_TO)
-        merged, counts = self.merge(group, parameters, self.lambdas(group, parameters), count=counts_to is not None)
-        if counts_to is not None and counts is not None:
+        result = self.merge(group, parameters, self.lambdas(group, parameters), count=counts_to is not None)
+        if counts_to is not None:
+            counts = TensorCounts(
+                name=group.metadata.name or "",
+                numel=group.base.tensor.numel(),
+                epsilon=parameters["epsilon"],
+                models=tuple(str(entry.id) for entry in group.non_base),
+                histograms=result.histograms or (),
+            )
             append_counts(counts_to, counts)
-        return merged
+        return result.merged
 
     def lambdas(self, group: Any, parameters: Mapping[str, Any]) -> list[float]:
         """Each fine-tune's lambda from its pin (scale, lambda or rho); one that needs the global rho is refused."""
         rescaling = Rescaling(parameters["r"], parameters["alpha"], parameters["rule"]) if "r" in parameters else None
         found = []
         for entry in group.non_base:
-            pin: Optional[tuple[Pin, float]] = None
-            for kind in ("scale", "lambda", "rho"):
-                value = parameters[kind][entry.id] if kind in parameters else None
-                if value is not None:
-                    pin = (kind, value)
-                    break
+            pins = [(kind, parameters[kind][entry.id]) for kind in PIN_KINDS if kind in parameters]
+            pin = next(((kind, value) for kind, value in pins if value is not None), None)
             if pin is None and rescaling is not None and rescaling.r != 0:
                 raise ParameterError(
                     f"{self.spec.name}: tensor {group.metadata.name}: the lambda of {entry.id} needs the global rho, "
@@ -168,11 +173,9 @@ class RamMergeMethod(GroupMergeMethod):
             found.append(model_lambda(0.0, rescaling, pin))
         return found
 
-    def merge(
-        self, group: Any, parameters: Mapping[str, Any], lambdas: list[float], *, count: bool
-    ) -> tuple[torch.Tensor, Optional[TensorCounts]]:
+    def merge(self, group: Any, parameters: Mapping[str, Any], lambdas: list[float], *, count: bool) -> MergeResult:
         try:
-            result = merge_tensors(
+            return merge_tensors(
                 group.base.tensor,
                 [entry.tensor for entry in group.non_base],
                 parameters["epsilon"],
@@ -189,16 +192,6 @@ class RamMergeMethod(GroupMergeMethod):
             raise non_finite_error(entry.id, group.metadata.name, dtype, dtype, error.value) from None
         except MergeOverflowError as error:
             raise self._overflow_error(group, parameters, lambdas, error) from None
-        if not count:
-            return result.merged, None
-        counts = TensorCounts(
-            name=group.metadata.name or "",
-            numel=group.base.tensor.numel(),
-            epsilon=parameters["epsilon"],
-            models=tuple(str(entry.id) for entry in group.non_base),
-            histograms=result.histograms or (),
-        )
-        return result.merged, counts
 
     def _overflow_error(
         self, group: Any, parameters: Mapping[str, Any], lambdas: list[float], error: MergeOverflowError
