@@ -33,8 +33,12 @@ def merge_state_dicts(
     out_dtype: Optional[torch.dtype] = None,
     batch_options: Any = None,
 ) -> tuple[dict[str, torch.Tensor], RamStatistics]:
-    """mergekit's ``merge_state_dicts`` for these methods, and the call's statistics; ``base`` is required and
-    per-model pins (``{"lambda": {"coder": 1.2}}``) may name some models only."""
+    """mergekit's ``merge_state_dicts`` for these methods, and the call's statistics.
+
+    ``base`` is required; per-model pins (``{"lambda": {"coder": 1.2}}``) may name some models only, the others
+    get the rho counted over every tensor of the call. Arithmetic is float32 (float64 for float64 inputs), each
+    result rounded once to ``out_dtype`` (else the inputs' dtype); inputs that require grad give autograd history.
+    """
     method = getattr(getattr(method, "spec", None), "name", method)
     if method not in METHOD_PARAMETERS:
         raise ParameterError(f"method must be one of {', '.join(METHOD_PARAMETERS)}; got {method!r}")

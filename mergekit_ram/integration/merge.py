@@ -138,10 +138,8 @@ def _task_inputs(source: Any) -> Iterator[TensorInput]:
         index = LoaderCache().get(model).index
         names = [weight.name, *(weight.aliases or ()), *(weight.tied_names or ())]
         name = next((n for n in names if n in index.tensor_paths), None)
-        if name is None:
-            yield TensorInput(str(model), None, weight.name)
-        else:
-            yield TensorInput(str(model), os.path.join(index.base_path, index.tensor_paths[name]), name)
+        file = None if name is None else os.path.join(index.base_path, index.tensor_paths[name])
+        yield TensorInput(str(model), file, weight.name if name is None else name)
 
 
 def describe(value: Any) -> str:
@@ -182,13 +180,12 @@ def run_prepass(plan: Plan, options: Any) -> list[Optional[TensorCounts]]:
     counts: list[Optional[TensorCounts]] = [None] * len(plan.tasks)
     for source, tensors in executor.run(quiet=options.quiet, desc="RAM+ pre-pass"):
         for index in by_source[source]:
-            planned = plan.tensors[index]
-            counts[index] = _counted_task(plan.tasks[index], planned.name, planned.epsilon, tensors)
+            counts[index] = _counted_task(plan.tasks[index], plan.tensors[index], tensors)
         del tensors
     return counts
 
 
-def _counted_task(task: Any, name: str, epsilon: float, tensors: Mapping[Any, Any]) -> Optional[TensorCounts]:
+def _counted_task(task: Any, planned: PlannedTensor, tensors: Mapping[Any, Any]) -> Optional[TensorCounts]:
     """Counted as ``ExecuteMergeMethodTask`` hands the inputs over; None where mergekit does not merge it."""
     present = [(model, tensors[model]) for model in task.model_order if tensors.get(model) is not None]
     base = next((item for item in present if item[0] == task.base_model), None)
@@ -196,16 +193,11 @@ def _counted_task(task: Any, name: str, epsilon: float, tensors: Mapping[Any, An
         return None
     finetunes = [item for item in present if item[0] != task.base_model]
     dtype = None if task.dtype is None else getattr(torch, task.dtype)
-    return count_tensors(name, base, finetunes, epsilon, dtype)
+    return count_tensors(planned.name, base, finetunes, planned.epsilon, dtype)
 
 
 def prepare(
-    config: Any,
-    plan: Plan,
-    options: Any,
-    headers: HeaderCache,
-    cache: CacheSettings,
-    counts_to: str,
+    config: Any, plan: Plan, options: Any, headers: HeaderCache, cache: CacheSettings, counts_to: str
 ) -> Prepared:
     """The checks, the pre-pass where a lambda needs the global rho, and the recipe with the lambdas in it."""
     dtypes = check_tensors(plan.tensors, headers).dtypes

@@ -252,7 +252,7 @@ def count_tensors(
     base: tuple[Any, torch.Tensor],
     finetunes: Sequence[tuple[Any, torch.Tensor]],
     epsilon: float,
-    dtype: Optional[torch.dtype] = None,
+    dtype: Optional[torch.dtype],
 ) -> TensorCounts:
     """One tensor's counts on the inputs cast to ``dtype`` (else their promoted dtype), as mergekit casts them."""
     original = [tensor.dtype for _, tensor in (base, *finetunes)]
