@@ -1,9 +1,4 @@
-"""A planned RAM merge as plain data: what the checks, the cache and the statistics need.
-
-The mergekit boundary (``mergekit_ram.integration``) describes each of the planner's merge
-tasks as a ``PlannedTensor`` and each recipe model as a ``ModelIdentity``; nothing here
-imports mergekit.
-"""
+"""A planned RAM merge as plain data for the checks, the cache and the statistics (no mergekit here)."""
 
 from __future__ import annotations
 
@@ -22,11 +17,7 @@ class TensorInput:
 
 @dataclass(frozen=True)
 class PlannedTensor:
-    """One output tensor of a planned RAM merge, as the kernel will see it.
-
-    ``graph`` is a canonical text of the sub-graph that loads its inputs (models, names after
-    slicing and remapping, casts, tokenizer alignment, LoRA): the cache key's part.
-    """
+    """One output tensor of a planned merge; ``graph``: canonical text of its input sub-graph (cache key)."""
 
     name: str
     optional: bool
@@ -41,11 +32,7 @@ class PlannedTensor:
 
 @dataclass(frozen=True)
 class ModelIdentity:
-    """A recipe's model reference: how it is written (``label``) and what it resolves to.
-
-    ``path`` is the real path of a local model or the Hub id; two references are one model
-    when ``key`` matches.
-    """
+    """A recipe's model reference as written (``label``) and resolved (real path or Hub id; one model per key)."""
 
     label: str
     path: str

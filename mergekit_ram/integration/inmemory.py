@@ -1,19 +1,7 @@
-"""RAM / RAM+ on in-memory models: mergekit's ``merge_state_dicts``, plus the statistics.
+"""RAM / RAM+ on in-memory models: mergekit's ``merge_state_dicts`` (same arguments, same code path),
+checked with the recipe's rules, plus the call's ``RamStatistics``.
 
-    from mergekit_ram import merge_state_dicts
-    merged, statistics = merge_state_dicts(
-        {"base": base, "coder": coder, "tools": tools}, "ram_plus", base="base"
-    )
-
-Same arguments as ``mergekit.merge_methods.merge_state_dicts`` (modules or state dicts,
-``parameters``, ``base``, ``strict``, ``dtype``, ``out_dtype``, ``batch_options``) and the
-same code path: mergekit's function calls the method once with every tensor group; the
-method counts them first (the global rho), then hands mergekit each model's lambda as a
-parameter (``RamMergeMethod.__call__``). This function checks the arguments with the recipe's
-rules, then returns the merged tensors and the ``RamStatistics`` of that call.
-
-Both this function and mergekit's own take ``rho`` / ``lambda`` pins for some models only; the
-others get their rho from the counts.
+    merged, statistics = merge_state_dicts({"base": base, "coder": coder}, "ram_plus", base="base")
 """
 
 from __future__ import annotations
@@ -30,10 +18,7 @@ from mergekit_ram.parameters import METHOD_PARAMETERS, ParameterError, check_par
 from mergekit_ram.stats.data import RamStatistics
 
 mergekit_merge_state_dicts: Any = internal("mergekit.merge_methods", "merge_state_dicts")
-StateDict = Mapping[str, torch.Tensor]
-ModelLike = Union[StateDict, torch.nn.Module]
-
-_WHERE = "merge_state_dicts arguments"
+ModelLike = Union[Mapping[str, torch.Tensor], torch.nn.Module]
 
 
 def merge_state_dicts(
@@ -48,15 +33,11 @@ def merge_state_dicts(
     out_dtype: Optional[torch.dtype] = None,
     batch_options: Any = None,
 ) -> tuple[dict[str, torch.Tensor], RamStatistics]:
-    """mergekit's ``merge_state_dicts`` for this plugin's methods, and the call's statistics.
+    """mergekit's ``merge_state_dicts`` for these methods, and the call's statistics.
 
-    ``base`` names the base among ``models`` (required). Per-model ``rho`` / ``lambda``
-    pins go in ``parameters`` keyed by model id, e.g. ``{"lambda": {"coder": 1.2}}``, for
-    some models or all; unpinned ``ram_plus`` models get the rho counted over every tensor
-    of the call. ``strict=False`` merges the tensors every model has, as mergekit does.
-    Arithmetic is float32 (float64 for float64 inputs); each result is rounded once, to
-    ``out_dtype`` if given, else to the inputs' dtype. Inputs that require grad give
-    results with autograd history (use ``torch.no_grad()`` to avoid it).
+    ``base`` is required; per-model pins (``{"lambda": {"coder": 1.2}}``) may name some models only, the others
+    get the rho counted over every tensor of the call. Arithmetic is float32 (float64 for float64 inputs), each
+    result rounded once to ``out_dtype`` (else the inputs' dtype); inputs that require grad give autograd history.
     """
     method = getattr(getattr(method, "spec", None), "name", method)
     if method not in METHOD_PARAMETERS:
@@ -85,7 +66,6 @@ def merge_state_dicts(
 
 
 def _check_parameters(method: str, parameters: Mapping[str, Any], finetunes: Sequence[Hashable]) -> None:
-    """The recipe's rules for every value; per-model values keyed by known models."""
     for name, setting in parameters.items():
         per_group = getattr(setting, "values", None)  # mergekit's PerGroupValues: one value per group
         values = per_group if isinstance(per_group, tuple) else [setting]
@@ -103,12 +83,11 @@ def _check_parameters(method: str, parameters: Mapping[str, Any], finetunes: Seq
             else:
                 scalars = [value]
             for scalar in scalars:
-                check_parameter(method, name, scalar, _WHERE)
+                check_parameter(method, name, scalar, "merge_state_dicts arguments")
 
 
 def _check_inputs(models: Mapping[Hashable, ModelLike], base: Hashable, strict: bool) -> None:
-    """The same tensor names everywhere (``strict``; else the ones every model has are merged, as mergekit
-    does), with the same shapes; identical non-floating buffers; the model named."""
+    """The same tensor names (``strict``) and shapes everywhere; identical non-floating buffers."""
     states = {
         key: model.state_dict(keep_vars=True) if isinstance(model, torch.nn.Module) else model
         for key, model in models.items()

@@ -1,17 +1,10 @@
-"""One RAM merge as a sequence of plain functions, around mergekit's own planner and ``run_merge``:
+"""One RAM merge as plain functions around mergekit's own planner and ``run_merge``:
 
-    recipe -> checks -> plan (mergekit's planner, unpatched) -> counts (cache or pre-pass)
-      -> statistics -> lambdas written into the recipe -> mergekit's run_merge into staging
-      -> statistics file + card -> publish
+    recipe -> checks -> plan -> counts (cache or pre-pass) -> statistics
+      -> lambdas written into the recipe -> run_merge into staging -> statistics file + card -> publish
 
-rho is a whole-model statistic and mergekit merges one tensor at a time, so the counts come
-first: ``plan_merge`` plans the recipe with mergekit's planner (nothing runs), ``counted`` takes
-the counts from the cache or streams the planned merge tasks' own input sub-graphs once through
-mergekit's ``Executor`` (``run_prepass``), and ``prepared`` returns the recipe with each model's
-lambda as an ordinary per-model ``lambda`` parameter, wherever the model appears (``models``,
-slices' sources, ``modules``, LoRA and revision references: matched as mergekit names them). When
-every lambda is known from the recipe, no pre-pass runs: the recipe asks the methods to append each
-group's counts to a file (``COUNTS_TO``) and the statistics are built from it after the merge.
+rho is a whole-model statistic and mergekit merges one tensor at a time, so the counts come first. When
+every lambda is known from the recipe, no pre-pass runs: the methods append each group's counts to a file.
 """
 
 from __future__ import annotations
@@ -45,8 +38,7 @@ LoaderCache: Any = internal("mergekit.io.tasks", "LoaderCache")
 
 @dataclass(frozen=True)
 class Plan:
-    """A RAM merge as mergekit plans it: its merge tasks, the same as plain data, its modules
-    (output tensor -> mergekit module, in a ``modules:`` merge of several), and its rule."""
+    """A RAM merge as mergekit plans it: merge tasks, the same as plain data, tensor -> module, rule."""
 
     tasks: list[Any]
     tensors: list[PlannedTensor]
@@ -55,17 +47,13 @@ class Plan:
 
     @classmethod
     def of(cls, method: str, tasks: Sequence[Any], modules: Optional[dict[str, str]] = None) -> Plan:
-        tasks = [task for task in tasks if getattr(task, "method_name", None) == method]
-        return cls(list(tasks), [planned_tensor(task) for task in tasks], modules or {}, rule_of(method, tasks))
-
-    def finetunes(self) -> list[str]:
-        return list(dict.fromkeys(model for tensor in self.tensors for model in tensor.finetunes))
+        ours = [task for task in tasks if getattr(task, "method_name", None) == method]
+        return cls(ours, [planned_tensor(task) for task in ours], modules or {}, rule_of(method, ours))
 
 
 @dataclass(frozen=True)
 class Prepared:
-    """What the merge step gives mergekit and takes back: the recipe with the lambdas (and the hidden
-    parameters) in it; the statistics when the pre-pass counted them, else the file the merge counts into."""
+    """The recipe with the lambdas in it; the pre-pass's statistics, else the file the merge counts into."""
 
     plan: Plan
     config: Any
@@ -74,7 +62,6 @@ class Prepared:
     counts_to: Optional[str] = None
 
     def final_statistics(self) -> RamStatistics:
-        """The pre-pass's statistics, or those of the counts the merge appended, in planned order."""
         if self.statistics is not None:
             return self.statistics
         order = {tensor.name: index for index, tensor in reversed(list(enumerate(self.plan.tensors)))}
@@ -85,7 +72,7 @@ class Prepared:
 
 
 def plan_merge(config: Any, options: Any) -> Plan:
-    """Plan a recipe exactly as ``run_merge`` will (mergekit's planner on a copy; nothing runs or is written)."""
+    """Plan a recipe exactly as ``run_merge`` will (on a copy; nothing runs or is written)."""
     config = config.model_copy(deep=True)  # mergekit's planner normalizes the recipe in place
     arch_info = internal("mergekit.architecture", "get_architecture_info")(config, options)
     loaders = LoaderCache()
@@ -100,8 +87,7 @@ def plan_merge(config: Any, options: Any) -> Plan:
 
 
 def tensor_modules(planner: Any) -> dict[str, str]:
-    """Each output tensor's module in a merge of several (a ``modules:`` recipe: mergekit's text
-    decoder, vision tower, ...), from the output model's architecture; empty for one module."""
+    """Each output tensor's module in a ``modules:`` merge of several; empty for one module."""
     if len(planner.config.modules or {}) < 2:
         return {}
     found: dict[str, str] = {}
@@ -114,7 +100,6 @@ def tensor_modules(planner: Any) -> dict[str, str]:
 
 
 def rule_of(method: str, tasks: Sequence[Any]) -> MergeRule:
-    """The merge's one rule, from the values mergekit resolved for each merge task."""
     return merge_rule(
         method,
         [
@@ -129,7 +114,6 @@ def rule_of(method: str, tasks: Sequence[Any]) -> MergeRule:
 
 
 def planned_tensor(task: Any) -> PlannedTensor:
-    """One merge task as plain data: inputs (file and name per model), epsilon, input sub-graph."""
     source = task.gather_tensors
     return PlannedTensor(
         name=task.output_weight.name,
@@ -145,7 +129,6 @@ def planned_tensor(task: Any) -> PlannedTensor:
 
 
 def _task_inputs(source: Any) -> Iterator[TensorInput]:
-    """Each input model's file holding the tensor (None if it has none) and the name in that file."""
     if hasattr(source, "tensors"):  # mergekit-pytorch: a file per model
         for model, load in source.tensors.items():
             yield TensorInput(str(model), load.model, load.tensor_name)
@@ -155,10 +138,8 @@ def _task_inputs(source: Any) -> Iterator[TensorInput]:
         index = LoaderCache().get(model).index
         names = [weight.name, *(weight.aliases or ()), *(weight.tied_names or ())]
         name = next((n for n in names if n in index.tensor_paths), None)
-        if name is None:
-            yield TensorInput(str(model), None, weight.name)
-        else:
-            yield TensorInput(str(model), os.path.join(index.base_path, index.tensor_paths[name]), name)
+        file = None if name is None else os.path.join(index.base_path, index.tensor_paths[name])
+        yield TensorInput(str(model), file, weight.name if name is None else name)
 
 
 def describe(value: Any) -> str:
@@ -189,9 +170,7 @@ def counted(plan: Plan, options: Any, cache: CacheSettings, headers: HeaderCache
 
 
 def run_prepass(plan: Plan, options: Any) -> list[Optional[TensorCounts]]:
-    """One streaming pass over the merge's own inputs: each merge task's input sub-graph run by mergekit's
-    Executor, one group at a time, and counted as the method would see it; None where mergekit passes the
-    tensor through (an optional tensor some models lack, a non-floating buffer)."""
+    """One streaming pass of the merge tasks' input sub-graphs through mergekit's Executor, each counted."""
     sources = list(dict.fromkeys(task.gather_tensors for task in plan.tasks))
     storage = options.device if options.low_cpu_memory else "cpu"
     executor = Executor(sources, math_device=options.device, storage_device=storage)
@@ -201,36 +180,28 @@ def run_prepass(plan: Plan, options: Any) -> list[Optional[TensorCounts]]:
     counts: list[Optional[TensorCounts]] = [None] * len(plan.tasks)
     for source, tensors in executor.run(quiet=options.quiet, desc="RAM+ pre-pass"):
         for index in by_source[source]:
-            planned = plan.tensors[index]
-            counts[index] = _counted_task(plan.tasks[index], planned.name, planned.epsilon, tensors)
+            counts[index] = _counted_task(plan.tasks[index], plan.tensors[index], tensors)
         del tensors
     return counts
 
 
-def _counted_task(task: Any, name: str, epsilon: float, tensors: Mapping[Any, Any]) -> Optional[TensorCounts]:
-    """One merge task's inputs counted as ``ExecuteMergeMethodTask`` hands them to the method: the models
-    that have the tensor, in the task's order; None where mergekit does not merge it (no base, a buffer)."""
+def _counted_task(task: Any, planned: PlannedTensor, tensors: Mapping[Any, Any]) -> Optional[TensorCounts]:
+    """Counted as ``ExecuteMergeMethodTask`` hands the inputs over; None where mergekit does not merge it."""
     present = [(model, tensors[model]) for model in task.model_order if tensors.get(model) is not None]
     base = next((item for item in present if item[0] == task.base_model), None)
     if base is None or not all(tensor.is_floating_point() for _, tensor in present):
         return None
     finetunes = [item for item in present if item[0] != task.base_model]
     dtype = None if task.dtype is None else getattr(torch, task.dtype)
-    return count_tensors(name, base, finetunes, epsilon, dtype)
+    return count_tensors(planned.name, base, finetunes, planned.epsilon, dtype)
 
 
 def prepare(
-    config: Any,
-    plan: Plan,
-    options: Any,
-    headers: HeaderCache,
-    cache: CacheSettings,
-    counts_to: str,
+    config: Any, plan: Plan, options: Any, headers: HeaderCache, cache: CacheSettings, counts_to: str
 ) -> Prepared:
-    """Checks of every planned input, the pre-pass where a lambda needs the global rho, and the recipe
-    mergekit is to run: each model's lambda in it where counted, the hidden parameters set."""
+    """The checks, the pre-pass where a lambda needs the global rho, and the recipe with the lambdas in it."""
     dtypes = check_tensors(plan.tensors, headers).dtypes
-    finetunes = plan.finetunes()
+    finetunes = list(dict.fromkeys(model for tensor in plan.tensors for model in tensor.finetunes))
     if plan.rule.method == "ram":
         LOG.info("merge_method 'ram' is mergekit-ram's float32 RAM (it replaces mergekit's built-in 'ram')")
     if not plan.rule.needs_counts(finetunes):
@@ -246,23 +217,21 @@ def prepare(
 
 
 def with_parameters(config: Any, applied: Mapping[str, Applied], hidden: Mapping[str, Any]) -> Any:
-    """A copy of the recipe with each model's ``lambda`` (and the finite ``rho`` it came from) in its own
-    ``parameters`` wherever the recipe names it (``models``, slices' sources, ``modules``; matched as
-    mergekit names the model), and the ``hidden`` parameters at the top level."""
+    """A copy of the recipe with each model's ``lambda`` (and finite ``rho``) wherever it names the model,
+    and the ``hidden`` parameters at the top level."""
     shared = {**(config.parameters or {}), **{name: value for name, value in hidden.items() if value is not None}}
     return _injected(config, applied).model_copy(update={"parameters": shared})
 
 
 def _injected(node: Any, applied: Mapping[str, Applied]) -> Any:
-    """``node`` rebuilt with the lambdas in each of its model entries (``model`` and ``parameters``)."""
     if isinstance(node, BaseModel):
         fields = type(node).model_fields
-        entry: Any = node
         update = {
             name: _injected(getattr(node, name), applied)
             for name in fields
             if name not in ("parameters", "model") and isinstance(getattr(node, name), (BaseModel, list, dict))
         }
+        entry: Any = node  # a model entry: ``model`` and ``parameters``
         if "model" in fields and "parameters" in fields and str(entry.model) in applied:
             lam, rho = applied[str(entry.model)]
             own = {"lambda": lam, **({"rho": rho} if rho is not None and math.isfinite(rho) else {})}
@@ -276,8 +245,7 @@ def _injected(node: Any, applied: Mapping[str, Applied]) -> Any:
 
 
 def probe_statistics(config: Any, options: Any, refresh: bool = False) -> RamStatistics:
-    """Only the checks and the pre-pass of a recipe of these methods (the probe): its statistics;
-    ``refresh`` recomputes counts the cache has."""
+    """The probe: only the checks and the pre-pass; ``refresh`` recomputes counts the cache has."""
     from mergekit_ram.integration.recipes import check_config
 
     headers = HeaderCache()

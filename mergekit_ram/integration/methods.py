@@ -1,20 +1,8 @@
-"""The four methods as mergekit sees them: ordinary group methods whose lambda arrives as a parameter.
+"""The four methods as mergekit group methods; each fine-tune's lambda arrives as a per-model parameter.
 
-Each parameter is declared once, with its bounds (``mergekit_ram.parameters``), as a mergekit
-``ParameterSpec``; mergekit binds and validates it. ``merge_group`` takes each fine-tune's lambda
-from its own parameters: the ``lambda`` the merge step wrote into the recipe (with the ``rho`` it
-came from), else the recipe's pins (1 for ``ram``, the ``scale`` for ``ram_unique``, 1 with
-``r: 0``). An unpinned ``ram_plus`` lambda with r > 0 needs the global rho, counted before the
-merge: a path that does not count it (mergekit's planner called directly) is refused in one line.
-
-Two parameters are written by mergekit-ram's merge step, never by a recipe (``check_recipe`` refuses
-them there): ``OUT_DTYPE``, the output dtype the kernel writes (the one rounding), and
-``COUNTS_TO``, a file each group's counts are appended to, so a merge whose lambdas need no counts
-is counted while it merges, without a second read and without state in this process.
-
-A direct call (mergekit's ``merge_state_dicts``) passes the whole model: ``__call__`` counts it
-first where a lambda needs the global rho (or a ``statistics_sink`` wants the statistics), then
-hands mergekit the lambdas as parameters.
+``merge_group`` takes it from the recipe (written by the merge step or pinned); an unpinned ``ram_plus``
+lambda with r > 0 needs the global rho, so a path that does not count it first is refused. A direct call
+(``merge_state_dicts``) passes the whole model: ``__call__`` counts it first where needed.
 """
 
 from __future__ import annotations
@@ -29,7 +17,7 @@ import torch
 
 from mergekit_ram.errors import InputError
 from mergekit_ram.integration.internals import internal
-from mergekit_ram.kernel import MergeOverflowError, NonFiniteInputError, count_overlaps, merge_tensors
+from mergekit_ram.kernel import MergeOverflowError, MergeResult, NonFiniteInputError, count_overlaps, merge_tensors
 from mergekit_ram.lambdas import MergeRule, Resolved, merge_rule
 from mergekit_ram.parameters import METHOD_PARAMETERS, SHARED_RULES, ParameterError
 from mergekit_ram.rescaling import Rescaling
@@ -51,24 +39,18 @@ PRETTY_NAMES = {
     "ram_ties": "Reinforced Agent Merging with a TIES shared region (mergekit-ram)",
     "ram_unique": "Reinforced Agent Merging, unique regions only (mergekit-ram)",
 }
-#: Written by mergekit-ram's merge step: the dtype the kernel writes the result in (None: the inputs').
+#: Written by the merge step, never by a recipe: the kernel's output dtype and the file counts are appended to.
 OUT_DTYPE = "mergekit_ram_out_dtype"
-#: Written by mergekit-ram's merge step: a file each group's counts are appended to (None: not counted).
 COUNTS_TO = "mergekit_ram_counts_to"
 HIDDEN_PARAMETERS = (OUT_DTYPE, COUNTS_TO)
-
-StatisticsSink = Callable[[RamStatistics], None]
+#: A model's pin: the first of these set (the merge step writes a lambda with the rho it came from).
+PIN_KINDS: tuple[Pin, ...] = ("scale", "lambda", "rho")
 
 
 class RamMergeMethod(GroupMergeMethod):
-    """One of mergekit-ram's methods on tensor groups (``ram``, ``ram_plus``, ``ram_ties``, ``ram_unique``):
-    the kernel with the method's shared-region rule (``parameters.SHARED_RULES``); float32 (or float64) inside.
+    """One method on tensor groups; ``statistics_sink`` receives each direct call's statistics."""
 
-    ``statistics_sink``, when given, receives the statistics of each direct call
-    (``mergekit_ram.merge_state_dicts`` passes one per call).
-    """
-
-    def __init__(self, name: str, statistics_sink: Optional[StatisticsSink] = None):
+    def __init__(self, name: str, statistics_sink: Optional[Callable[[RamStatistics], None]] = None):
         self.statistics_sink = statistics_sink
         declared = tuple(
             ParameterSpec(
@@ -101,10 +83,10 @@ class RamMergeMethod(GroupMergeMethod):
         out_dtype: Optional[torch.dtype] = None,
         batch_options: Any = None,
     ) -> tuple[torch.Tensor, ...]:
-        """A direct call: the groups are the whole model. Counts first where a lambda needs the global rho
-        (or the sink wants statistics), then mergekit's own call with each model's lambda as a parameter."""
+        """A direct call (the whole model): counted first where a lambda needs the global rho or the sink."""
         groups = tuple(groups)
-        supplied = self._filled(dict(parameters or {}), groups)
+        finetunes = list(dict.fromkeys(entry.id for group in groups for entry in group.non_base))
+        supplied = self._filled(dict(parameters or {}), finetunes)
         for group in groups:
             self.validate_inputs(
                 [entry.id for entry in group.entries],
@@ -114,7 +96,6 @@ class RamMergeMethod(GroupMergeMethod):
             group.validate_tensors()
         resolved = [self._resolved(group, supplied, index, len(groups)) for index, group in enumerate(groups)]
         rule = merge_rule(self.spec.name, resolved)
-        finetunes = list(dict.fromkeys(entry.id for group in groups for entry in group.non_base))
         needs_counts = rule.needs_counts(str(model) for model in finetunes)
         statistics = None
         if needs_counts or self.statistics_sink is not None:
@@ -122,7 +103,7 @@ class RamMergeMethod(GroupMergeMethod):
             statistics = rule.statistics(counts, "pre-pass" if needs_counts else "merge")
         if needs_counts:
             supplied.update(with_lambdas(rule, finetunes, statistics))
-        supplied[OUT_DTYPE] = dtype_name(out_dtype)
+        supplied[OUT_DTYPE] = None if out_dtype is None else str(out_dtype).removeprefix("torch.")
         merged = super().__call__(
             groups, parameters=supplied, dtype=dtype, out_dtype=out_dtype, batch_options=batch_options
         )
@@ -130,10 +111,8 @@ class RamMergeMethod(GroupMergeMethod):
             self.statistics_sink(statistics)
         return merged
 
-    def _filled(self, parameters: dict[str, Any], groups: Sequence[Any]) -> dict[str, Any]:
-        """A per-model mapping may name some models only (``{"lambda": {"coder": 1.2}}``): the others get
-        the parameter's default (unpinned; a scale of 1), where mergekit would refuse the mapping."""
-        models = list(dict.fromkeys(entry.id for group in groups for entry in group.non_base))
+    def _filled(self, parameters: dict[str, Any], models: Sequence[Any]) -> dict[str, Any]:
+        """A per-model mapping naming some models only: the others get the default (mergekit would refuse it)."""
         for spec in self.spec.parameters:
             value = parameters.get(spec.name)
             if spec.scope == NON_BASE and isinstance(value, Mapping):
@@ -141,11 +120,14 @@ class RamMergeMethod(GroupMergeMethod):
         return parameters
 
     def _resolved(self, group: Any, parameters: Mapping[str, Any], index: int, count: int) -> Resolved:
-        """The group's values of the declared parameters, as plain data (for ``merge_rule`` and the counts)."""
+        """The group's values of the declared parameters, as plain data."""
         shared: dict[str, Any] = {}
         per_model: dict[str, dict[str, Any]] = {str(entry.id): {} for entry in group.non_base}
         for spec in self.spec.parameters:
-            value = _for_group(parameters.get(spec.name, spec.default), index, count)
+            value = parameters.get(spec.name, spec.default)
+            per_group = getattr(value, "values", None)  # mergekit's PerGroupValues: mergekit refuses a wrong count
+            if isinstance(per_group, tuple) and len(per_group) == count:
+                value = per_group[index]
             if spec.scope == SHARED:
                 shared[spec.name] = spec.validate(value)
                 continue
@@ -160,26 +142,27 @@ class RamMergeMethod(GroupMergeMethod):
         return Resolved(group.metadata.name or "", shared, per_model)
 
     def merge_group(self, group: Any, /, **parameters: Any) -> torch.Tensor:
-        """One group (mergekit has cast it to the input dtype) merged with each model's lambda; its counts
-        appended to ``COUNTS_TO`` when the merge step asks for them."""
+        """One group merged; its counts appended to ``COUNTS_TO`` when the merge step asks for them."""
         counts_to = parameters.get(COUNTS_TO)
-        merged, counts = self.merge(group, parameters, self.lambdas(group, parameters), count=counts_to is not None)
-        if counts_to is not None and counts is not None:
+        result = self.merge(group, parameters, self.lambdas(group, parameters), count=counts_to is not None)
+        if counts_to is not None:
+            counts = TensorCounts(
+                name=group.metadata.name or "",
+                numel=group.base.tensor.numel(),
+                epsilon=parameters["epsilon"],
+                models=tuple(str(entry.id) for entry in group.non_base),
+                histograms=result.histograms or (),
+            )
             append_counts(counts_to, counts)
-        return merged
+        return result.merged
 
     def lambdas(self, group: Any, parameters: Mapping[str, Any]) -> list[float]:
-        """Each fine-tune's lambda: its ``lambda`` parameter, else the rule on its pinned rho (1 with r = 0),
-        its ``scale`` (ram_unique), 1 for ``ram``; an unpinned lambda that needs the global rho is refused."""
+        """Each fine-tune's lambda from its pin (scale, lambda or rho); one that needs the global rho is refused."""
         rescaling = Rescaling(parameters["r"], parameters["alpha"], parameters["rule"]) if "r" in parameters else None
         found = []
         for entry in group.non_base:
-            pin: Optional[tuple[Pin, float]] = None
-            for kind in ("scale", "lambda", "rho"):
-                value = parameters[kind][entry.id] if kind in parameters else None
-                if value is not None:
-                    pin = (kind, value)
-                    break
+            pins = [(kind, parameters[kind][entry.id]) for kind in PIN_KINDS if kind in parameters]
+            pin = next(((kind, value) for kind, value in pins if value is not None), None)
             if pin is None and rescaling is not None and rescaling.r != 0:
                 raise ParameterError(
                     f"{self.spec.name}: tensor {group.metadata.name}: the lambda of {entry.id} needs the global rho, "
@@ -190,20 +173,16 @@ class RamMergeMethod(GroupMergeMethod):
             found.append(model_lambda(0.0, rescaling, pin))
         return found
 
-    def merge(
-        self, group: Any, parameters: Mapping[str, Any], lambdas: list[float], *, count: bool
-    ) -> tuple[torch.Tensor, Optional[TensorCounts]]:
-        """One group merged with each model's lambda (written in ``OUT_DTYPE`` when given), and its counts
-        when ``count``."""
+    def merge(self, group: Any, parameters: Mapping[str, Any], lambdas: list[float], *, count: bool) -> MergeResult:
         try:
-            result = merge_tensors(
+            return merge_tensors(
                 group.base.tensor,
                 [entry.tensor for entry in group.non_base],
                 parameters["epsilon"],
                 lambdas,
                 workers=torch.get_num_threads(),
                 count=count,
-                out_dtype=_dtype(parameters.get(OUT_DTYPE)),
+                out_dtype=None if parameters.get(OUT_DTYPE) is None else getattr(torch, parameters[OUT_DTYPE]),
                 shared=SHARED_RULES[self.spec.name],
                 density=parameters.get("density", 1.0),
             )
@@ -213,17 +192,11 @@ class RamMergeMethod(GroupMergeMethod):
             raise non_finite_error(entry.id, group.metadata.name, dtype, dtype, error.value) from None
         except MergeOverflowError as error:
             raise self._overflow_error(group, parameters, lambdas, error) from None
-        counts = tensor_counts(group, parameters["epsilon"], result.histograms) if count else None
-        return result.merged, counts
 
     def _overflow_error(
         self, group: Any, parameters: Mapping[str, Any], lambdas: list[float], error: MergeOverflowError
     ) -> ParameterError:
-        """Name the tensor and the cause of an overflow, with its fix: a model's update or the merged
-        update (float64 arithmetic), its lambda (lower r or the pin), or the output dtype.
-
-        A lambda with no rho beside it was pinned; one with a rho came from 1 + r * clip(rho).
-        """
+        """The tensor and the cause of an overflow (an update, a lambda, the sum, the output dtype), with its fix."""
         name = group.metadata.name
         dtype = str(error.dtype).removeprefix("torch.")
         wider = "merge with `dtype: float64` (arithmetic is then float64)"
@@ -260,8 +233,7 @@ class RamMergeMethod(GroupMergeMethod):
 
 
 def with_lambdas(rule: MergeRule, finetunes: Sequence[Any], statistics: Optional[RamStatistics]) -> dict[str, Any]:
-    """The per-model ``lambda`` and ``rho`` parameters (keyed by the models as given) the statistics give;
-    an infinite rho (every change shared) is left out, as a parameter must be finite."""
+    """The per-model ``lambda`` and ``rho`` parameters; an infinite rho is left out (parameters are finite)."""
     applied = rule.applied([str(model) for model in finetunes], statistics)
     rhos = {model: applied[str(model)].rho for model in finetunes}
     return {
@@ -270,8 +242,7 @@ def with_lambdas(rule: MergeRule, finetunes: Sequence[Any], statistics: Optional
     }
 
 
-def count_group(group: Any, epsilon: float, dtype: Optional[torch.dtype] = None) -> TensorCounts:
-    """A direct call's group counted (see ``count_tensors``)."""
+def count_group(group: Any, epsilon: float, dtype: Optional[torch.dtype]) -> TensorCounts:
     finetunes = [(entry.id, entry.tensor) for entry in group.non_base]
     return count_tensors(group.metadata.name or "", (group.base.id, group.base.tensor), finetunes, epsilon, dtype)
 
@@ -281,10 +252,9 @@ def count_tensors(
     base: tuple[Any, torch.Tensor],
     finetunes: Sequence[tuple[Any, torch.Tensor]],
     epsilon: float,
-    dtype: Optional[torch.dtype] = None,
+    dtype: Optional[torch.dtype],
 ) -> TensorCounts:
-    """One tensor's overlap counts on what the merge gets: the inputs cast to ``dtype``, else to their
-    promoted dtype, as mergekit casts them for the method."""
+    """One tensor's counts on the inputs cast to ``dtype`` (else their promoted dtype), as mergekit casts them."""
     original = [tensor.dtype for _, tensor in (base, *finetunes)]
     target = dtype or functools.reduce(torch.promote_types, original)
     try:
@@ -304,53 +274,23 @@ def count_tensors(
     )
 
 
-def tensor_counts(group: Any, epsilon: float, histograms: Optional[tuple[tuple[int, ...], ...]]) -> TensorCounts:
-    return TensorCounts(
-        name=group.metadata.name or "",
-        numel=group.base.tensor.numel(),
-        epsilon=epsilon,
-        models=tuple(str(entry.id) for entry in group.non_base),
-        histograms=histograms or (),
-    )
-
-
 def append_counts(path: str, counts: TensorCounts) -> None:
-    """One line of JSON per group, in one ``write`` on an append-only descriptor (threads may share the file)."""
-    line = (json.dumps(counts_to_dict(counts)) + "\n").encode()
-    descriptor = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o600)
-    try:
-        os.write(descriptor, line)
-    finally:
-        os.close(descriptor)
+    """One line of JSON per group, in one unbuffered append (threads may share the file)."""
+    with open(path, "ab", buffering=0, opener=lambda file, flags: os.open(file, flags, 0o600)) as handle:
+        handle.write((json.dumps(counts_to_dict(counts)) + "\n").encode())
 
 
 def read_counts(path: str) -> list[TensorCounts]:
-    """The counts ``append_counts`` wrote to ``path`` (none when no group was counted)."""
     if not os.path.exists(path):
         return []
     with open(path, encoding="utf-8") as handle:
         return [counts_from_dict(json.loads(line)) for line in handle if line.strip()]
 
 
-def dtype_name(dtype: Optional[torch.dtype]) -> Optional[str]:
-    return None if dtype is None else str(dtype).removeprefix("torch.")
-
-
-def _dtype(name: Optional[str]) -> Optional[torch.dtype]:
-    return None if name is None else getattr(torch, name)
-
-
-def _for_group(value: Any, index: int, count: int) -> Any:
-    """mergekit's ``PerGroupValues`` (one value per group of a direct call) read for group ``index``; a wrong
-    number of values is left to mergekit's own binding to refuse."""
-    values = getattr(value, "values", None)
-    return values[index] if isinstance(values, tuple) and len(values) == count else value
-
-
 def non_finite_error(
     model: Any, name: Optional[str], dtype: torch.dtype, original: torch.dtype, value: str
 ) -> InputError:
-    """Name the model and tensor; an Inf in float16 is most likely the recipe's cast to it."""
+    """An Inf in float16 is most likely the recipe's cast to it."""
     if value == "Inf" and dtype == torch.float16:
         if original != dtype:
             cause = f"after the cast from {str(original).removeprefix('torch.')} to float16 (dtype)"
