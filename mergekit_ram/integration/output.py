@@ -201,13 +201,10 @@ def _local_folder(path: str, options: Any, made: Sequence[str]) -> str:
 def refuse_stage_outputs(stages: Sequence[Stage], intermediate_dir: str, out_path: Optional[str], options: Any) -> None:
     """``mergekit-multi``: no RAM stage writes into, or inside, a folder any stage reads, but for the stages
     that read its output (``-I``/<name>, ``--out-path`` for the unnamed final stage)."""
-    outputs = {
-        stage.name: out_path if stage.name is None else os.path.join(intermediate_dir, stage.name) for stage in stages
-    }
-    made = [folder for name, folder in outputs.items() if name is not None and folder is not None]
+    made = [os.path.join(intermediate_dir, stage.name) for stage in stages if stage.name is not None]
     readers = {stage.name: "the final merge" if stage.name is None else f"stage {stage.name}" for stage in stages}
     for stage in stages:
-        output = outputs[stage.name]
+        output = out_path if stage.name is None else os.path.join(intermediate_dir, stage.name)
         if output is None or not is_ours(stage.config.merge_method):
             continue
         inputs = [

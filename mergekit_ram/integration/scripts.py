@@ -81,14 +81,13 @@ def check_script_recipe(name: str, path: Optional[str], arguments: dict[str, Any
     if name == "mergekit-multi":
         stages = read_stages(path, text, arguments.get("intermediate_dir") or "")
     else:
-        schema = RawPyTorchMergeConfig if name == "mergekit-pytorch" else MergeConfiguration
         documents = read_documents(path, text)
         if len(documents) != 1:
             raise RecipeError(
                 f"{path} holds {len(documents)} YAML documents; {name} reads one recipe "
                 "(a file of named stages separated by '---' is for mergekit-multi)"
             )
-        validate(path, documents[0], schema)
+        validate(path, documents[0], RawPyTorchMergeConfig if name == "mergekit-pytorch" else MergeConfiguration)
     options = merge_options(**{key: value for key, value in arguments.items() if key in MergeOptions.model_fields})
     check_options_device(options)
     if stages:
