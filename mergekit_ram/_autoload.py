@@ -1,17 +1,12 @@
 """Registers mergekit-ram with mergekit the moment mergekit is imported.
 
-Imported at interpreter start by ``mergekit_ram_autoload.pth``; standard library only, so it
-costs about 1.5 ms, the package's ``__init__`` included. A ``sys.meta_path`` finder watches
-mergekit's modules; once mergekit has finished importing (no mergekit module, and no module of
-``mergekit_ram.integration``, half-executed), the matching functions of
-``mergekit_ram.integration`` patch the three modules of ``HOOKS`` that were imported, in order.
-Before each patch the internals of every mergekit module imported so far are checked; where one
-has moved, the plugin steps aside as a whole (``mergekit_ram.integration.guard``): one warning
-line, nothing of it left in mergekit, and recipes naming its methods refused in one line.
-Every other import passes straight through.
-Set ``MERGEKIT_RAM_AUTOLOAD=0`` to switch it off; ``mergekit_ram.register()`` then does
-the same explicitly. In the commands that run a merge (``MERGE_COMMANDS``), a Ctrl-C before the
-command's callback begins is one line and exit status 130 (``mergekit_ram.interrupts``).
+Imported at interpreter start by ``mergekit_ram_autoload.pth``; standard library only (about 1.5 ms).
+A ``sys.meta_path`` finder watches mergekit's modules; once no mergekit or boundary module is
+half-executed, ``HOOKS`` patch those imported, in order, after checking the internals imported so far;
+where one has moved, the plugin steps aside as a whole (``integration.guard``). Every other import
+passes straight through. ``MERGEKIT_RAM_AUTOLOAD=0`` switches it off (``mergekit_ram.register()``
+does the same explicitly). In ``MERGE_COMMANDS``, a Ctrl-C before the command's callback begins is
+one line and exit status 130 (``mergekit_ram.interrupts``).
 """
 
 import os
@@ -19,9 +14,8 @@ import sys
 
 ENVIRONMENT_VARIABLE = "MERGEKIT_RAM_AUTOLOAD"
 
-# mergekit module -> "module:function" of mergekit_ram.integration that patch it once it has
-# executed, in order. Each names its own submodule, so a hook that fires while another part of
-# the boundary is still importing needs only its own module.
+# mergekit module -> the "module:function"s of mergekit_ram.integration that patch it, in order; each
+# names its own submodule, so a hook fired while the boundary is still importing needs only that one.
 HOOKS = {
     "mergekit.merge_methods": ("registry:register_methods",),
     "mergekit.merge": ("output:patch_run_merge",),
@@ -29,8 +23,7 @@ HOOKS = {
 }
 
 
-#: The commands whose callback ends the quiet start (``interrupts.merge_started``): mergekit's scripts where
-#: they are hooked, and mergekit-ram's runners of them (which register the plugin themselves).
+#: The commands whose callback ends the quiet start: mergekit's hooked scripts, and mergekit-ram's runners.
 MERGE_COMMANDS = ("mergekit-yaml", "mergekit-multi", "mergekit-pytorch")
 RUNNERS = ("yaml", "multi", "pytorch")
 
@@ -43,12 +36,10 @@ BOUNDARY = "mergekit_ram.integration"
 
 
 class MergekitFinder:
-    """Finds nothing itself; wraps the real loader's exec_module of mergekit's modules and of the
-    boundary's own.
+    """Finds nothing itself; wraps the real loader's exec_module of mergekit's and the boundary's modules.
 
-    Hooks run once no such module is half-executed: a hook fired while ``mergekit.merge`` is still
-    importing (it imports ``mergekit.merge_methods``) would find that module's objects missing, and
-    importing ``mergekit_ram.integration.methods`` first imports mergekit from inside it.
+    Hooks wait until none of those is half-executed: ``mergekit.merge`` imports ``mergekit.merge_methods``
+    before its own objects exist, and the boundary's ``methods`` imports mergekit from inside it.
     """
 
     def __init__(self):
@@ -69,11 +60,10 @@ class MergekitFinder:
         else:
             return None
         loader = spec.loader
-        if loader is not None and hasattr(loader, "exec_module"):
-            loader.exec_module = self._wrapped(loader.exec_module, fullname)
-        return spec
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        exec_module = loader.exec_module
 
-    def _wrapped(self, exec_module, fullname):
         def exec_and_patch(module):
             self.executing += 1
             try:
@@ -84,40 +74,35 @@ class MergekitFinder:
             if not self.executing:
                 self.apply_pending()
 
-        return exec_and_patch
+        loader.exec_module = exec_and_patch
+        return spec
 
     def apply_pending(self):
-        """Run the hooks that are due, in order; a failing hook never breaks mergekit's import.
-
-        Importing a hook's boundary module can finish importing other modules: the loop that is
-        already running takes their hooks after the current one, so patches keep their order.
-        """
+        """Run the due hooks in order; a failing hook never breaks mergekit's import. A hook's import can
+        finish other modules: the loop already running takes their hooks after the current one."""
         if self.applying:
             return
         self.applying = True
         try:
-            self._apply_in_order()
+            while self.pending:
+                hook_name, module = self.pending.pop(0)
+                try:
+                    if self.refusal is not None:
+                        self._call("guard:refuse", module, self.refusal)
+                        continue
+                    self._call("internals:check_internals", imported_only=True)
+                    self._call(hook_name, module)
+                except Exception as error:  # never break mergekit's own import
+                    if self.refusal is not None:
+                        self._warn(f"mergekit-ram could not make {module.__name__} refuse its methods: {error!r}")
+                        continue
+                    self.refusal = f"mergekit-ram could not hook {module.__name__}: {error!r}"
+                    try:
+                        self.refusal = self._call("guard:step_aside", error, module.__name__)
+                    except Exception as failure:
+                        self._warn(f"{self.refusal}; stepping aside failed too: {failure!r}")
         finally:
             self.applying = False
-
-    def _apply_in_order(self):
-        while self.pending:
-            hook_name, module = self.pending.pop(0)
-            try:
-                if self.refusal is not None:
-                    self._call("guard:refuse", module, self.refusal)
-                    continue
-                self._call("internals:check_internals", imported_only=True)
-                self._call(hook_name, module)
-            except Exception as error:  # never break mergekit's own import
-                if self.refusal is not None:
-                    self._warn(f"mergekit-ram could not make {module.__name__} refuse its methods: {error!r}")
-                    continue
-                self.refusal = f"mergekit-ram could not hook {module.__name__}: {error!r}"
-                try:
-                    self.refusal = self._call("guard:step_aside", error, module.__name__)
-                except Exception as failure:
-                    self._warn(f"{self.refusal}; stepping aside failed too: {failure!r}")
 
     @staticmethod
     def _call(hook_name, *args, **kwargs):
@@ -146,14 +131,8 @@ def runs_a_merge(argv, hooked):
     return hooked and command in MERGE_COMMANDS
 
 
-def install():
-    """Put the finder first on sys.meta_path, once."""
-    if not any(isinstance(finder, MergekitFinder) for finder in sys.meta_path):
-        sys.meta_path.insert(0, MergekitFinder())
-
-
-if enabled():
-    install()
+if enabled() and not any(isinstance(finder, MergekitFinder) for finder in sys.meta_path):
+    sys.meta_path.insert(0, MergekitFinder())
 if runs_a_merge(getattr(sys, "argv", []), enabled()):
     from mergekit_ram import interrupts
 

@@ -1,13 +1,9 @@
 """Where mergekit-ram cannot attach to the mergekit it finds: it stays out, and says so.
 
-The start-up hook checks the ``INTERNALS`` entries of each mergekit module as it is imported
-(``check_internals(imported_only=True)``) before it patches anything. Where one has moved (another
-mergekit release, a source build), ``step_aside`` logs one line, takes back what was already
-registered, and puts ``refuse`` around mergekit's console scripts and ``run_merge``: a recipe
-naming one of the plugin's methods (``ram`` included, which mergekit would otherwise run as its
-built-in method) fails in one line naming the mergekit found, the versions supported and the pip
-command that fixes it; every other recipe runs as mergekit alone. Only plain attributes of
-mergekit are used here (``getattr``), never the table: the table is what has moved.
+Where an ``INTERNALS`` entry has moved, ``step_aside`` logs one line, takes back what was registered
+and makes mergekit's console scripts and ``run_merge`` refuse recipes naming the plugin's methods
+(``ram`` included) in one line with the pip command that fixes it; other recipes run as mergekit
+alone. Only plain ``getattr`` on mergekit here, never the table: the table is what has moved.
 """
 
 from __future__ import annotations
@@ -41,9 +37,8 @@ _MARK = "__mergekit_ram_refusal__"
 
 
 def step_aside(error: BaseException, module: str) -> str:
-    """The plugin out of this process's mergekit after ``error`` (a moved internal, found while hooking
-    ``module``): one warning line, the methods unregistered, the entry points refusing them. Returns the
-    reason the refusals give, for the modules imported later."""
+    """The plugin out of mergekit after ``error`` (hooking ``module``): one warning line, the methods
+    unregistered, the entry points refusing them; returns the reason, for modules imported later."""
     if isinstance(error, MergekitMovedError):
         reason = one_line(error)
     else:  # not a moved internal: a patch that failed all the same
@@ -62,37 +57,28 @@ def step_aside(error: BaseException, module: str) -> str:
     if registry is not None and merge_methods is not None:
         with contextlib.suppress(MergekitMovedError):  # no registry table: nothing was registered in it
             registry.unregister_methods(merge_methods)
-    refuse_imported(reason)
+    for name in REFUSING:
+        imported = sys.modules.get(name)
+        if imported is not None:
+            refuse(imported, reason)
     return reason
 
 
-def refuse_imported(reason: str) -> None:
-    """``refuse`` in every mergekit module of ``REFUSING`` imported so far."""
-    for name in REFUSING:
-        module = sys.modules.get(name)
-        if module is not None:
-            refuse(module, reason)
-
-
 def refuse(module: ModuleType, reason: str) -> None:
-    """The entry point of ``module`` (a module of ``REFUSING``; others are left as they are) refuses
-    recipes naming the plugin's methods, with ``reason``; idempotent."""
+    """``module``'s entry point (in ``REFUSING``; others are left) refuses the plugin's methods; idempotent."""
     if module.__name__ == "mergekit.merge":
         _wrap(module, "run_merge", lambda original: _refusing_run_merge(original, reason))
     elif module.__name__ in REFUSING:
-        command = getattr(module, "main", None)
-        if command is not None:
-            _wrap(command, "callback", lambda original: _refusing_script(command, original, reason))
+        command = getattr(module, "main", None)  # None: nothing to wrap
+        _wrap(command, "callback", lambda original: _refusing_script(command, original, reason))
 
 
 def not_active(method: str, reason: str) -> MergekitMovedError:
-    """The one line for a recipe that names ``method`` while the plugin is not attached."""
     return MergekitMovedError(f"merge_method {method} is mergekit-ram's, which is not active here: {reason}")
 
 
 def refused_method(methods: list[str]) -> Optional[str]:
-    """The first of ``methods`` that only mergekit-ram runs (``ram`` too: mergekit would run its own
-    built-in ``ram`` instead, unless ``MERGEKIT_RAM_BUILTIN_RAM`` asks for it)."""
+    """The first of ``methods`` only mergekit-ram runs (``ram`` too, unless the built-in one is asked for)."""
     from mergekit_ram.integration.registry import keep_builtin_ram
 
     return next((m for m in methods if m in METHOD_PARAMETERS and not (m == "ram" and keep_builtin_ram())), None)
@@ -119,7 +105,6 @@ def _refusing_run_merge(original: Callable[..., Any], reason: str) -> Callable[.
 
 
 def _refusing_script(command: Any, original: Callable[..., Any], reason: str) -> Callable[..., Any]:
-    """The command's callback, reading its recipe file (its first argument) first: every method it names."""
     import click
 
     from mergekit_ram.recipe_file import declared_methods, read_text

@@ -1,12 +1,8 @@
 """Every mergekit internal this plugin uses, in one table, each reached through the version guard.
 
-Boundary modules get mergekit's objects with ``internal(module, name)`` (at import, so at
-registration) and patch them with ``wrap``; nothing else in the plugin imports mergekit. A
-mergekit release that moves, renames or re-signs an entry fails ``internal`` with a
-``MergekitMovedError`` naming the version, before any merge starts; ``check_internals`` resolves
-them all (the console scripts and the probe call it first), and tests/test_internals.py checks
-the table against the installed mergekit and that the boundary uses nothing outside it.
-Where one has moved, ``mergekit_ram.integration.guard`` keeps the plugin out of mergekit altogether.
+Boundary modules get mergekit's objects with ``internal(module, name)`` and patch them with ``wrap``;
+nothing else imports mergekit. An entry moved, renamed or re-signed fails with a ``MergekitMovedError``
+naming the version, before any merge starts (then ``guard`` keeps the plugin out of mergekit).
 """
 
 from __future__ import annotations
@@ -17,8 +13,7 @@ import importlib.metadata
 import importlib.util
 import inspect
 import sys
-from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 from mergekit_ram.errors import RamError
 
@@ -33,10 +28,9 @@ class MergekitMovedError(RamError, RuntimeError):
     """A mergekit internal this plugin relies on is not where the tested mergekit releases have it."""
 
 
-@dataclass(frozen=True)
-class Internal:
-    """One mergekit object the plugin uses: ``name`` in ``module`` (a dotted path for an attribute of a
-    class); ``parameters``, for a callable the plugin patches or overrides, the parameters it expects."""
+class Internal(NamedTuple):
+    """``name`` (dotted for a class's attribute) in ``module``; for a patched or overridden callable, the
+    ``parameters`` the plugin expects."""
 
     module: str
     name: str
@@ -81,7 +75,7 @@ _ENTRIES = {(entry.module, entry.name): entry for entry in INTERNALS}
 
 
 def mergekit_version() -> str:
-    """The version of the mergekit distribution Python finds first (mergekit has no ``__version__``)."""
+    """The installed distribution's version (mergekit has no ``__version__``)."""
     try:
         return importlib.metadata.version("mergekit")
     except importlib.metadata.PackageNotFoundError:
@@ -89,7 +83,7 @@ def mergekit_version() -> str:
 
 
 def mergekit_found() -> str:
-    """'mergekit <version> (<folder>)': the mergekit this process imports, where it is."""
+    """'mergekit <version> (<folder>)': the mergekit this process imports."""
     try:
         spec = importlib.util.find_spec("mergekit")
     except (ImportError, ValueError):
@@ -99,8 +93,7 @@ def mergekit_found() -> str:
 
 
 def install_command() -> str:
-    """The pip command that puts the newest tested mergekit in place of the one found; a build that
-    calls itself that version (a source checkout) is replaced too."""
+    """pip installing the newest tested mergekit, over a build calling itself that version too."""
     tested = TESTED_MERGEKIT[-1]
     force = " --force-reinstall --no-deps" if mergekit_version() == tested else ""
     return f'pip install{force} "mergekit=={tested}"'
@@ -114,8 +107,7 @@ def _moved(what: str, detail: str = "") -> MergekitMovedError:
 
 
 def internal(module: str, name: str) -> Any:
-    """The object ``name`` of mergekit's ``module`` (an entry of ``INTERNALS``), checked: it exists and,
-    for a patched or overridden callable, takes the parameters the plugin expects."""
+    """The ``INTERNALS`` entry ``module.name``, checked to exist (and take the parameters expected)."""
     entry = _ENTRIES[(module, name)]
     importlib.import_module("mergekit")  # mergekit itself missing: its own ImportError, not "moved"
     try:
@@ -134,26 +126,19 @@ def internal(module: str, name: str) -> Any:
 
 
 def check_internals(imported_only: bool = False) -> None:
-    """Every entry of ``INTERNALS`` resolved: a moved one fails here, before any merge starts.
-
-    ``imported_only``: only the entries of mergekit modules already imported (nothing is imported,
-    so the start-up hook can ask cheaply each time mergekit finishes importing something).
-    """
+    """Every entry resolved (``imported_only``: of modules imported already, cheap for the start-up hook)."""
     for entry in INTERNALS:
         if not imported_only or entry.module in sys.modules:
             internal(entry.module, entry.name)
 
 
-def wrap(module: str, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]], mark: str = _MARK) -> None:
-    """Replace the ``INTERNALS`` entry ``module.name`` by ``make(original)``, once (``mark`` tells this
-    patch's wrapper); ``name`` may be ``Class.method`` or ``command.callback``."""
+def wrap(module: str, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+    """Replace the entry ``module.name`` (maybe ``Class.method``) by ``make(original)``, once."""
     original = internal(module, name)  # checks the whole path
-    owner: Any = importlib.import_module(module)
-    *owners, attribute = name.split(".")
-    for part in owners:
-        owner = getattr(owner, part)
-    if getattr(original, mark, False):
+    if getattr(original, _MARK, False):
         return
+    *owners, attribute = name.split(".")
+    owner = functools.reduce(getattr, owners, importlib.import_module(module))
     wrapper = functools.wraps(original)(make(original))
-    setattr(wrapper, mark, True)
+    setattr(wrapper, _MARK, True)
     setattr(owner, attribute, wrapper)

@@ -1,12 +1,7 @@
-"""``run_merge`` and ``mergekit-pytorch`` write a RAM merge through an output transaction.
-
-mergekit's own ``run_merge`` (so ``mergekit-yaml`` and every stage of ``mergekit-multi``) and the
-``mergekit-pytorch`` command write into the staging folder of ``mergekit_ram.staging``'s
-output transaction: weights, config, tokenizer, card and statistics reach the output folder
-together, or not at all. An output folder that is, or is inside, a folder the merge reads is
-refused first (``refuse_input_folder``; ``mergekit-multi``: ``refuse_stage_outputs``); the merge
-itself is ``integration.merge``'s sequence around mergekit's own ``run_merge``. Other methods run
-exactly as mergekit has them.
+"""``run_merge`` (so ``mergekit-yaml``, each ``mergekit-multi`` stage) and ``mergekit-pytorch`` write a
+RAM merge through ``staging``'s output transaction: weights, config, tokenizer, card and statistics
+reach the output folder together, or not at all. An output folder that is, or is inside, a folder the
+merge reads is refused first. Other methods run exactly as mergekit has them.
 """
 
 from __future__ import annotations
@@ -14,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple, Optional, Sequence
 
 import pydantic
@@ -41,9 +37,8 @@ Executor: Any = internal("mergekit.graph", "Executor")
 
 
 class InputFolder(NamedTuple):
-    """A folder a merge reads. ``label``: the input as the recipe names it. ``whole``: mergekit reads
-    it as a model's folder, so an output inside it is refused too; False for the folder of a single
-    input file (``mergekit-pytorch``), where only the folder itself is refused."""
+    """A folder a merge reads, ``label`` naming the input; ``whole``: an output inside it is refused too
+    (False for the folder of one input file, ``mergekit-pytorch``'s)."""
 
     label: str
     folder: str
@@ -51,13 +46,10 @@ class InputFolder(NamedTuple):
 
 
 def refuse_input_folder(out_path: str, inputs: Iterable[InputFolder]) -> None:
-    """Refuse an output folder that is, or is inside, a folder the merge reads, however it is spelled.
-
-    Compared as the file system resolves them: by device and inode where a folder exists (so a
-    symbolic link, ``..``, a trailing slash or a bind mount hides nothing), else by resolved path
-    (a ``mergekit-multi`` stage's output, not yet made).
-    """
-    chain = _resolved_chain(out_path)
+    """Refuse an output folder that is, or is inside, a folder the merge reads, however it is spelled
+    (links, ``..``, bind mounts: compared by ``_folder_key``, up each folder above the output)."""
+    resolved = Path(os.path.realpath(out_path))
+    chain = [_folder_key(str(folder)) for folder in (resolved, *resolved.parents)]
     for item in inputs:
         key = _folder_key(item.folder)
         if key == chain[0]:
@@ -73,7 +65,7 @@ def refuse_input_folder(out_path: str, inputs: Iterable[InputFolder]) -> None:
 
 
 def _folder_key(path: str) -> tuple[Any, ...]:
-    """What tells a folder apart: its device and inode if it exists, else its resolved path."""
+    """Its device and inode if it exists, else its resolved path (a stage's output, not yet made)."""
     try:
         status = os.stat(path)
     except OSError:
@@ -81,22 +73,9 @@ def _folder_key(path: str) -> tuple[Any, ...]:
     return ("inode", status.st_dev, status.st_ino)
 
 
-def _resolved_chain(path: str) -> list[tuple[Any, ...]]:
-    """``_folder_key`` of ``path`` as the file system resolves it, then of each folder above it up to /."""
-    folder = os.path.realpath(path)
-    chain = [_folder_key(folder)]
-    while os.path.dirname(folder) != folder:
-        folder = os.path.dirname(folder)
-        chain.append(_folder_key(folder))
-    return chain
-
-
 class Transaction:
-    """``staging.output_transaction`` into ``out_path`` that can tell, after a Ctrl-C, what OUT holds.
-
-    It records the identity (device, inode) of every file mergekit wrote once it is done; the publish
-    renames them, so OUT holds the complete new merge where all of them are in it, what it held before
-    where none is (an undone publish, or none yet)."""
+    """``staging.output_transaction`` into ``out_path`` that tells, after a Ctrl-C, what it holds: publishing
+    renames the files written (their device and inode recorded), so the new merge where all are there."""
 
     def __init__(self, out_path: str) -> None:
         self.out_path = out_path
@@ -104,13 +83,11 @@ class Transaction:
 
     @contextlib.contextmanager
     def staged(self) -> Iterator[str]:
-        """The transaction; yields the folder mergekit writes into."""
         with staging.output_transaction(self.out_path) as staged:
             yield staged
             self.written = {name: _identity(os.path.join(staged, name)) for name in os.listdir(staged)}
 
     def interrupted(self) -> MergeInterrupted:
-        """The Ctrl-C that ended the merge, with one line saying what OUT holds now."""
         out, written = self.out_path, self.written or {}
         moved = sum(_identity(os.path.join(out, name)) == identity for name, identity in written.items())
         if self.written is None or not moved:
@@ -124,7 +101,6 @@ class Transaction:
 
 
 def _identity(path: str) -> Optional[tuple[int, int]]:
-    """(device, inode) of the file or link ``path``; None where there is none."""
     try:
         status = os.stat(path, follow_symlinks=False)
     except OSError:
@@ -133,8 +109,7 @@ def _identity(path: str) -> Optional[tuple[int, int]]:
 
 
 def patch_run_merge(merge: Any) -> None:
-    """RAM merges: inputs' folders refused, the recipe checked once, the merge step's sequence
-    (``integration.merge``), everything staged and published at once."""
+    """RAM merges: inputs' folders refused, the recipe checked, ``integration.merge``'s sequence, staged."""
 
     def make(original: Callable[..., Any]) -> Callable[..., Any]:
         def run_merge(merge_config: Any, out_path: str, options: Any, config_source: Optional[str] = None) -> Any:
@@ -191,10 +166,8 @@ def finish(staged: str, prepared: Prepared, card: bool) -> RamStatistics:
 
 
 def _model_folders(merge_config: Any, options: Any, made: Sequence[str] = ()) -> Iterator[InputFolder]:
-    """Every folder the recipe reads: each model reference anywhere in it (base, models, slices,
-    modules, ``tokenizer_source``, ``tokenizer``'s source and token embeddings) and its LoRA; the folder
-    mergekit merges LoRAs in (``--lora-merge-cache``); for a Hub id, the model's folder in the Hub
-    cache. ``made``: paths that an earlier ``mergekit-multi`` stage writes, local though not there yet."""
+    """Every folder the recipe reads: each model reference anywhere in it and its LoRA, and
+    ``--lora-merge-cache``. ``made``: what an earlier ``mergekit-multi`` stage writes, local though not yet there."""
     for reference in _references(merge_config):
         label = str(reference)
         for path in (reference.model, reference.lora):
@@ -205,24 +178,19 @@ def _model_folders(merge_config: Any, options: Any, made: Sequence[str] = ()) ->
 
 
 def _references(value: Any) -> Iterator[Any]:
-    """Every mergekit ``ModelReference`` (a model and its LoRA) in a recipe object, wherever mergekit's
-    schema puts one."""
+    """Every mergekit ``ModelReference`` (a model and its LoRA) anywhere in a recipe object."""
     if isinstance(value, pydantic.BaseModel) and {"model", "lora"} <= set(type(value).model_fields):
         yield value
     elif isinstance(value, pydantic.BaseModel):
         for name in type(value).model_fields:
             yield from _references(getattr(value, name))
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from _references(item)
-    elif isinstance(value, (list, tuple)):
-        for item in value:
+    elif isinstance(value, (dict, list, tuple)):
+        for item in value.values() if isinstance(value, dict) else value:
             yield from _references(item)
 
 
 def _local_folder(path: str, options: Any, made: Sequence[str]) -> str:
-    """The folder mergekit reads for ``path``: the path itself if it exists (or an earlier stage makes
-    it), else a Hub id's folder in the Hub cache (``models--<org>--<name>``, as huggingface_hub names it)."""
+    """The folder mergekit reads for ``path``: itself if local, else a Hub id's folder in the Hub cache."""
     local = os.path.expanduser(path)
     if os.path.exists(local) or path in made:
         return local
@@ -231,16 +199,16 @@ def _local_folder(path: str, options: Any, made: Sequence[str]) -> str:
 
 
 def refuse_stage_outputs(stages: Sequence[Stage], intermediate_dir: str, out_path: Optional[str], options: Any) -> None:
-    """``mergekit-multi``: no RAM stage writes into, or inside, a folder that any stage reads, but for
-    the stages that read its output (each stage's own check sees only its own inputs)."""
-    outputs = {stage.name: _stage_output(stage, intermediate_dir, out_path) for stage in stages}
-    made = [folder for name, folder in outputs.items() if name is not None and folder is not None]
+    """``mergekit-multi``: no RAM stage writes into, or inside, a folder any stage reads, but for the stages
+    that read its output (``-I``/<name>, ``--out-path`` for the unnamed final stage)."""
+    made = [os.path.join(intermediate_dir, stage.name) for stage in stages if stage.name is not None]
+    readers = {stage.name: "the final merge" if stage.name is None else f"stage {stage.name}" for stage in stages}
     for stage in stages:
-        output = outputs[stage.name]
+        output = out_path if stage.name is None else os.path.join(intermediate_dir, stage.name)
         if output is None or not is_ours(stage.config.merge_method):
             continue
         inputs = [
-            InputFolder(f"{item.label} (read by {_stage_name(reader)})", item.folder, item.whole)
+            InputFolder(f"{item.label} (read by {readers[reader.name]})", item.folder, item.whole)
             for reader in stages
             for item in _model_folders(reader.config, options, made)
             if not (stage.name in reader.depends_on and item.folder == output)
@@ -248,22 +216,13 @@ def refuse_stage_outputs(stages: Sequence[Stage], intermediate_dir: str, out_pat
         refuse_input_folder(output, inputs)
 
 
-def _stage_name(stage: Stage) -> str:
-    return "the final merge" if stage.name is None else f"stage {stage.name}"
-
-
-def _stage_output(stage: Stage, intermediate_dir: str, out_path: Optional[str]) -> Optional[str]:
-    """Where mergekit-multi writes ``stage``: ``-I``/<name>, or ``--out-path`` for the unnamed final stage."""
-    return out_path if stage.name is None else os.path.join(intermediate_dir, stage.name)
-
-
 def raw_pytorch_merge(arguments: Mapping[str, Any], options: Any) -> None:
-    """``mergekit-pytorch`` for a RAM recipe (the console scripts' hook runs it in place of the command):
-    unknown keys and inputs' folders refused, then mergekit's own steps (its flat plan, its Executor)
-    with the merge step's sequence, inside the output transaction."""
+    """``mergekit-pytorch`` for a RAM recipe, run by the console scripts' hook in its place: mergekit's own
+    steps (its flat plan, its Executor) with the merge step's sequence, inside the output transaction."""
     config_path, out_path = arguments["config_path"], arguments["out_path"]
     check_recipe_file(config_path, RawPyTorchMergeConfig)
-    config = _raw_config(config_path)
+    with open(config_path, encoding="utf-8") as handle:
+        config = RawPyTorchMergeConfig.model_validate(yaml.safe_load(handle))
     check_internals()
     files = [entry.model for entry in config.models] + ([config.base_model] if config.base_model else [])
     folders = [InputFolder(file, os.path.dirname(os.path.abspath(file)), False) for file in files]
@@ -278,7 +237,7 @@ def raw_pytorch_merge(arguments: Mapping[str, Any], options: Any) -> None:
         union, intersection = arguments["tensor_union"], arguments["tensor_intersection"]
         with transaction.staged() as staged:
             planned = plan_flat_merge(config, "", union, intersection, options)
-            plan = Plan.of(config.merge_method, _merge_tasks(planned))
+            plan = Plan.of(config.merge_method, [task.tensor_task for task in planned if hasattr(task, "tensor_task")])
             prepared = prepare(config, plan, options, headers, cache, os.path.join(staged, COUNTS_FILE))
             targets = plan_flat_merge(prepared.config, staged, union, intersection, options)
             storage = options.device if options.low_cpu_memory else "cpu"
@@ -288,13 +247,3 @@ def raw_pytorch_merge(arguments: Mapping[str, Any], options: Any) -> None:
             report_summary(out_path, statistics)
     except KeyboardInterrupt:
         raise transaction.interrupted() from None
-
-
-def _merge_tasks(targets: Sequence[Any]) -> list[Any]:
-    return [task.tensor_task for task in targets if hasattr(task, "tensor_task")]
-
-
-def _raw_config(path: str) -> Any:
-    """The ``mergekit-pytorch`` recipe at ``path`` (the console scripts' hook has validated it)."""
-    with open(path, encoding="utf-8") as handle:
-        return RawPyTorchMergeConfig.model_validate(yaml.safe_load(handle))

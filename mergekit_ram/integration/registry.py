@@ -1,8 +1,6 @@
-"""mergekit's method registry: ``ram_plus``, ``ram_ties``, ``ram_unique`` added, the built-in ``ram``
-replaced (or kept on request), and taken back where the plugin steps aside (``guard``).
-
-The methods are imported inside the functions: ``guard`` reads ``keep_builtin_ram`` where the
-methods' own module cannot be imported (a moved mergekit)."""
+"""mergekit's method registry: the plugin's methods added, the built-in ``ram`` replaced (or kept on
+request), and taken back where the plugin steps aside. The methods are imported inside the functions:
+``guard`` reads ``keep_builtin_ram`` where their module cannot be imported (a moved mergekit)."""
 
 from __future__ import annotations
 
@@ -29,10 +27,7 @@ def keep_builtin_ram() -> bool:
 
 
 def register_methods(merge_methods: ModuleType) -> None:
-    """Add ``ram_plus`` to ``merge_methods``' registry; replace its built-in ``ram`` (and only that one).
-
-    With ``MERGEKIT_RAM_BUILTIN_RAM=1`` mergekit's built-in ``ram`` stays (or is put back).
-    """
+    """Add the methods to the registry, replacing only the built-in ``ram`` (kept with the variable set)."""
     from mergekit_ram.integration.methods import METHODS
 
     table = internal("mergekit.merge_methods.registry", "_METHODS")
@@ -67,8 +62,7 @@ def register_methods(merge_methods: ModuleType) -> None:
 
 
 def unregister_methods(merge_methods: ModuleType) -> None:
-    """The methods ``register_methods`` put in ``merge_methods``' registry taken out, the built-in ``ram``
-    put back: what a process whose mergekit turned out to have moved runs is mergekit's alone."""
+    """``register_methods`` undone, the built-in ``ram`` put back: a moved mergekit runs as itself alone."""
     from mergekit_ram.integration.methods import METHODS
 
     table = internal("mergekit.merge_methods.registry", "_METHODS")
@@ -91,7 +85,7 @@ def is_ours(method_name: str) -> bool:
 
 
 def declared_by_other_methods(method: str) -> dict[str, list[str]]:
-    """Parameter name -> the other registered mergekit methods that declare it, asked of the registry now."""
+    """Parameter name -> the other registered methods that declare it."""
     from mergekit_ram.integration.methods import HIDDEN_PARAMETERS
 
     declared: dict[str, list[str]] = {}

@@ -1,5 +1,5 @@
-"""mergekit's console scripts (``mergekit-yaml``, ``mergekit-multi``, ``mergekit-pytorch``) for RAM recipes:
-one-line errors, the CUDA check, unknown keys (of each stage of mergekit-multi), stages writing into an input."""
+"""mergekit's console scripts for RAM recipes: one-line errors, the CUDA check, unknown keys (of each
+mergekit-multi stage), stages writing into an input."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from mergekit_ram.device import check_device
 from mergekit_ram.errors import RamError, RecipeError, exit_if_reported
 from mergekit_ram.files import removed_if_failed
 from mergekit_ram.integration.internals import internal, wrap
-from mergekit_ram.integration.output import raw_pytorch_merge, refuse_stage_outputs
+from mergekit_ram.integration.output import RawPyTorchMergeConfig, raw_pytorch_merge, refuse_stage_outputs
 from mergekit_ram.integration.recipes import check_method_name, check_stage_keys, read_stages
 from mergekit_ram.integration.registry import is_ours
 from mergekit_ram.interrupts import exit_interrupted, merge_started
@@ -28,14 +28,11 @@ MergeOptions: Any = internal("mergekit.options", "MergeOptions")
 
 
 def patch_scripts(options: ModuleType) -> None:
-    """The plugin's errors as one line (``Error: ...``, exit 1; the traceback with ``-v``) in the three console
-    scripts, through their shared click command class's ``invoke``.
-
-    A ``RamError`` always; a YAML or schema error, a missing CUDA device or a resource failure
-    (``errors.resource_message``) only for a file asking for one of this plugin's methods, so other recipes
-    keep mergekit's output. A failed ``mergekit-multi`` run of a RAM recipe removes the ``-I`` folder it made,
-    if empty. Ctrl-C, but during another method's merge, is one line and exit 130 (``mergekit_ram.interrupts``).
-    """
+    """Errors as one line (exit 1; the traceback with ``-v``) through the scripts' shared click class: a
+    ``RamError`` always, others (YAML, schema, CUDA, resources) only for a RAM recipe, so other recipes keep
+    mergekit's output. A failed
+    RAM ``mergekit-multi`` removes its ``-I`` folder if empty. Ctrl-C, but in another method's merge, is one
+    line and exit 130."""
 
     def make(original: Callable[..., Any]) -> Callable[..., Any]:
         def invoke(command: Any, context: Any) -> Any:
@@ -50,10 +47,9 @@ def patch_scripts(options: ModuleType) -> None:
                 theirs = checked is None  # mergekit's own recipe: mergekit's own Ctrl-C
                 if name == "mergekit-pytorch" and checked is not None:
                     raw_pytorch_merge(kwargs, checked)  # its options are built inside the command
-                    result = None
-                else:
-                    with removed_if_failed(kwargs.get("intermediate_dir") if checked is not None else None):
-                        result = original(command, context)  # mergekit-multi makes its -I folder itself
+                    return None
+                with removed_if_failed(kwargs.get("intermediate_dir") if checked is not None else None):
+                    return original(command, context)  # mergekit-multi makes its -I folder itself
             except KeyboardInterrupt as interrupt:
                 if not theirs:
                     exit_interrupted(interrupt, kwargs.get("out_path") or kwargs.get("intermediate_dir"))
@@ -62,7 +58,6 @@ def patch_scripts(options: ModuleType) -> None:
                 if checked is not None or isinstance(error, RamError):
                     exit_if_reported(error, bool(kwargs.get("verbosity")), "merging")
                 raise
-            return result
 
         return invoke
 
@@ -70,33 +65,29 @@ def patch_scripts(options: ModuleType) -> None:
 
 
 def check_script_recipe(name: str, path: Optional[str], arguments: dict[str, Any]) -> Optional[MergeOptions]:
-    """For a recipe file asking for a RAM method (or misspelling one: refused): read and validate it as ``name``
-    will, check the device and that no RAM stage of ``mergekit-multi`` writes into a folder a stage reads; the
-    command's MergeOptions, or None for any other file."""
-    if path is not None and not os.path.exists(path):  # mergekit-yaml's own open() would raise a traceback
+    """A RAM recipe file (a misspelt method refused) read and validated as ``name`` will, the device and
+    mergekit-multi's stage outputs checked: the command's MergeOptions; None for any other file."""
+    if path is None:
+        return None
+    if not os.path.exists(path):  # mergekit-yaml's own open() would raise a traceback
         raise RecipeError(f"recipe file {path} does not exist")
-    text = read_text(path) if path else None
-    methods = declared_methods(text) if path is not None and text is not None else []
+    text = read_text(path)
+    methods = declared_methods(text) if text is not None else []
     for method in methods:
         check_method_name(method)
-    if path is None or text is None or not any(is_ours(method) for method in methods):
+    if text is None or not any(is_ours(method) for method in methods):
         return None
     stages = []
     if name == "mergekit-multi":
         stages = read_stages(path, text, arguments.get("intermediate_dir") or "")
     else:
-        schema = (
-            internal("mergekit.scripts.merge_raw_pytorch", "RawPyTorchMergeConfig")
-            if name == "mergekit-pytorch"
-            else MergeConfiguration
-        )
         documents = read_documents(path, text)
         if len(documents) != 1:
             raise RecipeError(
                 f"{path} holds {len(documents)} YAML documents; {name} reads one recipe "
                 "(a file of named stages separated by '---' is for mergekit-multi)"
             )
-        validate(path, documents[0], schema)
+        validate(path, documents[0], RawPyTorchMergeConfig if name == "mergekit-pytorch" else MergeConfiguration)
     options = merge_options(**{key: value for key, value in arguments.items() if key in MergeOptions.model_fields})
     check_options_device(options)
     if stages:
@@ -110,7 +101,7 @@ merge_options = MergeOptions
 
 
 def check_options_device(options: MergeOptions) -> None:
-    """The CUDA device ``options`` ask for (``--cuda``, ``--gpu-rich``, ``--device cuda...``) exists."""
+    """The CUDA device ``options`` ask for exists."""
     device = str(options.device or "cpu")
     flag = "--gpu-rich" if options.gpu_rich else "--cuda" if options.cuda else f"--device {device}"
     check_device(device, flag)
