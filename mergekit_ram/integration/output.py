@@ -23,7 +23,7 @@ from mergekit_ram.errors import InputError
 from mergekit_ram.files import write_atomically
 from mergekit_ram.integration.internals import MergekitMovedError, check_internals, internal, wrap
 from mergekit_ram.integration.merge import Plan, Prepared, plan_merge, prepare
-from mergekit_ram.integration.recipes import check_config, check_recipe_file
+from mergekit_ram.integration.recipes import check_config
 from mergekit_ram.integration.registry import is_ours
 from mergekit_ram.interrupts import MergeInterrupted
 from mergekit_ram.published import append_card_section, report_summary
@@ -220,9 +220,9 @@ def raw_pytorch_merge(arguments: Mapping[str, Any], options: Any) -> None:
     """``mergekit-pytorch`` for a RAM recipe, run by the console scripts' hook in its place: mergekit's own
     steps (its flat plan, its Executor) with the merge step's sequence, inside the output transaction."""
     config_path, out_path = arguments["config_path"], arguments["out_path"]
-    check_recipe_file(config_path, RawPyTorchMergeConfig)
     with open(config_path, encoding="utf-8") as handle:
-        config = RawPyTorchMergeConfig.model_validate(yaml.safe_load(handle))
+        source = handle.read()
+    config = RawPyTorchMergeConfig.model_validate(yaml.safe_load(source))
     check_internals()
     files = [entry.model for entry in config.models] + ([config.base_model] if config.base_model else [])
     folders = [InputFolder(file, os.path.dirname(os.path.abspath(file)), False) for file in files]
@@ -232,7 +232,7 @@ def raw_pytorch_merge(arguments: Mapping[str, Any], options: Any) -> None:
     transaction = Transaction(out_path)
     try:
         headers, cache = HeaderCache(), CacheSettings.from_environment()
-        check_config(config.merge_method, config, headers, allow_crimes=options.allow_crimes)
+        check_config(config.merge_method, config, headers, source, allow_crimes=options.allow_crimes)
         options.apply_global_options()
         union, intersection = arguments["tensor_union"], arguments["tensor_intersection"]
         with transaction.staged() as staged:

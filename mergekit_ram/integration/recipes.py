@@ -211,24 +211,13 @@ def _scalars(setting: Any) -> Iterator[Any]:
         yield setting
 
 
-def check_recipe_file(path: Optional[str], schema: type[BaseModel]) -> None:
-    """Unknown keys in the recipe file at ``path`` (a RAM one), before mergekit drops them."""
-    if path is not None and os.path.isfile(path):
-        with open(path, encoding="utf-8") as handle:
-            _check_keys(yaml.safe_load(handle), schema)
-
-
 def check_stage_keys(path: str, text: str) -> None:
     """Unknown keys of each RAM stage of a mergekit-multi file (mergekit-multi rebuilds a stage without them)."""
     for document in read_documents(path, text):
-        if isinstance(document, dict):
-            _check_keys({key: value for key, value in document.items() if key != "name"}, MergeConfiguration)
-
-
-def _check_keys(raw: Any, schema: type[BaseModel]) -> None:
-    method = raw.get("merge_method") if isinstance(raw, dict) else None
-    if isinstance(method, str) and is_ours(method):
-        check_recipe_keys(method, raw, schema)
+        method = document.get("merge_method") if isinstance(document, dict) else None
+        if isinstance(method, str) and is_ours(method):
+            stage = {key: value for key, value in document.items() if key != "name"}
+            check_recipe_keys(method, stage, MergeConfiguration)
 
 
 def check_recipe_keys(method: str, raw: Any, schema: type[BaseModel]) -> None:
