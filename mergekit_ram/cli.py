@@ -221,13 +221,13 @@ def probe(
     one --stage names). Nothing is merged or written (but the cache and --plot).
     """
     from mergekit_ram.errors import exit_if_reported
-    from mergekit_ram.integration.scripts import check_options_device, merge_options
+    from mergekit_ram.integration.scripts import MergeOptions, check_options_device
     from mergekit_ram.plot import check_plot_extra, plot_statistics
     from mergekit_ram.probe import probe_config, probe_report_json, select_stages, stage_plot_path
     from mergekit_ram.stats.render import histogram_table, model_table, module_table
 
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING)
-    options = merge_options(**mergekit_options, quiet=as_json or not verbose)
+    options = MergeOptions(**mergekit_options, quiet=as_json or not verbose)
     try:
         if plot_path is not None:
             check_plot_extra()  # before any work, and before the cache can answer

@@ -69,8 +69,9 @@ def refuse(module: ModuleType, reason: str) -> None:
     if module.__name__ == "mergekit.merge":
         _wrap(module, "run_merge", lambda original: _refusing_run_merge(original, reason))
     elif module.__name__ in REFUSING:
-        command = getattr(module, "main", None)  # None: nothing to wrap
-        _wrap(command, "callback", lambda original: _refusing_script(command, original, reason))
+        command = getattr(module, "main", None)
+        if command is not None:
+            _wrap(command, "callback", lambda original: _refusing_script(command, original, reason))
 
 
 def not_active(method: str, reason: str) -> MergekitMovedError:

@@ -138,8 +138,10 @@ def _task_inputs(source: Any) -> Iterator[TensorInput]:
         index = LoaderCache().get(model).index
         names = [weight.name, *(weight.aliases or ()), *(weight.tied_names or ())]
         name = next((n for n in names if n in index.tensor_paths), None)
-        file = None if name is None else os.path.join(index.base_path, index.tensor_paths[name])
-        yield TensorInput(str(model), file, weight.name if name is None else name)
+        if name is None:
+            yield TensorInput(str(model), None, weight.name)
+        else:
+            yield TensorInput(str(model), os.path.join(index.base_path, index.tensor_paths[name]), name)
 
 
 def describe(value: Any) -> str:

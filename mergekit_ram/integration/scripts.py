@@ -30,9 +30,8 @@ MergeOptions: Any = internal("mergekit.options", "MergeOptions")
 def patch_scripts(options: ModuleType) -> None:
     """Errors as one line (exit 1; the traceback with ``-v``) through the scripts' shared click class: a
     ``RamError`` always, others (YAML, schema, CUDA, resources) only for a RAM recipe, so other recipes keep
-    mergekit's output. A failed
-    RAM ``mergekit-multi`` removes its ``-I`` folder if empty. Ctrl-C, but in another method's merge, is one
-    line and exit 130."""
+    mergekit's output. A failed RAM ``mergekit-multi`` removes its ``-I`` folder if empty. Ctrl-C, but in
+    another method's merge, is one line and exit 130."""
 
     def make(original: Callable[..., Any]) -> Callable[..., Any]:
         def invoke(command: Any, context: Any) -> Any:
@@ -88,16 +87,12 @@ def check_script_recipe(name: str, path: Optional[str], arguments: dict[str, Any
                 "(a file of named stages separated by '---' is for mergekit-multi)"
             )
         validate(path, documents[0], RawPyTorchMergeConfig if name == "mergekit-pytorch" else MergeConfiguration)
-    options = merge_options(**{key: value for key, value in arguments.items() if key in MergeOptions.model_fields})
+    options = MergeOptions(**{key: value for key, value in arguments.items() if key in MergeOptions.model_fields})
     check_options_device(options)
     if stages:
         refuse_stage_outputs(stages, arguments.get("intermediate_dir") or "", arguments.get("out_path"), options)
         check_stage_keys(path, text)
     return options
-
-
-#: mergekit's options from command-line arguments (its own validation applies).
-merge_options = MergeOptions
 
 
 def check_options_device(options: MergeOptions) -> None:
