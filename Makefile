@@ -18,8 +18,11 @@ DROP_IN_TESTS ?= tests/test_internals.py tests/test_entry_points.py tests/test_m
 	tests/test_merge_exact.py tests/test_reliability.py::test_other_methods_are_unchanged_by_the_plugin
 # pytest-xdist workers for `make test`; each runs whole test files, so a module fixture is built once.
 TEST_WORKERS ?= 2
+# The benchmarks' own end-to-end check (the agents experiment at toy size): `make test-benchmarks`, run by CI,
+# not by `make test`, which checks the product.
+BENCHMARK_TESTS ?= tests/test_agents_smoke.py
 
-.PHONY: install demo test test-mergekit-newest lint release-check bench quality clean
+.PHONY: install demo test test-benchmarks test-mergekit-newest lint release-check bench quality clean
 
 install: $(VENV)/.installed
 
@@ -32,7 +35,10 @@ demo: install
 	HF_HUB_OFFLINE=1 $(BIN)/mergekit-ram demo $(DEMO_DIR)
 
 test: install
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --ignore=$(BENCHMARK_TESTS)
+
+test-benchmarks: install
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest $(BENCHMARK_TESTS)
 
 # pip upgrades mergekit to the newest release pyproject.toml's range allows (the same as the oldest
 # while no newer one is out), then the drop-in tests run against it.
