@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib.metadata
 from dataclasses import replace
 from itertools import zip_longest
-from typing import Callable, Iterable, Mapping, Optional
+from typing import Callable, Iterable, Mapping, Optional, Sequence
 
 from mergekit_ram.rescaling import PLAUSIBLE_LAMBDA, Rescaling
 from mergekit_ram.stats.data import ModelStatistics, OverlapCounts, Pin, RamStatistics, Source, TensorCounts
@@ -53,33 +53,19 @@ def build_statistics(
     # Each output tensor once: mergekit 0.1.5 plans some twice (qwen2_vl's projector "layers" share names).
     named = {counts.name: replace(counts, module=(modules or {}).get(counts.name, counts.module)) for counts in tensors}
     tensors = tuple(named.values())
-    pins = dict(pins or {})
+    pins = pins or {}
     summed = sum_counts(tensors)
     models = []
-    for model in list(summed) + [m for m in pins if m not in summed]:
+    for model in dict.fromkeys([*summed, *pins]):
         counts = summed.get(model, OverlapCounts(model, 0, ()))
-        pin = pins.get(model)
-        models.append(
-            ModelStatistics(
-                model=model,
-                numel=counts.numel,
-                histogram=counts.histogram,
-                rho=pin[1] if pin is not None and pin[0] == "rho" else counts.measured_rho,
-                lambda_=model_lambda(counts.measured_rho, rescaling, pin),
-                pinned=pin[0] if pin is not None else None,
-            )
-        )
+        pinned, value = pins.get(model, (None, 0.0))
+        rho = value if pinned == "rho" else counts.measured_rho
+        lambda_ = model_lambda(counts.measured_rho, rescaling, pins.get(model))
+        models.append(ModelStatistics(model, counts.numel, counts.histogram, rho, lambda_, pinned))
     epsilons = tuple(sorted({counts.epsilon for counts in tensors}))
+    warnings = _warnings(models, epsilons, checkpoint_dtypes or {})
     return RamStatistics(
-        method=method,
-        source=source,
-        epsilons=epsilons,
-        rescaling=rescaling,
-        models=tuple(models),
-        tensors=tensors,
-        warnings=_warnings(models, epsilons, checkpoint_dtypes or {}),
-        versions=package_versions(),
-        density=density,
+        method, source, epsilons, rescaling, tuple(models), tensors, warnings, package_versions(), density
     )
 
 
@@ -124,10 +110,9 @@ def module_of(name: str) -> str:
 
 
 def _warnings(
-    models: Iterable[ModelStatistics], epsilons: Iterable[float], checkpoint_dtypes: Mapping[str, Iterable[str]]
+    models: Sequence[ModelStatistics], epsilons: Sequence[float], checkpoint_dtypes: Mapping[str, Iterable[str]]
 ) -> tuple[str, ...]:
     """The statistics that predict a wasted merge, in words."""
-    models, epsilons = list(models), list(epsilons)
     found = []
     half = sorted(model for model, dtypes in checkpoint_dtypes.items() if "F16" in set(dtypes))
     if half and any(epsilon > 0 for epsilon in epsilons):
