@@ -18,8 +18,7 @@ DENSE = 0.9
 
 
 def model_lambda(rho: float, rescaling: Optional[Rescaling], pin: Optional[tuple[Pin, float]] = None) -> float:
-    """lambda_t: a pinned lambda (or ram_unique's scale) as is; else the rule on rho_t (the pinned rho
-    if any); 1 for RAM."""
+    """lambda_t: a pinned lambda (or ram_unique's scale) as is; else the rule on rho_t or the pinned rho; 1 for RAM."""
     if pin is not None and pin[0] in ("lambda", "scale"):
         return pin[1]
     if rescaling is None:
@@ -70,16 +69,14 @@ def build_statistics(
 
 
 def by_module(statistics: RamStatistics) -> dict[str, tuple[OverlapCounts, ...]]:
-    """The counts per part of the network (``MODULES`` order; parts with no tensor left out), within each of
-    mergekit's modules in a ``modules:`` merge ("vision_tower: attention")."""
+    """The counts per part of the network (``MODULES`` order), within each module of a ``modules:`` merge."""
     order = {part: index for index, part in enumerate(MODULES)}
     tensors = sorted(statistics.tensors, key=lambda counts: (counts.module, order[module_of(counts.name)]))
     return _grouped(tensors, lambda counts: ": ".join(filter(None, (counts.module, module_of(counts.name)))))
 
 
 def by_merged_module(statistics: RamStatistics) -> dict[str, tuple[OverlapCounts, ...]]:
-    """The counts per module of a ``modules:`` merge (text decoder, vision tower, ...), in recipe order;
-    empty for a merge of one module."""
+    """The counts per module of a ``modules:`` merge, in recipe order; empty for a merge of one module."""
     groups = _grouped(statistics.tensors, lambda counts: counts.module)
     return groups if len(groups) > 1 else {}
 
