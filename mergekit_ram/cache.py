@@ -1,11 +1,5 @@
 """A cache of pre-pass counts, so a sweep over r, alpha or the rule reads the models once (docs/method.md,
-"The cache": what the key covers, whose folders are trusted).
-
-The key: each merge task's planned input sub-graph, the file and name each input is read from, its epsilon,
-a fingerprint of every file and index read, the versions; never r, alpha, the rule or pins. The cache only
-helps: an entry that cannot be read, fails its checksum or does not fit the merge, and a folder that is a
-link or that others may write (OpenSSH's StrictModes, from ``/`` down), are skipped with one warning.
-"""
+"The cache": what the key covers, whose folders are trusted). It only helps: any problem is one warning."""
 
 from __future__ import annotations
 
@@ -72,11 +66,7 @@ class CacheSettings:
 
 
 class UntrustedFolder(Exception):
-    """A folder of the cache's path a merge must not use (a link, or writable by others); ``advice``: what to do."""
-
-    def __init__(self, reason: str, advice: str = _SHARED_ADVICE) -> None:
-        super().__init__(reason)
-        self.advice = advice
+    """A folder of the cache's path a merge must not use (a link, or writable by others): (reason, advice)."""
 
 
 def fingerprint(path: str) -> str:
@@ -96,8 +86,7 @@ def fingerprint(path: str) -> str:
 
 
 def cache_key(planned: Sequence[PlannedTensor]) -> str:
-    """What the counts depend on: each tensor's name, epsilon, models, inputs (model, file, name) and input
-    sub-graph; the files and the indexes that map tensors to them."""
+    """What the counts depend on: each tensor's name, epsilon, models, inputs, sub-graph, files and indexes."""
     digest = hashlib.sha256()
     versions = package_versions()
     digest.update(f"mergekit-ram {__version__}; mergekit {versions['mergekit']}; {_FORMAT}\n".encode())
@@ -121,8 +110,7 @@ def checksum(tensors: Any) -> str:
 
 @contextlib.contextmanager
 def opened(settings: CacheSettings, planned: Sequence[PlannedTensor]) -> Iterator[Optional[CacheEntry]]:
-    """The merge's entry, its folder opened once and checked; None (after one warning, or none when the cache
-    is off) where the merge goes on without the cache."""
+    """The merge's entry, its folder opened once and checked; None where the merge goes on without the cache."""
     if settings.mode == "off":
         yield None
         return
@@ -133,8 +121,7 @@ def opened(settings: CacheSettings, planned: Sequence[PlannedTensor]) -> Iterato
         LOG.warning(
             "not using the pre-pass cache %s: %s; the merge goes on without it (%s)",
             settings.directory,
-            untrusted,
-            untrusted.advice,
+            *untrusted.args,
         )
     except OSError as error:
         _not_written(settings.entry(key), error)
@@ -152,8 +139,7 @@ def _not_written(path: str, error: OSError) -> None:
 
 
 def _open_entries(settings: CacheSettings) -> int:
-    """A descriptor of ``<dir>/prepass``: each folder from / down opened in the one above without following
-    a link, made (mode 0700) where missing, and checked."""
+    """``<dir>/prepass``: each folder from / down opened in the one above (no link followed), made, checked."""
     names = [name for name in os.path.realpath(settings.directory).split(os.sep) if name] + [ENTRIES_DIR]
     folder = os.open(os.sep, _FOLDER_FLAGS)
     path = os.sep
@@ -193,16 +179,15 @@ def _check(folder: int, path: str, settings: CacheSettings) -> None:
         return
     status = os.fstat(folder)
     if status.st_uid not in (os.geteuid(), 0):
-        raise UntrustedFolder(f"{path} is owned by user {status.st_uid}, not by you or root")
+        raise UntrustedFolder(f"{path} is owned by user {status.st_uid}, not by you or root", _SHARED_ADVICE)
     if status.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not status.st_mode & stat.S_ISVTX:
-        raise UntrustedFolder(
-            f"{path} can be written by users other than its owner (mode {stat.S_IMODE(status.st_mode):o})"
-        )
+        mode = stat.S_IMODE(status.st_mode)
+        raise UntrustedFolder(f"{path} can be written by users other than its owner (mode {mode:o})", _SHARED_ADVICE)
 
 
 @dataclass(frozen=True)
 class CacheEntry:
-    """One merge's entry, read and written relative to its checked folder's descriptor, never through a link."""
+    """One merge's entry, read and written relative to its checked folder, never through a link."""
 
     settings: CacheSettings
     folder: int
@@ -248,25 +233,24 @@ def _matching_counts(data: Any, planned: Sequence[PlannedTensor], headers: Heade
         raise ValueError("its counts do not match its checksum (the entry was edited or damaged)")
     if len(entries) != len(planned):
         raise ValueError(f"it lists {len(entries)} tensors, the merge has {len(planned)}")
-    counts: list[Optional[TensorCounts]] = []
-    for entry, tensor in zip(entries, planned):
-        if entry is None:
-            counts.append(None)
-            continue
-        if not isinstance(entry, dict):
-            raise ValueError(f"the entry for {tensor.name} is not an object")
-        found = counts_from_dict(entry)
-        if found.name != tensor.name:
-            raise ValueError(f"it has {found.name!r} where the merge has {tensor.name!r}")
-        if found.models != tensor.finetunes:
-            raise ValueError(f"its models for {found.name} are not the merge's")
-        numel = planned_numel(tensor, headers)
-        n = len(found.models)
-        if (numel is not None and found.numel != numel) or found.numel < 0:
-            raise ValueError(f"its element count for {found.name} is {found.numel}, the tensor has {numel}")
-        if len(found.histograms) != n or any(
-            len(row) != n or min(row, default=0) < 0 or sum(row) > found.numel for row in found.histograms
-        ):
-            raise ValueError(f"its histograms for {found.name} do not fit {n} models and {found.numel} elements")
-        counts.append(found)
-    return counts
+    return [None if entry is None else _fitting(entry, tensor, headers) for entry, tensor in zip(entries, planned)]
+
+
+def _fitting(entry: Any, tensor: PlannedTensor, headers: HeaderCache) -> TensorCounts:
+    """One tensor's cached counts if they fit ``tensor``; ValueError otherwise."""
+    if not isinstance(entry, dict):
+        raise ValueError(f"the entry for {tensor.name} is not an object")
+    found = counts_from_dict(entry)
+    if found.name != tensor.name:
+        raise ValueError(f"it has {found.name!r} where the merge has {tensor.name!r}")
+    if found.models != tensor.finetunes:
+        raise ValueError(f"its models for {found.name} are not the merge's")
+    numel = planned_numel(tensor, headers)
+    n = len(found.models)
+    if (numel is not None and found.numel != numel) or found.numel < 0:
+        raise ValueError(f"its element count for {found.name} is {found.numel}, the tensor has {numel}")
+    if len(found.histograms) != n or any(
+        len(row) != n or min(row, default=0) < 0 or sum(row) > found.numel for row in found.histograms
+    ):
+        raise ValueError(f"its histograms for {found.name} do not fit {n} models and {found.numel} elements")
+    return found

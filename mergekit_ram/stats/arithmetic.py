@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib.metadata
 from dataclasses import replace
 from itertools import zip_longest
-from typing import Callable, Iterable, Mapping, Optional
+from typing import Callable, Iterable, Mapping, Optional, Sequence
 
 from mergekit_ram.rescaling import PLAUSIBLE_LAMBDA, Rescaling
 from mergekit_ram.stats.data import ModelStatistics, OverlapCounts, Pin, RamStatistics, Source, TensorCounts
@@ -18,8 +18,7 @@ DENSE = 0.9
 
 
 def model_lambda(rho: float, rescaling: Optional[Rescaling], pin: Optional[tuple[Pin, float]] = None) -> float:
-    """lambda_t: a pinned lambda (or ram_unique's scale) as is; else the rule on rho_t (the pinned rho
-    if any); 1 for RAM."""
+    """lambda_t: a pinned lambda (or ram_unique's scale) as is; else the rule on rho_t or the pinned rho; 1 for RAM."""
     if pin is not None and pin[0] in ("lambda", "scale"):
         return pin[1]
     if rescaling is None:
@@ -53,47 +52,31 @@ def build_statistics(
     # Each output tensor once: mergekit 0.1.5 plans some twice (qwen2_vl's projector "layers" share names).
     named = {counts.name: replace(counts, module=(modules or {}).get(counts.name, counts.module)) for counts in tensors}
     tensors = tuple(named.values())
-    pins = dict(pins or {})
+    pins = pins or {}
     summed = sum_counts(tensors)
     models = []
-    for model in list(summed) + [m for m in pins if m not in summed]:
+    for model in dict.fromkeys([*summed, *pins]):
         counts = summed.get(model, OverlapCounts(model, 0, ()))
-        pin = pins.get(model)
-        models.append(
-            ModelStatistics(
-                model=model,
-                numel=counts.numel,
-                histogram=counts.histogram,
-                rho=pin[1] if pin is not None and pin[0] == "rho" else counts.measured_rho,
-                lambda_=model_lambda(counts.measured_rho, rescaling, pin),
-                pinned=pin[0] if pin is not None else None,
-            )
-        )
+        pinned, value = pins.get(model, (None, 0.0))
+        rho = value if pinned == "rho" else counts.measured_rho
+        lambda_ = model_lambda(counts.measured_rho, rescaling, pins.get(model))
+        models.append(ModelStatistics(model, counts.numel, counts.histogram, rho, lambda_, pinned))
     epsilons = tuple(sorted({counts.epsilon for counts in tensors}))
+    warnings = _warnings(models, epsilons, checkpoint_dtypes or {})
     return RamStatistics(
-        method=method,
-        source=source,
-        epsilons=epsilons,
-        rescaling=rescaling,
-        models=tuple(models),
-        tensors=tensors,
-        warnings=_warnings(models, epsilons, checkpoint_dtypes or {}),
-        versions=package_versions(),
-        density=density,
+        method, source, epsilons, rescaling, tuple(models), tensors, warnings, package_versions(), density
     )
 
 
 def by_module(statistics: RamStatistics) -> dict[str, tuple[OverlapCounts, ...]]:
-    """The counts per part of the network (``MODULES`` order; parts with no tensor left out), within each of
-    mergekit's modules in a ``modules:`` merge ("vision_tower: attention")."""
+    """The counts per part of the network (``MODULES`` order), within each module of a ``modules:`` merge."""
     order = {part: index for index, part in enumerate(MODULES)}
     tensors = sorted(statistics.tensors, key=lambda counts: (counts.module, order[module_of(counts.name)]))
     return _grouped(tensors, lambda counts: ": ".join(filter(None, (counts.module, module_of(counts.name)))))
 
 
 def by_merged_module(statistics: RamStatistics) -> dict[str, tuple[OverlapCounts, ...]]:
-    """The counts per module of a ``modules:`` merge (text decoder, vision tower, ...), in recipe order;
-    empty for a merge of one module."""
+    """The counts per module of a ``modules:`` merge, in recipe order; empty for a merge of one module."""
     groups = _grouped(statistics.tensors, lambda counts: counts.module)
     return groups if len(groups) > 1 else {}
 
@@ -124,10 +107,9 @@ def module_of(name: str) -> str:
 
 
 def _warnings(
-    models: Iterable[ModelStatistics], epsilons: Iterable[float], checkpoint_dtypes: Mapping[str, Iterable[str]]
+    models: Sequence[ModelStatistics], epsilons: Sequence[float], checkpoint_dtypes: Mapping[str, Iterable[str]]
 ) -> tuple[str, ...]:
     """The statistics that predict a wasted merge, in words."""
-    models, epsilons = list(models), list(epsilons)
     found = []
     half = sorted(model for model, dtypes in checkpoint_dtypes.items() if "F16" in set(dtypes))
     if half and any(epsilon > 0 for epsilon in epsilons):

@@ -14,8 +14,8 @@ Pin = Literal["rho", "lambda", "scale"]
 
 @dataclass(frozen=True)
 class TensorCounts:
-    """One output tensor's counts: ``histograms[t][k - 1]`` elements ``models[t]`` changed that exactly k
-    models changed; ``module`` is mergekit's module of the tensor in a ``modules:`` merge."""
+    """One output tensor: ``histograms[t][k - 1]`` elements ``models[t]`` changed that exactly k models
+    changed; ``module`` is mergekit's module of the tensor in a ``modules:`` merge."""
 
     name: str
     numel: int
@@ -27,8 +27,7 @@ class TensorCounts:
 
 @dataclass(frozen=True)
 class OverlapCounts:
-    """One model's counts over some tensors (a row of every table): ``numel`` their elements,
-    ``histogram[k - 1]`` its changes that exactly k models made."""
+    """One model over some tensors: ``numel`` their elements, ``histogram[k - 1]`` its changes k models made."""
 
     model: str
     numel: int
@@ -57,8 +56,7 @@ class OverlapCounts:
 
 @dataclass(frozen=True)
 class ModelStatistics(OverlapCounts):
-    """One model over the whole merge: ``rho`` (``measured_rho`` unless pinned), the ``lambda_`` applied to
-    its unique updates (ram_unique: its ``scale``), and which value the recipe ``pinned``."""
+    """One model over the merge: ``rho`` (``measured_rho`` unless pinned), ``lambda_`` (ram_unique: its scale)."""
 
     rho: float
     lambda_: float
@@ -67,8 +65,7 @@ class ModelStatistics(OverlapCounts):
 
 @dataclass(frozen=True)
 class RamStatistics:
-    """What a merge computed: ``rescaling`` None where lambda does not come from rho (``ram``, ``ram_unique``),
-    ``epsilons`` the distinct values sorted, ``versions`` of mergekit-ram, mergekit, torch, ``density`` ram_ties's."""
+    """A merge's statistics; ``rescaling`` None where lambda does not come from rho (``ram``, ``ram_unique``)."""
 
     method: str
     source: Source

@@ -1,7 +1,5 @@
-"""Statistics for people: fixed-width tables, the model card's markdown, and the log.
-
-Each model's figures are formatted once (:func:`rows`) and every rendering shows those.
-"""
+"""Statistics for people: fixed-width tables, the model card's markdown and the log, all from one
+:class:`Row` per model."""
 
 from __future__ import annotations
 
@@ -52,8 +50,7 @@ def format_table(rows: Sequence[Sequence[str]], left_columns: int = 1) -> str:
 
 
 def markdown_table(rows: Sequence[Sequence[object]], align: str = "lr") -> str:
-    """A GitHub table, ``rows[0]`` the header; ``align`` a letter (``l`` or ``r``) per column, its last one
-    repeated; each cell ``str(value)`` with ``|`` escaped and line breaks as ``<br>``."""
+    """A GitHub table, ``rows[0]`` the header; ``align`` ``l`` or ``r`` per column, the last one repeated."""
     letters = align.ljust(len(rows[0]), align[-1])[: len(rows[0])]
     cells = [["<br>".join(str(cell).replace("|", "\\|").splitlines()) for cell in row] for row in rows]
     lines = ["| " + " | ".join(row) + " |" for row in cells]
@@ -83,13 +80,13 @@ def figures(counts: OverlapCounts) -> tuple[str, str, str, str]:
 
 
 class Row(NamedTuple):
-    """One model's figures, formatted once for the terminal, probe, card and log (the JSON: ``stats.schema``)."""
+    """One model's figures, formatted once; ``name`` as the terminal shows it, ``factor`` lambda or scale."""
 
     stats: ModelStatistics
-    name: str  # as the terminal shows it (``display_names``)
-    figures: tuple[str, str, str, str]  # density, changed, shared, unique
+    name: str
+    figures: tuple[str, str, str, str]
     rho: str
-    factor: str  # lambda, or ram_unique's scale
+    factor: str
 
     def marked(self, mark: str) -> tuple[str, str]:
         """rho and the factor, ``mark`` after the one the recipe pinned (a ``scale`` is a setting, never marked)."""
@@ -149,7 +146,7 @@ def _module_rows(groups: Mapping[str, Sequence[OverlapCounts]], names: Mapping[s
 
 
 def card_markdown(statistics: RamStatistics) -> str:
-    """The model card's mergekit-ram sections: where the method comes from, how to rerun the merge, the statistics."""
+    """The model card's sections: where the method comes from, how to rerun the merge, the statistics."""
     versions = statistics.versions
     settings = ", ".join(f"`{key}` = {value}" for key, value in statistics.parameters.items())
     lines = [
@@ -187,7 +184,7 @@ def card_markdown(statistics: RamStatistics) -> str:
 
 
 def log_statistics(statistics: RamStatistics, logger: logging.Logger = LOG) -> None:
-    """The warnings, then one line per model (density, shared, unique, rho, lambda or scale)."""
+    """The warnings, then one line per model."""
     for warning in statistics.warnings:
         logger.warning("%s", warning)
     for row in rows(statistics):

@@ -152,7 +152,6 @@ def _rescaling(method: str, parameters: Mapping[str, Any]) -> Optional[Rescaling
         raise ValueError(
             f"{STATISTICS_FILE}: unknown method {method!r}; expected one of {', '.join(METHOD_PARAMETERS)}"
         )
-    r, alpha, rule = (
-        check_parameter(method, name, parameters[name], STATISTICS_FILE) for name in ("r", "alpha", "rule")
+    return Rescaling(
+        *(check_parameter(method, name, parameters[name], STATISTICS_FILE) for name in ("r", "alpha", "rule"))
     )
-    return Rescaling(r, alpha, rule)
