@@ -1,7 +1,6 @@
-"""Up-front checks of a RAM merge: the recipe's models, then every input tensor's header, before any
-tensor data is read or any file written, so a missing tensor, a shape mismatch or a truncated file is
-one line naming the model and tensor. Each header is read once per merge (``HeaderCache``). A model
-folder is read as mergekit 0.1.5 reads it, its names and files a stranger's (``mergekit_ram.files``).
+"""Up-front checks of a RAM merge: the recipe's models, then every input tensor's header (once per merge),
+before any tensor data is read or any file written, so a bad input is one line naming the model and tensor.
+A model folder is read as mergekit 0.1.5 reads it, its names and files a stranger's (``mergekit_ram.files``).
 """
 
 from __future__ import annotations
@@ -38,8 +37,8 @@ class TensorHeader(NamedTuple):
 
 
 def read_header(model: str, file: str) -> Optional[dict[str, TensorHeader]]:
-    """The tensors of a safetensors file as safetensors reads its header (of the descriptor checked, not
-    waiting on a FIFO); None for a ``.bin`` file, which mergekit loads itself with ``weights_only``."""
+    """The header of the descriptor checked regular (a FIFO is not waited on); None for a ``.bin`` file, which
+    mergekit loads itself with ``weights_only``."""
     try:
         with open_regular(file) as (handle, _):
             if not file.lower().endswith(".safetensors"):  # mergekit's test (``TensorLoader.get``)
@@ -66,8 +65,7 @@ def read_header(model: str, file: str) -> Optional[dict[str, TensorHeader]]:
 
 
 class HeaderCache:
-    """Each safetensors header read once per merge, by real path (the checks and mergekit's index may
-    spell a model's folder differently); None for a file mergekit reads itself."""
+    """Headers by real path (the checks and mergekit's index may spell a model's folder differently)."""
 
     def __init__(self) -> None:
         self._files: dict[str, Optional[dict[str, TensorHeader]]] = {}
@@ -96,8 +94,7 @@ def mergekit_weights(folder: str) -> Optional[str]:
 
 
 def read_index(model: str, index: str) -> dict[str, str]:
-    """An index's ``weight_map`` of tensors to plain names of files beside it (mergekit joins each to the
-    folder, so ``../x`` would be read from outside it)."""
+    """Its ``weight_map``, of plain file names (mergekit joins each to the folder: ``../x`` is outside it)."""
     try:
         data = read_json(index)
         weight_map = data.get("weight_map") if isinstance(data, dict) else None
@@ -150,8 +147,8 @@ def read_config(model: ModelIdentity) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class BaseFit:
-    """What ``check_fits_base`` needs of mergekit: whether it merges two architectures (None: its
-    ``--allow-crimes``), an architecture's tensors with a vocabulary axis, and ``tokenizer_source`` set."""
+    """Of mergekit: whether it merges two architectures (None: ``--allow-crimes``), an architecture's
+    vocabulary axes, and whether ``tokenizer_source`` is set."""
 
     same_architecture: Optional[Callable[[str, str], bool]] = None
     vocabulary_axes: Callable[[str], Mapping[str, int]] = lambda architecture: {}
@@ -191,8 +188,7 @@ ModelFiles = tuple[ModelIdentity, dict[str, Any], dict[str, TensorHeader]]
 
 
 def check_fits_base(model: ModelFiles, base: ModelFiles, fit: BaseFit, whole_model: bool) -> None:
-    """The same architecture, depth (of a whole model) and tensor shapes as the base, before mergekit's
-    tracebacks naming no model (a vocabulary size passes where the recipe aligns vocabularies)."""
+    """Architecture, depth (of a whole model) and shapes; a vocabulary size passes where the recipe aligns them."""
     (identity, config, tensors), (base_identity, base_config, base_tensors) = model, base
     name, base_name = _architecture(identity, config), _architecture(base_identity, base_config)
     if fit.same_architecture is not None and name and base_name and not fit.same_architecture(name, base_name):
@@ -220,7 +216,7 @@ def check_fits_base(model: ModelFiles, base: ModelFiles, fit: BaseFit, whole_mod
 
 
 def _architecture(model: ModelIdentity, config: dict[str, Any]) -> Optional[str]:
-    """The architecture mergekit takes a model for: its override, else the one its config.json names."""
+    """The architecture mergekit takes a model for: its override, else its config.json's one."""
     names = config.get("architectures")
     if model.override_architecture is not None:
         return model.override_architecture
@@ -244,8 +240,7 @@ def shape_error(
 
 
 def check_listed_once(base: ModelIdentity, model_lists: Iterable[tuple[str, Sequence[ModelIdentity]]]) -> None:
-    """No model twice in a list, nor the base among the fine-tunes, under any spelling (mergekit compares
-    references as written, and RAM would count one model's changes twice)."""
+    """No model twice in a list, nor the base among the fine-tunes, under any spelling (mergekit's is as written)."""
     for where, models in model_lists:
         seen: dict[tuple[Optional[str], ...], ModelIdentity] = {}
         for model in models:

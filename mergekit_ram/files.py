@@ -1,6 +1,5 @@
-"""Files whose names and contents come from a stranger's folder: a name read from one must be
-``plain_name``; a file is opened without blocking (a FIFO does not hang the merge), must be regular, and
-is read up to a limit (a crafted file cannot exhaust memory). Standard library only.
+"""Files of a stranger's folder: a name read from one must be ``plain_name``; a file is opened without blocking
+(a FIFO does not hang the merge), must be regular, and is read up to a limit (memory). Standard library only.
 """
 
 from __future__ import annotations
@@ -15,23 +14,22 @@ from typing import Any, Iterator, Optional
 
 LOG = logging.getLogger(__name__)
 
-#: The largest JSON file (manifest, index, journal, cache entry, config) read: well above any real one.
-JSON_LIMIT = 64 << 20
+JSON_LIMIT = 64 << 20  # the largest JSON file read (manifest, index, cache entry, config): above any real one
 
 
 class UnreadableFile(ValueError):
-    """A file that is not a regular file within the size limit, or not the JSON expected; says why."""
+    """Not a regular file within the size limit, or not JSON; says why."""
 
 
 def plain_name(name: object) -> bool:
-    """Whether ``name`` names an entry directly inside a folder: no separator or NUL, not ``.`` or ``..``."""
+    """An entry directly inside a folder: no separator or NUL, not ``.`` or ``..``."""
     return isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\0" not in name
 
 
 @contextlib.contextmanager
 def open_regular(path: str, *, dir_fd: Optional[int] = None, follow_symlinks: bool = True) -> Iterator[tuple[int, int]]:
-    """A descriptor of the regular file at ``path`` and its size, opened non-blocking (a FIFO is refused, not
-    waited on); ``UnreadableFile`` for a link (without ``follow_symlinks``) or a file that is not regular."""
+    """(descriptor, size), opened non-blocking; ``UnreadableFile`` for a FIFO (not waited on), another file
+    that is not regular, or a link without ``follow_symlinks``."""
     try:
         handle = os.open(path, os.O_RDONLY | os.O_NONBLOCK | (0 if follow_symlinks else os.O_NOFOLLOW), dir_fd=dir_fd)
     except OSError as error:
@@ -48,7 +46,7 @@ def open_regular(path: str, *, dir_fd: Optional[int] = None, follow_symlinks: bo
 
 
 def read_regular(path: str, limit: int, *, dir_fd: Optional[int] = None, follow_symlinks: bool = True) -> bytes:
-    """The bytes of the regular file at ``path``, at most ``limit`` (see ``open_regular``)."""
+    """At most ``limit`` bytes (see ``open_regular``)."""
     with open_regular(path, dir_fd=dir_fd, follow_symlinks=follow_symlinks) as (handle, size):
         if size > limit:
             raise UnreadableFile(f"it is {size:,} bytes, more than the {limit:,} expected at most")
@@ -57,7 +55,7 @@ def read_regular(path: str, limit: int, *, dir_fd: Optional[int] = None, follow_
 
 
 def read_json(path: str, *, dir_fd: Optional[int] = None, follow_symlinks: bool = True) -> Any:
-    """The JSON value in the file at ``path`` (``read_regular``); ``UnreadableFile`` says what is wrong."""
+    """``read_regular``, as JSON."""
     data = read_regular(path, JSON_LIMIT, dir_fd=dir_fd, follow_symlinks=follow_symlinks)
     try:
         return json.loads(data.decode("utf-8"))
@@ -66,7 +64,7 @@ def read_json(path: str, *, dir_fd: Optional[int] = None, follow_symlinks: bool 
 
 
 def write_atomically(path: str, text: str, *, dir_fd: Optional[int] = None) -> None:
-    """Write ``text`` to a new file renamed onto ``path``: all or nothing, a link there replaced, not followed."""
+    """A new file renamed onto ``path``: all or nothing, a link there replaced, not followed."""
     partial = f"{path}.{os.getpid()}.partial"
     with contextlib.suppress(FileNotFoundError):
         os.unlink(partial, dir_fd=dir_fd)  # left by a killed process that had this pid
@@ -85,7 +83,7 @@ def write_atomically(path: str, text: str, *, dir_fd: Optional[int] = None) -> N
 
 @contextlib.contextmanager
 def removed_if_failed(path: Optional[str]) -> Iterator[None]:
-    """The folders of ``path`` the block creates are removed, innermost first and only while empty, if it fails."""
+    """The folders of ``path`` the block creates are removed, innermost first, while empty, if it fails."""
     missing = []
     folder = os.path.abspath(path) if path else ""
     while folder and not os.path.lexists(folder):

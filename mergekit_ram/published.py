@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import os
 import re
+from pathlib import Path
 from typing import Any, Optional
 
 import click
@@ -13,33 +13,28 @@ from mergekit_ram.stats.data import RamStatistics
 from mergekit_ram.stats.render import card_markdown, compact_table
 from mergekit_ram.stats.schema import STATISTICS_FILE
 
-#: The Hub tag of every model merged with mergekit-ram's methods.
-CARD_TAG = "mergekit-ram"
-#: The bullet list under mergekit's "### Models Merged" heading (its intro line, then the bullets).
+CARD_TAG = "mergekit-ram"  # the Hub tag of every model merged with mergekit-ram's methods
+#: mergekit's "### Models Merged" heading, its intro line, then the bullets.
 _MODEL_LIST = re.compile(r"(^### Models Merged\n\n[^\n]*\n)((?:\* [^\n]*\n)+)", re.MULTILINE)
 
 
 def append_card_section(out_path: str, statistics: RamStatistics) -> None:
     """Make mergekit's card reproducible and tag it, then add how to reproduce the merge and its statistics."""
-    card = os.path.join(out_path, "README.md")
-    if not os.path.exists(card):
+    card = Path(out_path, "README.md")
+    if not card.exists():
         return
-    with open(card, encoding="utf-8") as handle:
-        text = handle.read()
-    with open(card, "w", encoding="utf-8") as handle:
-        handle.write(with_card_metadata(with_sorted_model_list(text), CARD_TAG) + "\n" + card_markdown(statistics))
+    text = with_card_metadata(with_sorted_model_list(card.read_text(encoding="utf-8")), CARD_TAG)
+    card.write_text(text + "\n" + card_markdown(statistics), encoding="utf-8")
 
 
 def with_sorted_model_list(card: str) -> str:
-    """mergekit's "Models Merged" bullets sorted: it lists them from a set, in an order that changes with the
-    hash seed from run to run."""
+    """mergekit's "Models Merged" bullets sorted: it lists them from a set, in an order that changes with the seed."""
     return _MODEL_LIST.sub(lambda found: found[1] + "".join(sorted(found[2].splitlines(True))), card, count=1)
 
 
 def with_card_metadata(card: str, tag: str) -> str:
-    """``card`` with ``tag`` in its front matter's ``tags``, its ``base_model`` list sorted (mergekit's comes
-    from a set) and, where it names models, ``base_model_relation: merge``: the Hub's metadata for a merge
-    (https://huggingface.co/docs/hub/model-cards#specifying-a-base-model)."""
+    """``tag`` added, ``base_model`` sorted (mergekit's is a set) and ``base_model_relation: merge`` where it names
+    models: the Hub's metadata for a merge (https://huggingface.co/docs/hub/model-cards#specifying-a-base-model)."""
     metadata, body = front_matter(card)
     if metadata is None:
         return card
@@ -53,8 +48,7 @@ def with_card_metadata(card: str, tag: str) -> str:
 
 
 def front_matter(card: str) -> tuple[Optional[dict[str, Any]], str]:
-    """(the card's YAML front matter, the text after it); (None, ``card``) where it has none that reads as a
-    mapping; ``yaml.YAMLError`` (or ``RecursionError``) for one that is not YAML."""
+    """(its YAML mapping, the text after it), else (None, ``card``); ``yaml.YAMLError`` where it is not YAML."""
     end = card.find("\n---\n", 4) if card.startswith("---\n") else -1
     if end < 0:
         return None, card

@@ -20,17 +20,14 @@ from mergekit_ram.staging import MANIFEST_FILE, MARKER_FILE, PRIVATE_PREFIX
 from mergekit_ram.stats.schema import STATISTICS_FILE
 
 CARD, RECIPE, CONFIG, INDEX = "README.md", "mergekit_config.yml", "config.json", "model.safetensors.index.json"
-#: Files that make a tokenizer transformers can load (with ``tokenizer_config.json``).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
-#: The files that name the merged models, in the order they are reported.
-NAMING_FILES = (CARD, RECIPE, STATISTICS_FILE)
-#: What the Hub takes as a licence id (``apache-2.0``, ``llama3.1``, ``cc-by-nc-4.0``, ``other``).
-LICENSE_ID = re.compile(r"[a-z0-9][a-z0-9.+-]*")
-MERGE_TAG = "merge"  # the Hub's tag for merged models
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")  # what transformers loads, with its config
+NAMING_FILES = (CARD, RECIPE, STATISTICS_FILE)  # the files that name the merged models, in report order
+LICENSE_ID = re.compile(r"[a-z0-9][a-z0-9.+-]*")  # a Hub licence id: apache-2.0, llama3.1, cc-by-nc-4.0, other
+MERGE_TAG = "merge"
 
 
 class Finding(NamedTuple):
-    """One line of the report: ``check`` names what was checked (for scripts); a ``note`` does not stop sharing."""
+    """A line of the report; ``check`` names the check for scripts; a note does not stop sharing."""
 
     check: str
     message: str
@@ -39,7 +36,7 @@ class Finding(NamedTuple):
 
 class Report(NamedTuple):
     folder: str
-    findings: tuple[Finding, ...]
+    findings: list[Finding]
 
     def of(self, note: bool) -> list[Finding]:
         return [finding for finding in self.findings if finding.note == note]
@@ -49,27 +46,18 @@ class Report(NamedTuple):
         return not self.of(note=False)
 
     def to_json(self) -> dict[str, Any]:
-        listed = {
-            key: [{"check": f.check, "message": f.message} for f in self.of(key == "notes")]
-            for key in ("problems", "notes")
-        }
-        return {"folder": self.folder, "ready": self.ready, **listed}
+        problems, notes = ([{"check": f.check, "message": f.message} for f in self.of(note)] for note in (False, True))
+        return {"folder": self.folder, "ready": self.ready, "problems": problems, "notes": notes}
 
     def lines(self) -> list[str]:
-        problems = self.of(note=False)
-        verdict = f"{len(problems)} problem(s): do not upload yet" if problems else "ready to upload"
-        return [
-            *(f"note: {f.message}" for f in self.of(note=True)),
-            *(f"problem: {f.message}" for f in problems),
-            verdict,
-        ]
+        problems = len(self.of(note=False))
+        verdict = f"{problems} problem(s): do not upload yet" if problems else "ready to upload"
+        return [f"{'note' if f.note else 'problem'}: {f.message}" for f in self.of(True) + self.of(False)] + [verdict]
 
 
 class FolderFile(NamedTuple):
-    """A file of the folder: ``text`` None where it is absent or unreadable (``problem``)."""
-
     name: str
-    text: Optional[str]
+    text: Optional[str]  # None where absent or unreadable (``problem``)
     problem: Optional[Finding] = None
 
 
@@ -79,7 +67,7 @@ def _reason(error: Exception) -> str:
 
 @contextlib.contextmanager
 def opened_folder(out: str) -> Iterator[int]:
-    """A descriptor of the folder ``out`` (the user's own path: a link to a folder is followed)."""
+    """The user's own path: a link to a folder is followed."""
     try:
         folder = os.open(out, os.O_RDONLY | os.O_DIRECTORY)
     except OSError as error:
@@ -91,7 +79,7 @@ def opened_folder(out: str) -> Iterator[int]:
 
 
 def read_file(folder: int, name: str, check: str) -> FolderFile:
-    """The text of ``name`` in the folder: a regular file (not a link), bounded, UTF-8."""
+    """A regular file of the folder (not a link), bounded, UTF-8."""
     try:
         return FolderFile(name, read_regular(name, JSON_LIMIT, dir_fd=folder, follow_symlinks=False).decode("utf-8"))
     except FileNotFoundError:
@@ -107,25 +95,26 @@ def parsed_json(file: FolderFile) -> Any:
     return None
 
 
+def card_front_matter(card: str) -> tuple[Optional[dict[str, Any]], str]:
+    """``front_matter``, with (None, ``card``) for front matter that is not YAML."""
+    with contextlib.suppress(yaml.YAMLError, RecursionError):
+        return front_matter(card)
+    return None, card
+
+
 def check_folder(out: str, accept_warnings: bool = False) -> Report:
-    """Every check of the merged folder ``out``; ``accept_warnings`` makes statistics warnings notes."""
+    """``accept_warnings`` makes statistics warnings notes."""
     with opened_folder(out) as folder:
         names = set(os.listdir(folder))
         files = card, recipe, statistics = [
             read_file(folder, name, check) for name, check in zip(NAMING_FILES, ("card", "recipe", "statistics"))
         ]
-        data = parsed_json(statistics)
-        findings = [
-            *incomplete(names),
-            *weights(folder, names),
-            *config(folder),
-            *tokenizer(folder),
-            *(file.problem for file in files if file.problem is not None),
-            *statistics_findings(statistics, data, accept_warnings),
-            *card_findings(card, data),
-            *local_paths(files, models_named(recipe, data, card)),
-        ]
-    return Report(out, tuple(findings))
+        findings = [*incomplete(names), *weights(folder, names), *config(folder), *tokenizer(folder)]
+    findings += [file.problem for file in files if file.problem is not None]
+    data = parsed_json(statistics)
+    metadata = card_front_matter(card.text)[0] if card.text is not None else None
+    findings += statistics_findings(statistics, data, accept_warnings) + card_findings(card, metadata, data)
+    return Report(out, findings + local_paths(files, models_named(recipe, data, metadata)))
 
 
 def config(folder: int) -> list[Finding]:
@@ -159,9 +148,7 @@ def weights(folder: int, names: set[str]) -> list[Finding]:
     if not files:
         return [Finding("weights", "no weights (*.safetensors): merge again with mergekit-yaml")]
     found = index_findings(folder, names) if INDEX in names else []
-    for name in files:
-        found += tensor_findings(folder, name)
-    return found
+    return found + [finding for name in files for finding in tensor_findings(folder, name)]
 
 
 def index_findings(folder: int, names: set[str]) -> list[Finding]:
@@ -192,16 +179,12 @@ def tensor_findings(folder: int, name: str) -> list[Finding]:
         return [Finding("weights", f"{name} cannot be read ({_reason(error)}): merge again")]
     except Exception as error:  # safetensors' own refusal of a damaged file, whatever its type
         return [Finding("weights", f"{name} does not load with safetensors ({one_line(error)}): merge again")]
-    if not bad:
-        return []
     shown = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
-    return [
-        Finding(
-            "finite",
-            f"{name}: {len(bad)} tensor(s) hold NaN or Inf ({shown}): do not share it; check the inputs and merge "
-            "again (a wider out_dtype where values overflow it)",
-        )
-    ]
+    message = (
+        f"{name}: {len(bad)} tensor(s) hold NaN or Inf ({shown}): do not share it; check the inputs and merge again "
+        "(a wider out_dtype where values overflow it)"
+    )
+    return [Finding("finite", message)] if bad else []
 
 
 def is_finite(tensor: Any) -> bool:
@@ -241,19 +224,12 @@ def statistics_findings(statistics: FolderFile, data: Any, accept_warnings: bool
     ]
 
 
-def card_metadata(text: Optional[str]) -> Optional[dict[str, Any]]:
-    with contextlib.suppress(yaml.YAMLError, RecursionError):
-        return front_matter(text)[0] if text is not None else None
-    return None
-
-
-def card_findings(card: FolderFile, statistics: Any) -> list[Finding]:
+def card_findings(card: FolderFile, metadata: Optional[dict[str, Any]], statistics: Any) -> list[Finding]:
     """The card's front matter as the Hub reads it: a licence, ``base_model`` (a merge of them), the merge tag."""
     if card.problem is not None:
         return []
     if card.text is None:
         return [Finding("card", f"no {CARD} model card: merge with mergekit-yaml (without --no-write-model-card)")]
-    metadata = card_metadata(card.text)
     if metadata is None:
         return [
             Finding(
@@ -301,13 +277,13 @@ def card_findings(card: FolderFile, statistics: Any) -> list[Finding]:
     return found
 
 
-def models_named(recipe: FolderFile, statistics: Any, card: FolderFile) -> list[str]:
+def models_named(recipe: FolderFile, statistics: Any, card: Optional[dict[str, Any]]) -> list[str]:
     """Every model the statistics, the recipe and the card's ``base_model`` name."""
     listed_models = statistics.get("models") if isinstance(statistics, dict) else None
     names = [str(m["model"]) for m in listed_models or () if isinstance(m, dict) and "model" in m]
     with contextlib.suppress(yaml.YAMLError, RecursionError):
         names += recipe_models(yaml.safe_load(recipe.text) if recipe.text else None)
-    listed = (card_metadata(card.text) or {}).get("base_model") or []
+    listed = (card or {}).get("base_model") or []
     return names + [str(name) for name in (listed if isinstance(listed, list) else [listed])]
 
 
@@ -330,15 +306,10 @@ def recipe_models(document: Any) -> list[str]:
     return found
 
 
-def local_path(name: str) -> bool:
-    """Not a Hub id (``name`` or ``org/name``): starts with / ~ or ., has more than one /, or is a folder here."""
-    return bool(name) and (name[0] in "/~." or name.count("/") > 1 or os.path.isdir(name))
-
-
 def local_paths(files: list[FolderFile], models: list[str]) -> list[Finding]:
-    """A problem per file that names a local path: readers of the card cannot find those models."""
+    """Not Hub ids (``name``, ``org/name``): readers of the card cannot find those models."""
     paths = sorted({part.split("@")[0] for name in models for part in name.split("+")} - {""})
-    local = [path for path in paths if local_path(path)]
+    local = [path for path in paths if path[0] in "/~." or path.count("/") > 1 or os.path.isdir(path)]
     return [
         Finding(
             "local_paths",
@@ -359,10 +330,9 @@ def set_license(out: str, license_id: str) -> None:
             raise MergedFolderError(
                 f"cannot set the licence of {out}: {reason} (merge with mergekit-yaml, which writes the card)"
             )
-        metadata = card_metadata(card.text)
+        metadata, body = card_front_matter(card.text)
         if metadata is None and card.text.startswith("---\n"):
             raise MergedFolderError(
                 f"cannot set the licence: the front matter of {out}/{CARD} is not a YAML mapping; fix it by hand"
             )
-        body = card.text if metadata is None else front_matter(card.text)[1]
         write_atomically(CARD, with_front_matter({**(metadata or {}), "license": license_id}, body), dir_fd=folder)
