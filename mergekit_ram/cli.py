@@ -157,8 +157,7 @@ def demo(out_dir: str, architecture: str, seed: int) -> None:
 
 
 def claim_demo_folder(out_dir: str) -> None:
-    """Take ``out_dir`` for the demo, which overwrites its files: a new or empty folder (then marked), or one
-    whose marker is a regular file; anything else is refused."""
+    """A new or empty ``out_dir`` (then marked), or one whose marker is a regular file: the demo overwrites it."""
     from mergekit_ram.files import UnreadableFile, open_regular
 
     os.makedirs(out_dir, exist_ok=True)

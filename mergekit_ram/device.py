@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from mergekit_ram.errors import DeviceError
 
 
-def check_device(device: Optional[str], flag: str) -> None:
+def check_device(device: str, flag: str) -> None:
     """A CUDA ``device`` (asked for by ``flag``: ``--cuda``, ``--gpu-rich``, ``--device cuda:1``) is visible."""
-    device = str(device or "cpu")
     if not device.startswith("cuda"):
         return
     index = int(device.partition(":")[2] or 0)

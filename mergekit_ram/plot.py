@@ -20,8 +20,7 @@ def check_plot_extra() -> None:
 
 
 def plot_statistics(statistics: RamStatistics, path: str) -> None:
-    """Left: share of parameters each model changed. Right: how many models changed them (after
-    ``check_plot_extra``)."""
+    """Left: share of parameters each model changed. Right: how many models changed them."""
     import matplotlib
 
     matplotlib.use("Agg")

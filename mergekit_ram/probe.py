@@ -23,8 +23,7 @@ class ProbeSelection(NamedTuple):
 
 
 def select_stages(recipe_path: str, stage_name: Optional[str] = None, intermediate_dir: str = "") -> ProbeSelection:
-    """The mergekit-ram stages of a recipe file whose inputs exist (a stage merging an earlier stage's output
-    only once mergekit-multi has written it under ``intermediate_dir``)."""
+    """The mergekit-ram stages of a recipe file whose inputs exist (an earlier stage's under ``intermediate_dir``)."""
     from mergekit_ram.errors import RecipeError
     from mergekit_ram.integration.recipes import check_method_name, read_stages
     from mergekit_ram.parameters import METHOD_PARAMETERS, ParameterError
@@ -72,8 +71,7 @@ def select_stages(recipe_path: str, stage_name: Optional[str] = None, intermedia
 
 
 def probe_config(config: Any, options: Any, refresh: bool = False) -> RamStatistics:
-    """Only the pre-pass of a MergeConfiguration of these methods, checked as a merge checks it; its
-    statistics (``refresh`` recomputes counts the cache has)."""
+    """The statistics of a RAM MergeConfiguration's checks and pre-pass alone, after registering the methods."""
     from mergekit_ram.integration import register
     from mergekit_ram.integration.merge import probe_statistics
 
@@ -92,8 +90,7 @@ def stage_plot_path(path: str, stage: Stage, selection: ProbeSelection) -> str:
 def probe_report_json(
     selection: ProbeSelection, reports: list[tuple[Stage, RamStatistics]], by_module: bool
 ) -> dict[str, Any]:
-    """One recipe: its statistics (with ``by_module``, per part of the network too); a multi-stage file:
-    ``{"stages": {name: ...}, "not_probed": [...]}``."""
+    """One recipe: its statistics; a multi-stage file: ``{"stages": {name: ...}, "not_probed": [...]}``."""
     if selection.single:
         return statistics_to_dict(reports[0][1], with_modules=by_module)
     return {

@@ -51,15 +51,12 @@ def tiny_config(
     vocab_size: int = 256,
     tie_word_embeddings: bool = False,
 ):
-    """A small Llama or Qwen2 configuration (transformers)."""
-    from transformers import LlamaConfig, Qwen2Config
+    """A small Llama or Qwen2 configuration: transformers' own config class for ``architecture``."""
+    from transformers import AutoConfig
 
-    config_class, model_class = {
-        "llama": (LlamaConfig, "LlamaForCausalLM"),
-        "qwen2": (Qwen2Config, "Qwen2ForCausalLM"),
-    }[architecture]
-    return config_class(
-        architectures=[model_class],
+    return AutoConfig.for_model(
+        architecture,
+        architectures=[f"{architecture.capitalize()}ForCausalLM"],
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
         num_hidden_layers=num_layers,
