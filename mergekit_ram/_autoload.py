@@ -1,46 +1,33 @@
-"""Registers mergekit-ram with mergekit the moment mergekit is imported.
-
-Imported at interpreter start by ``mergekit_ram_autoload.pth``; standard library only (about 1.5 ms).
-A ``sys.meta_path`` finder watches mergekit's modules; once no mergekit or boundary module is
-half-executed, ``HOOKS`` patch those imported, in order, after checking the internals imported so far;
-where one has moved, the plugin steps aside as a whole (``integration.guard``). Every other import
-passes straight through. ``MERGEKIT_RAM_AUTOLOAD=0`` switches it off (``mergekit_ram.register()``
-does the same explicitly). In ``MERGE_COMMANDS``, a Ctrl-C before the command's callback begins is
-one line and exit status 130 (``mergekit_ram.interrupts``).
+"""Registers mergekit-ram with mergekit the moment mergekit is imported (imported at interpreter start by
+``mergekit_ram_autoload.pth``; standard library only). A ``sys.meta_path`` finder runs ``HOOKS`` once no
+mergekit or boundary module is half-executed; where an internal has moved, the plugin steps aside
+(``integration.guard``). ``MERGEKIT_RAM_AUTOLOAD=0`` switches it off. In a command that runs a merge, a
+Ctrl-C before its callback begins is one line and exit status 130 (``mergekit_ram.interrupts``).
 """
 
+import importlib
 import os
 import sys
 
 ENVIRONMENT_VARIABLE = "MERGEKIT_RAM_AUTOLOAD"
 
-# mergekit module -> the "module:function"s of mergekit_ram.integration that patch it, in order; each
-# names its own submodule, so a hook fired while the boundary is still importing needs only that one.
+# mergekit module -> the "module:function" of mergekit_ram.integration that patches it; each names its own
+# submodule, so a hook fired while the boundary is still importing needs only that one.
 HOOKS = {
-    "mergekit.merge_methods": ("registry:register_methods",),
-    "mergekit.merge": ("output:patch_run_merge",),
-    "mergekit.options": ("scripts:patch_scripts",),
+    "mergekit.merge_methods": "registry:register_methods",
+    "mergekit.merge": "output:patch_run_merge",
+    "mergekit.options": "scripts:patch_scripts",
 }
-
-
-#: The commands whose callback ends the quiet start: mergekit's hooked scripts, and mergekit-ram's runners.
-MERGE_COMMANDS = ("mergekit-yaml", "mergekit-multi", "mergekit-pytorch")
-RUNNERS = ("yaml", "multi", "pytorch")
+BOUNDARY = "mergekit_ram.integration"
 
 
 def enabled():
     return os.environ.get(ENVIRONMENT_VARIABLE, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
-BOUNDARY = "mergekit_ram.integration"
-
-
 class MergekitFinder:
-    """Finds nothing itself; wraps the real loader's exec_module of mergekit's and the boundary's modules.
-
-    Hooks wait until none of those is half-executed: ``mergekit.merge`` imports ``mergekit.merge_methods``
-    before its own objects exist, and the boundary's ``methods`` imports mergekit from inside it.
-    """
+    """Wraps the real loader's exec_module of mergekit's and the boundary's modules. Hooks wait until none is
+    half-executed: ``mergekit.merge`` imports ``mergekit.merge_methods`` before its own objects exist."""
 
     def __init__(self):
         self.executing = 0  # mergekit and boundary modules executing right now
@@ -70,7 +57,8 @@ class MergekitFinder:
                 exec_module(module)
             finally:
                 self.executing -= 1
-            self.pending.extend((hook_name, module) for hook_name in HOOKS.get(fullname, ()))
+            if fullname in HOOKS:
+                self.pending.append((HOOKS[fullname], module))
             if not self.executing:
                 self.apply_pending()
 
@@ -106,8 +94,6 @@ class MergekitFinder:
 
     @staticmethod
     def _call(hook_name, *args, **kwargs):
-        import importlib
-
         submodule, _, function = hook_name.partition(":")
         return getattr(importlib.import_module(f"{BOUNDARY}.{submodule}"), function)(*args, **kwargs)
 
@@ -124,11 +110,12 @@ class MergekitFinder:
 
 
 def runs_a_merge(argv, hooked):
-    """Whether ``argv`` is a command that runs a merge through a callback this plugin hooks."""
+    """Whether ``argv`` runs a merge through a callback this plugin hooks: mergekit's hooked scripts, and
+    mergekit-ram's runners (the callback ends the quiet start)."""
     command = os.path.basename(argv[0]) if argv else ""
     if command == "mergekit-ram":
-        return len(argv) > 1 and argv[1] in RUNNERS
-    return hooked and command in MERGE_COMMANDS
+        return len(argv) > 1 and argv[1] in ("yaml", "multi", "pytorch")
+    return hooked and command in ("mergekit-yaml", "mergekit-multi", "mergekit-pytorch")
 
 
 if enabled() and not any(isinstance(finder, MergekitFinder) for finder in sys.meta_path):

@@ -1,9 +1,6 @@
-"""Where mergekit-ram cannot attach to the mergekit it finds: it stays out, and says so.
-
-Where an ``INTERNALS`` entry has moved, ``step_aside`` logs one line, takes back what was registered
-and makes mergekit's console scripts and ``run_merge`` refuse recipes naming the plugin's methods
-(``ram`` included) in one line with the pip command that fixes it; other recipes run as mergekit
-alone. Only plain ``getattr`` on mergekit here, never the table: the table is what has moved.
+"""Where an ``INTERNALS`` entry has moved, the plugin stays out and says so: one warning line, the methods
+unregistered, and mergekit's scripts and ``run_merge`` refusing recipes naming them (``ram`` included) in one
+line with the pip command; other recipes run as mergekit alone. Plain ``getattr`` here: the table has moved.
 """
 
 from __future__ import annotations
@@ -37,8 +34,7 @@ _MARK = "__mergekit_ram_refusal__"
 
 
 def step_aside(error: BaseException, module: str) -> str:
-    """The plugin out of mergekit after ``error`` (hooking ``module``): one warning line, the methods
-    unregistered, the entry points refusing them; returns the reason, for modules imported later."""
+    """The plugin out of mergekit after ``error`` (hooking ``module``); the reason, for modules imported later."""
     if isinstance(error, MergekitMovedError):
         reason = one_line(error)
     else:  # not a moved internal: a patch that failed all the same
@@ -53,10 +49,9 @@ def step_aside(error: BaseException, module: str) -> str:
         ", ".join(METHOD_PARAMETERS),
     )
     registry = sys.modules.get("mergekit_ram.integration.registry")
-    merge_methods = sys.modules.get("mergekit.merge_methods")
-    if registry is not None and merge_methods is not None:
+    if registry is not None and "mergekit.merge_methods" in sys.modules:
         with contextlib.suppress(MergekitMovedError):  # no registry table: nothing was registered in it
-            registry.unregister_methods(merge_methods)
+            registry.unregister_methods()
     for name in REFUSING:
         imported = sys.modules.get(name)
         if imported is not None:

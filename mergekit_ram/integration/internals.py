@@ -1,8 +1,6 @@
-"""Every mergekit internal this plugin uses, in one table, each reached through the version guard.
-
-Boundary modules get mergekit's objects with ``internal(module, name)`` and patch them with ``wrap``;
-nothing else imports mergekit. An entry moved, renamed or re-signed fails with a ``MergekitMovedError``
-naming the version, before any merge starts (then ``guard`` keeps the plugin out of mergekit).
+"""Every mergekit internal this plugin uses, in one table: boundary modules reach them with ``internal`` and
+patch them with ``wrap``. One moved, renamed or re-signed fails with a ``MergekitMovedError`` naming the
+version, before any merge starts.
 """
 
 from __future__ import annotations
@@ -29,8 +27,7 @@ class MergekitMovedError(RamError, RuntimeError):
 
 
 class Internal(NamedTuple):
-    """``name`` (dotted for a class's attribute) in ``module``; for a patched or overridden callable, the
-    ``parameters`` the plugin expects."""
+    """``name`` (dotted for a class's attribute) in ``module``; a patched callable's expected ``parameters``."""
 
     module: str
     name: str

@@ -1,8 +1,6 @@
-"""The four methods as mergekit group methods; each fine-tune's lambda arrives as a per-model parameter.
-
-``merge_group`` takes it from the recipe (written by the merge step or pinned); an unpinned ``ram_plus``
-lambda with r > 0 needs the global rho, so a path that does not count it first is refused. A direct call
-(``merge_state_dicts``) passes the whole model: ``__call__`` counts it first where needed.
+"""The four methods as mergekit group methods; each fine-tune's lambda arrives as a per-model parameter
+(written into the recipe, or pinned). A direct call (``merge_state_dicts``) counts the whole model first
+where a lambda needs the global rho; a path that counts nothing refuses such a lambda.
 """
 
 from __future__ import annotations
@@ -18,8 +16,8 @@ import torch
 from mergekit_ram.errors import InputError
 from mergekit_ram.integration.internals import internal
 from mergekit_ram.kernel import MergeOverflowError, MergeResult, NonFiniteInputError, count_overlaps, merge_tensors
-from mergekit_ram.lambdas import MergeRule, Resolved, merge_rule
-from mergekit_ram.parameters import METHOD_PARAMETERS, SHARED_RULES, ParameterError
+from mergekit_ram.lambdas import Resolved, merge_rule
+from mergekit_ram.parameters import METHOD_PARAMETERS, SHARED_RULES, ParameterError, ParameterInfo
 from mergekit_ram.rescaling import Rescaling
 from mergekit_ram.stats.arithmetic import model_lambda
 from mergekit_ram.stats.data import Pin, RamStatistics, TensorCounts
@@ -52,25 +50,16 @@ class RamMergeMethod(GroupMergeMethod):
 
     def __init__(self, name: str, statistics_sink: Optional[Callable[[RamStatistics], None]] = None):
         self.statistics_sink = statistics_sink
-        declared = tuple(
-            ParameterSpec(
-                name=info.name,
-                value_type=info.value_type,
-                scope=NON_BASE if info.per_model else SHARED,
-                default=info.default,
-            )
-            for info in METHOD_PARAMETERS[name]
-        )
-        hidden = tuple(
-            ParameterSpec(name=hidden, value_type=Optional[str], scope=SHARED, default=None)
-            for hidden in HIDDEN_PARAMETERS
-        )
+        hidden = [ParameterInfo(hidden, Optional[str], None, "") for hidden in HIDDEN_PARAMETERS]
         self.spec = MergeMethodSpec(
             name=name,
             pretty_name=PRETTY_NAMES[name],
             reference_url=REFERENCE_URL,
             contract=InputContract(base="required"),
-            parameters=declared + hidden,
+            parameters=tuple(
+                ParameterSpec(info.name, info.value_type, NON_BASE if info.per_model else SHARED, info.default)
+                for info in (*METHOD_PARAMETERS[name], *hidden)
+            ),
         )
 
     def __call__(
@@ -101,8 +90,10 @@ class RamMergeMethod(GroupMergeMethod):
         if needs_counts or self.statistics_sink is not None:
             counts = [count_group(group, values.shared["epsilon"], dtype) for group, values in zip(groups, resolved)]
             statistics = rule.statistics(counts, "pre-pass" if needs_counts else "merge")
-        if needs_counts:
-            supplied.update(with_lambdas(rule, finetunes, statistics))
+        if needs_counts:  # an infinite rho is left out: parameters are finite
+            applied = rule.applied([str(model) for model in finetunes], statistics)
+            supplied["lambda"] = {model: applied[str(model)].lambda_ for model in finetunes}
+            supplied["rho"] = {model: _finite(applied[str(model)].rho) for model in finetunes}
         supplied[OUT_DTYPE] = None if out_dtype is None else str(out_dtype).removeprefix("torch.")
         merged = super().__call__(
             groups, parameters=supplied, dtype=dtype, out_dtype=out_dtype, batch_options=batch_options
@@ -232,16 +223,6 @@ class RamMergeMethod(GroupMergeMethod):
         )
 
 
-def with_lambdas(rule: MergeRule, finetunes: Sequence[Any], statistics: Optional[RamStatistics]) -> dict[str, Any]:
-    """The per-model ``lambda`` and ``rho`` parameters; an infinite rho is left out (parameters are finite)."""
-    applied = rule.applied([str(model) for model in finetunes], statistics)
-    rhos = {model: applied[str(model)].rho for model in finetunes}
-    return {
-        "lambda": {model: applied[str(model)].lambda_ for model in finetunes},
-        "rho": {model: rho if rho is not None and math.isfinite(rho) else None for model, rho in rhos.items()},
-    }
-
-
 def count_group(group: Any, epsilon: float, dtype: Optional[torch.dtype]) -> TensorCounts:
     finetunes = [(entry.id, entry.tensor) for entry in group.non_base]
     return count_tensors(group.metadata.name or "", (group.base.id, group.base.tensor), finetunes, epsilon, dtype)
@@ -278,6 +259,10 @@ def append_counts(path: str, counts: TensorCounts) -> None:
     """One line of JSON per group, in one unbuffered append (threads may share the file)."""
     with open(path, "ab", buffering=0, opener=lambda file, flags: os.open(file, flags, 0o600)) as handle:
         handle.write((json.dumps(counts_to_dict(counts)) + "\n").encode())
+
+
+def _finite(value: Optional[float]) -> Optional[float]:
+    return value if value is not None and math.isfinite(value) else None
 
 
 def read_counts(path: str) -> list[TensorCounts]:

@@ -61,7 +61,7 @@ def register_methods(merge_methods: ModuleType) -> None:
             LOG.warning("mergekit-ram: merge method %r is already registered by someone else; leaving it", name)
 
 
-def unregister_methods(merge_methods: ModuleType) -> None:
+def unregister_methods() -> None:
     """``register_methods`` undone, the built-in ``ram`` put back: a moved mergekit runs as itself alone."""
     from mergekit_ram.integration.methods import METHODS
 

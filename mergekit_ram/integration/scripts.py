@@ -28,10 +28,8 @@ MergeOptions: Any = internal("mergekit.options", "MergeOptions")
 
 
 def patch_scripts(options: ModuleType) -> None:
-    """Errors as one line (exit 1; the traceback with ``-v``) through the scripts' shared click class: a
-    ``RamError`` always, others (YAML, schema, CUDA, resources) only for a RAM recipe, so other recipes keep
-    mergekit's output. A failed RAM ``mergekit-multi`` removes its ``-I`` folder if empty. Ctrl-C, but in
-    another method's merge, is one line and exit 130."""
+    """Through the scripts' shared click class: errors as one line (a ``RamError`` always, others for a RAM recipe
+    only), a failed RAM ``mergekit-multi``'s empty ``-I`` folder removed, Ctrl-C in a RAM merge one line (exit 130)."""
 
     def make(original: Callable[..., Any]) -> Callable[..., Any]:
         def invoke(command: Any, context: Any) -> Any:
