@@ -57,7 +57,12 @@ class RamMergeMethod(GroupMergeMethod):
             reference_url=REFERENCE_URL,
             contract=InputContract(base="required"),
             parameters=tuple(
-                ParameterSpec(info.name, info.value_type, NON_BASE if info.per_model else SHARED, info.default)
+                ParameterSpec(
+                    name=info.name,
+                    value_type=info.value_type,
+                    scope=NON_BASE if info.per_model else SHARED,
+                    default=info.default,
+                )
                 for info in (*METHOD_PARAMETERS[name], *hidden)
             ),
         )
