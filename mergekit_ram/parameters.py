@@ -44,11 +44,10 @@ class ParameterInfo:
         return TypeAdapter(self.value_type)
 
 
-_DEFAULT_RESCALING = Rescaling()
 EPSILON = ParameterInfo("epsilon", NonNegative, 1e-5, "a finite number >= 0")
-R = ParameterInfo("r", NonNegative, _DEFAULT_RESCALING.r, "a finite number >= 0")
-ALPHA = ParameterInfo("alpha", NonNegative, _DEFAULT_RESCALING.alpha, "a finite number >= 0")
-RULE = ParameterInfo("rule", Literal[tuple(RULES)], _DEFAULT_RESCALING.rule, rule_choices())
+R = ParameterInfo("r", NonNegative, Rescaling.r, "a finite number >= 0")
+ALPHA = ParameterInfo("alpha", NonNegative, Rescaling.alpha, "a finite number >= 0")
+RULE = ParameterInfo("rule", Literal[tuple(RULES)], Rescaling.rule, rule_choices())
 RHO = ParameterInfo("rho", Optional[NonNegative], None, "a finite number >= 0 (pins the model's rho)", per_model=True)
 LAMBDA = ParameterInfo(
     "lambda", Optional[NonNegative], None, "a finite number >= 0 (pins the model's lambda)", per_model=True
