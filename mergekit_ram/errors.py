@@ -69,8 +69,8 @@ RESOURCE_FAILURES = {
 
 
 def resource_message(error: BaseException, doing: str) -> Optional[str]:
-    """One line naming the resource that ran out while ``doing`` and its fix, when the chain's first error (not
-    one raised while cleaning up) is such an ``OSError``, a ``MemoryError``, or quotes the system's text for one."""
+    """The resource that ran out while ``doing`` and its fix, when the chain's first error is such an ``OSError``,
+    a ``MemoryError``, or quotes the system's text for one."""
     root = _root(error)
     code: Optional[int]
     if isinstance(root, OSError) and root.errno in RESOURCE_FAILURES:
@@ -89,18 +89,15 @@ def resource_message(error: BaseException, doing: str) -> Optional[str]:
 def _root(error: BaseException) -> BaseException:
     """The first exception of ``error``'s chain (causes and contexts)."""
     seen = {id(error)}
-    while True:
-        earlier = error.__cause__ or error.__context__
-        if earlier is None or id(earlier) in seen:
-            return error
+    while (earlier := error.__cause__ or error.__context__) is not None and id(earlier) not in seen:
         seen.add(id(earlier))
         error = earlier
+    return error
 
 
 def _quoted_failure(message: str) -> tuple[Optional[int], str]:
-    """(errno, the message without the system's text) for a message quoting a resource failure (longest text
-    first: ENFILE's holds EMFILE's), else (None, "")."""
-    for code in sorted(RESOURCE_FAILURES, key=lambda code: -len(os.strerror(code))):
+    """(errno, the message before the system's text) for a quoted resource failure, else (None, "")."""
+    for code in sorted(RESOURCE_FAILURES, key=lambda code: -len(os.strerror(code))):  # ENFILE's text holds EMFILE's
         found = re.search(re.escape(os.strerror(code)), message, re.IGNORECASE)
         if found:
             return code, _joined(re.sub(r"\[Errno \d+\]", "", message[: found.start()]).rstrip(" :(-"))
@@ -117,8 +114,7 @@ def exit_on_one_line(error: BaseException, verbose: bool, message: Optional[str]
 
 
 def exit_if_reported(error: BaseException, verbose: bool, doing: str) -> None:
-    """``exit_on_one_line`` for a ``RamError`` or a resource failure; returns for any other, which the caller
-    re-raises (both called inside the ``except`` block that caught ``error``)."""
+    """``exit_on_one_line`` for a ``RamError`` or a resource failure; returns for any other (the caller re-raises)."""
     message = one_line(error) if isinstance(error, RamError) else resource_message(error, doing)
     if message is not None:
         exit_on_one_line(error, verbose, message)

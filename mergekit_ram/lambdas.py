@@ -16,8 +16,7 @@ from mergekit_ram.stats.data import Pin, RamStatistics, Source, TensorCounts
 
 
 class Resolved(NamedTuple):
-    """A method's parameters resolved for one tensor (or group): ``shared`` by name, ``per_model``:
-    model -> name -> value (None where unset)."""
+    """A method's parameters for one tensor (or group): ``shared`` by name, ``per_model``: model -> name -> value."""
 
     name: str
     shared: Mapping[str, Any]
@@ -50,8 +49,7 @@ class MergeRule:
         return rescaling is not None and rescaling.r != 0 and any(self.pin(model) is None for model in finetunes)
 
     def applied(self, finetunes: Sequence[str], statistics: Optional[RamStatistics]) -> dict[str, Applied]:
-        """Each model's lambda as the kernel applies it and its rho (None for a pinned lambda or scale):
-        from ``statistics`` when counts were needed, else from the pins alone."""
+        """Each model's lambda as applied and its rho (None for a pinned lambda or scale); no counts: from pins."""
         if statistics is not None:
             return {
                 stats.model: Applied(stats.lambda_, None if stats.pinned in ("lambda", "scale") else stats.rho)
@@ -86,8 +84,7 @@ class MergeRule:
 
 
 def merge_rule(method: str, tensors: Sequence[Resolved]) -> MergeRule:
-    """The one MergeRule of a merge: every whole-merge parameter but epsilon (r, alpha, rule, density) one
-    value over ``tensors``, and each model's own parameter one value (its pin or scale)."""
+    """The one MergeRule of a merge: each whole-merge parameter but epsilon, and each model's pin, one value."""
     if method not in METHOD_PARAMETERS:
         raise ValueError(f"not a mergekit-ram method: {method!r}")
     values = {}
@@ -100,8 +97,7 @@ def merge_rule(method: str, tensors: Sequence[Resolved]) -> MergeRule:
 
 
 def _pins(method: str, tensors: Sequence[Resolved]) -> tuple[tuple[str, Pin, float], ...]:
-    """(model, kind, value) for each model whose own parameters set one value over the whole merge:
-    its lambda, else its rho (ram_plus, ram_ties), or its scale (ram_unique)."""
+    """(model, kind, value) for each model that sets its lambda, else its rho, or its scale (ram_unique)."""
     pins = []
     for model in dict.fromkeys(model for tensor in tensors for model in tensor.per_model):
         seen: dict[tuple[Pin, Any], str] = {}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import difflib
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Iterable, Literal, Optional
+from typing import Any, Iterable, Literal, Optional, Sequence
 
 from pydantic import BeforeValidator, Field, TypeAdapter, ValidationError
 from typing_extensions import Annotated
@@ -44,11 +44,10 @@ class ParameterInfo:
         return TypeAdapter(self.value_type)
 
 
-_DEFAULT_RESCALING = Rescaling()
 EPSILON = ParameterInfo("epsilon", NonNegative, 1e-5, "a finite number >= 0")
-R = ParameterInfo("r", NonNegative, _DEFAULT_RESCALING.r, "a finite number >= 0")
-ALPHA = ParameterInfo("alpha", NonNegative, _DEFAULT_RESCALING.alpha, "a finite number >= 0")
-RULE = ParameterInfo("rule", Literal[tuple(RULES)], _DEFAULT_RESCALING.rule, rule_choices())
+R = ParameterInfo("r", NonNegative, Rescaling.r, "a finite number >= 0")
+ALPHA = ParameterInfo("alpha", NonNegative, Rescaling.alpha, "a finite number >= 0")
+RULE = ParameterInfo("rule", Literal[tuple(RULES)], Rescaling.rule, rule_choices())
 RHO = ParameterInfo("rho", Optional[NonNegative], None, "a finite number >= 0 (pins the model's rho)", per_model=True)
 LAMBDA = ParameterInfo(
     "lambda", Optional[NonNegative], None, "a finite number >= 0 (pins the model's lambda)", per_model=True
@@ -92,22 +91,16 @@ def close_match(name: str, candidates: Iterable[str]) -> Optional[str]:
     return hint[0] if hint else None
 
 
-def unknown_parameter(method: str, name: str, where: str) -> ParameterError:
-    """The error for a name neither the method nor any other method declares, or a near miss."""
-    hint = close_match(name, declared_names(method))
-    suggestion = f" (did you mean {hint!r}?)" if hint else ""
-    return ParameterError(
-        f"{method}: unknown parameter {name!r} in {where}{suggestion}; "
-        f"valid names: {', '.join(sorted(declared_names(method)))}"
-    )
-
-
 def parameter_info(method: str, name: str, where: str = "parameters") -> ParameterInfo:
-    """The declaration of ``name`` for ``method``, or a ParameterError listing the valid names."""
-    info = next((info for info in METHOD_PARAMETERS[method] if info.name == name), None)
-    if info is None:
-        raise unknown_parameter(method, name, where)
-    return info
+    """The declaration of ``name`` for ``method``, or a ParameterError listing the valid names (and a near miss)."""
+    declared = {info.name: info for info in METHOD_PARAMETERS[method]}
+    if name not in declared:
+        hint = close_match(name, declared)
+        suggestion = f" (did you mean {hint!r}?)" if hint else ""
+        raise ParameterError(
+            f"{method}: unknown parameter {name!r} in {where}{suggestion}; valid names: {', '.join(sorted(declared))}"
+        )
+    return declared[name]
 
 
 def check_parameter(method: str, name: str, value: Any, where: str = "parameters") -> Any:
@@ -129,9 +122,9 @@ def check_parameter(method: str, name: str, value: Any, where: str = "parameters
     return validated
 
 
-def check_lambda_range(method: str, r: float, alphas: Iterable[float], rules: Iterable[str], where: str) -> None:
+def check_lambda_range(method: str, r: float, alphas: Sequence[float], rules: Sequence[str], where: str) -> None:
     """The largest lambda_t these settings allow must fit float32, or the merged values overflow."""
-    bound = max(Rescaling(r, alpha, rule).largest_lambda() for alpha in list(alphas) for rule in set(rules))
+    bound = max(Rescaling(r, alpha, rule).largest_lambda() for alpha in alphas for rule in rules)
     if bound > FLOAT32_MAX:
         raise ParameterError(
             f"{method}: r = {r:g} in {where} allows lambda up to {bound:g}, above the largest float32 "

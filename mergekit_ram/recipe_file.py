@@ -39,8 +39,7 @@ class _Scan(NamedTuple):
 
 
 def _scan(text: str) -> _Scan:
-    """One iterative pass over the parser's events, as far as the text is valid YAML, stopped where it nests
-    too deep (yaml's scanner takes time in proportion to the depth for each token)."""
+    """The parser's events while the text is valid YAML, stopped past MAX_NESTING (a token costs time per level)."""
     methods: list[str] = []
     open_nodes: list[Optional[int]] = []  # per open collection: nodes read so far in a mapping, None in a list
     key: Optional[str] = None
@@ -67,8 +66,7 @@ def _scan(text: str) -> _Scan:
 
 
 def declared_methods(text: str) -> list[str]:
-    """The ``merge_method`` of each document as ``yaml.safe_load`` reads it (merge keys, aliases); in a text it
-    cannot read, as spelt as far as the text is valid and not too deep (it still says which method it asks)."""
+    """Each document's ``merge_method`` as ``yaml.safe_load`` reads it; else as spelt while the text is valid."""
     scan = _scan(text)
     if scan.complete:
         try:

@@ -1,7 +1,7 @@
 """RAM+'s rescaling (paper section 4.2): rho_t = shared_t / unique_t, lambda_t = 1 + r * factor(rho_t, alpha).
 
-Plain numbers only (no torch, no mergekit). ``RULES`` is the one table of rules: a new rule is one entry
-here (and its line in docs/method.md and README.md).
+Plain numbers only. ``RULES`` is the one table of rules: a new rule is one entry here (and its line in
+docs/method.md and README.md).
 """
 
 from __future__ import annotations
@@ -31,27 +31,24 @@ def rho_of_histogram(histogram: Sequence[int]) -> float:
 class Rule(NamedTuple):
     """lambda_t = 1 + r * factor(rho_t, alpha), factor non-decreasing in 0 <= rho <= inf."""
 
-    name: str  # as the recipe's ``rule`` parameter spells it
     method: str  # the paper's name for the method it gives
     formula: str  # lambda_t in one line, for docs and messages
     factor: Callable[[float, float], float]
 
 
-#: Every rescaling rule, by name; the first is the default.
+#: Every rescaling rule, by the name the recipe's ``rule`` gives it; the first is the default.
 RULES: Mapping[str, Rule] = MappingProxyType(
     {
-        "clip": Rule("clip", "RAM+", "1 + r * clip(rho, 0, alpha)", lambda rho, alpha: min(max(rho, 0.0), alpha)),
-        "soft": Rule(
-            "soft", "RAM+s", "1 + r * rho / (1 + rho)", lambda rho, _: rho / (1.0 + rho) if rho < math.inf else 1.0
-        ),
+        "clip": Rule("RAM+", "1 + r * clip(rho, 0, alpha)", lambda rho, alpha: min(max(rho, 0.0), alpha)),
+        "soft": Rule("RAM+s", "1 + r * rho / (1 + rho)", lambda rho, _: rho / (1.0 + rho) if rho < math.inf else 1.0),
     }
 )
 
 
 def rule_choices() -> str:
-    """The rules in words, e.g. "'clip' (RAM+) or 'soft' (RAM+s)"."""
-    names = [f"{rule.name!r} ({rule.method})" for rule in RULES.values()]
-    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
+    """The rules in words: "'clip' (RAM+) or 'soft' (RAM+s)"."""
+    names = [f"{name!r} ({rule.method})" for name, rule in RULES.items()]
+    return ", ".join(names[:-1]) + " or " + names[-1]
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,8 @@
 """Signals held while a merge's output folder changes, so that it holds the old or the new files.
 
-``HeldSignals`` takes SIGINT and every catchable signal that ends a process by default. Outside ``held()``
-the first unwinds the merge: SIGINT as ``KeyboardInterrupt``, others as ``Interrupted``, re-sent at the end
-so the process ends as it would have. Inside ``held()``, or once unwinding, signals wait until afterwards.
-Signals with another handler (ignored under ``nohup``, or a program's own) and threads other than the main
-one are left alone.
+``HeldSignals`` takes every catchable signal that ends a process by default. Outside ``held()`` the first
+unwinds the merge (SIGINT as ``KeyboardInterrupt``, others as ``Interrupted``, re-sent at the end); inside,
+or once unwinding, they wait. Signals with another handler (``nohup``) and other threads are left alone.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """The output transaction: a RAM merge's output folder holds its old content or the complete new merge.
 
-A RAM merge into ``OUT`` (``run_merge``: ``mergekit-yaml``, each ``mergekit-multi`` stage; and
-``mergekit-pytorch``) runs inside ``output_transaction(OUT)``; the threat model is in
-docs/reliability.md. While it runs, ``OUT`` holds besides the user's files:
+A RAM merge into ``OUT`` (``run_merge``, ``mergekit-pytorch``) runs inside ``output_transaction(OUT)``; the
+threat model is in docs/reliability.md. While it runs, ``OUT`` holds besides the user's files:
 
     .mergekit-ram-<random>/          this run's private folder, made by this process (mode 0700)
         staged/<name of OUT>/        where mergekit writes (the card's title is this name)
@@ -12,26 +11,18 @@ docs/reliability.md. While it runs, ``OUT`` holds besides the user's files:
 
 Invariants, each held by tests/test_transaction.py (T) or tests/test_output.py (O):
 
-1. No replay: what another process left (a private folder, a marker, an earlier design's
-   ``.mergekit-ram-partial``) is named in one warning, never completed, restored or undone.
-   [T: crash states, then a merge, a failing merge, another method; O: killed publish]
-2. A private folder per run, of a fresh unpredictable name, made by this process; mergekit writes
-   through ``/proc/self/fd`` (the folder this process opened), so after ``rm -rf OUT`` or a swapped
-   parent its writes fail instead of landing elsewhere. [T: removed and swapped; O: one writer]
-3. Nothing outside OUT, names from OUT untrusted: every operation is relative to a descriptor of
-   OUT or of the private folder, with a plain name; links are moved or removed, never followed;
-   the manifest is read bounded, and a name in it that is not a plain weight file is ignored.
-   [T: crafted]
-4. Only ours is removed: what this run wrote, files of the names it replaces, and weights an
-   earlier merge recorded whose (device, inode, size, mtime) still match; folders only when empty,
-   OUT and its parents only if this run created them. [T, O: user files]
-5. One writer: an ``flock`` on OUT itself; a merge whose OUT was removed or replaced meanwhile
-   publishes nothing. [O: one writer]
-6. Old or new: until publishing OUT holds its old files; the ending signals are held while files
-   move (``signals.HeldSignals``); an error while publishing is undone from memory. Only SIGKILL, a
-   crash or a power cut stops a publish half-way: OUT is then marked MERGE_INCOMPLETE (old, new or
-   mixed files, never config.json beside a mix) and the next merge writes its own complete result.
-   [T: every signal and ENOSPC at every operation]
+1. No replay: what another process left is named in one warning, never completed, restored or undone. [T, O]
+2. A private folder per run, of a fresh unpredictable name; mergekit writes through ``/proc/self/fd``, so
+   after ``rm -rf OUT`` or a swapped parent its writes fail instead of landing elsewhere. [T, O]
+3. Nothing outside OUT: every operation is relative to a descriptor of OUT or of the private folder, with a
+   plain name; links are moved or removed, never followed; the manifest is read bounded. [T]
+4. Only ours is removed: what this run wrote, files of the names it replaces, and weights an earlier merge
+   recorded whose (device, inode, size, mtime) still match; folders only when empty, OUT and its parents
+   only if this run created them. [T, O]
+5. One writer: an ``flock`` on OUT itself; a merge whose OUT was removed or replaced publishes nothing. [O]
+6. Old or new: the ending signals are held while files move; an error while publishing is undone. Only
+   SIGKILL, a crash or a power cut stops a publish half-way: OUT is then marked MERGE_INCOMPLETE (never
+   config.json beside a mix) and the next merge writes its own complete result. [T]
 """
 
 from __future__ import annotations
@@ -84,10 +75,7 @@ class OutputFolderError(RamError, RuntimeError):
 
 @contextlib.contextmanager
 def output_transaction(out_path: str) -> Iterator[str]:
-    """Yield the folder mergekit is to write into; publish it into ``out_path`` once the body returns.
-
-    An exception or a signal before that leaves ``out_path`` as it was (invariant 6).
-    """
+    """Yield the folder mergekit writes into; publish it into ``out_path`` once the body returns (invariant 6)."""
     with HeldSignals() as signals:
         folder = _Folder(out_path)
         try:
@@ -203,8 +191,7 @@ class _Folder:
         self.moves.append((source, target, name))
 
     def _undo(self, marker: Optional[os.stat_result]) -> None:
-        """This publish's renames made backwards (a killed run's marker last, over this run's), then this
-        run's marker removed: OUT as it was, marked until it is."""
+        """This publish's renames backwards, then this run's marker removed: OUT as it was, marked until it is."""
         try:
             for source, target, name in reversed(self.moves):
                 os.rename(name, name, src_dir_fd=target, dst_dir_fd=source)
@@ -216,8 +203,7 @@ class _Folder:
             LOG.error("could not undo the publish into %s (%s)", self.path, _reason(error))
 
     def end(self) -> None:
-        """Remove this run's private folder, and the folders it created while empty; let go of OUT. Never
-        raises: a clean-up that fails is one warning, the merge's own outcome stands."""
+        """Remove this run's private folder and the empty folders it created; let go of OUT. Never raises."""
         holds, opened = self.holds(), self.out >= 0
         for handle in self.spare:
             os.close(handle)
@@ -357,7 +343,7 @@ def _sync(folder: int) -> None:
 
 
 def _kind(name: str, folder: int) -> Optional[str]:
-    """``folder`` or ``file`` (a link counts as a file: it is moved or removed, never followed); None if absent."""
+    """``folder`` or ``file`` (a link is a file: moved or removed, never followed); None if absent."""
     try:
         return "folder" if stat.S_ISDIR(os.stat(name, dir_fd=folder, follow_symlinks=False).st_mode) else "file"
     except FileNotFoundError:
@@ -374,8 +360,7 @@ def _publish_order(names: Iterable[str]) -> list[str]:
 
 
 def _aside_order(names: list[str], stale: list[str]) -> list[str]:
-    """config.json first (if the merge writes one), the earlier manifest last (until then it records every
-    old weight present)."""
+    """config.json first, the earlier manifest last (until then it records every old weight present)."""
     others = sorted((set(names) | set(stale)) - {_CONFIG, MANIFEST_FILE})
     return [_CONFIG] * (_CONFIG in names) + others + [MANIFEST_FILE]
 

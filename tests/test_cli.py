@@ -102,7 +102,6 @@ def test_every_error_a_user_can_meet_is_a_ram_error() -> None:
             for node in ast.walk(tree)
             if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call)
         }
-    from mergekit_ram import parameters
     from mergekit_ram.errors import InputError
     from mergekit_ram.integration import guard, internals, methods
     from mergekit_ram.integration.internals import MergekitMovedError
@@ -116,7 +115,6 @@ def test_every_error_a_user_can_meet_is_a_ram_error() -> None:
     factories = {
         "non_finite_error": methods.non_finite_error,
         "self._overflow_error": methods.RamMergeMethod._overflow_error,
-        "unknown_parameter": parameters.unknown_parameter,
         "shape_error": checks.shape_error,
         "_moved": internals._moved,
         "not_active": guard.not_active,
