@@ -80,7 +80,7 @@ class Transaction:
     def interrupted(self) -> MergeInterrupted:
         out, written = self.out_path, self.written or {}
         moved = sum(_identity(os.path.join(out, name)) == identity for name, identity in written.items())
-        if self.written is None or not moved:
+        if not moved:
             return MergeInterrupted(f"Interrupted: nothing was published; {out} holds what it held before")
         if moved == len(written):
             return MergeInterrupted(f"Interrupted after the merge was published: {out} holds the complete new merge")
