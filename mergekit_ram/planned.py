@@ -1,4 +1,4 @@
-"""A planned RAM merge as plain data for the checks, the cache and the statistics (no mergekit here)."""
+"""A planned RAM merge as plain data for the checks and the cache (no mergekit here)."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ class PlannedTensor:
 
 @dataclass(frozen=True)
 class ModelIdentity:
-    """A recipe's model reference as written (``label``) and resolved (real path or Hub id; one model per key)."""
+    """A recipe's model reference as written (``label``) and resolved (one model per ``key``)."""
 
     label: str
     path: str

@@ -1,7 +1,6 @@
-"""RAM / RAM+ on in-memory models: mergekit's ``merge_state_dicts`` (same arguments, same code path),
-checked with the recipe's rules, plus the call's ``RamStatistics``.
+"""mergekit's ``merge_state_dicts`` for RAM methods, checked with the recipe's rules, plus the call's statistics.
 
-    merged, statistics = merge_state_dicts({"base": base, "coder": coder}, "ram_plus", base="base")
+merged, statistics = merge_state_dicts({"base": base, "coder": coder}, "ram_plus", base="base")
 """
 
 from __future__ import annotations
@@ -33,12 +32,7 @@ def merge_state_dicts(
     out_dtype: Optional[torch.dtype] = None,
     batch_options: Any = None,
 ) -> tuple[dict[str, torch.Tensor], RamStatistics]:
-    """mergekit's ``merge_state_dicts`` for these methods, and the call's statistics.
-
-    ``base`` is required; per-model pins (``{"lambda": {"coder": 1.2}}``) may name some models only, the others
-    get the rho counted over every tensor of the call. Arithmetic is float32 (float64 for float64 inputs), each
-    result rounded once to ``out_dtype`` (else the inputs' dtype); inputs that require grad give autograd history.
-    """
+    """``base`` is required; per-model pins (``{"lambda": {"coder": 1.2}}``) may name some models only."""
     method = getattr(getattr(method, "spec", None), "name", method)
     if method not in METHOD_PARAMETERS:
         raise ParameterError(f"method must be one of {', '.join(METHOD_PARAMETERS)}; got {method!r}")
@@ -68,21 +62,16 @@ def merge_state_dicts(
 def _check_parameters(method: str, parameters: Mapping[str, Any], finetunes: Sequence[Hashable]) -> None:
     for name, setting in parameters.items():
         per_group = getattr(setting, "values", None)  # mergekit's PerGroupValues: one value per group
-        values = per_group if isinstance(per_group, tuple) else [setting]
-        for value in values:
+        for value in per_group if isinstance(per_group, tuple) else [setting]:
             if isinstance(value, Mapping):
-                for model in value:
-                    if model not in finetunes:
-                        raise ParameterError(
-                            f"{method}: {name} set for unknown model {model!r}; "
-                            f"models: {', '.join(map(str, finetunes))}"
-                        )
-                scalars = list(value.values())
-            elif isinstance(value, Sequence) and not isinstance(value, str):
-                scalars = list(value)
-            else:
-                scalars = [value]
-            for scalar in scalars:
+                unknown = [model for model in value if model not in finetunes]
+                if unknown:
+                    raise ParameterError(
+                        f"{method}: {name} set for unknown model {unknown[0]!r}; "
+                        f"models: {', '.join(map(str, finetunes))}"
+                    )
+                value = list(value.values())
+            for scalar in value if isinstance(value, Sequence) and not isinstance(value, str) else [value]:
                 check_parameter(method, name, scalar, "merge_state_dicts arguments")
 
 

@@ -1,20 +1,18 @@
-"""One RAM merge as plain functions around mergekit's own planner and ``run_merge``:
+"""One RAM merge around mergekit's planner: plan -> counts (cache or pre-pass) -> lambdas into the recipe.
 
-    recipe -> checks -> plan -> counts (cache or pre-pass) -> statistics
-      -> lambdas written into the recipe -> run_merge into staging -> statistics file + card -> publish
-
-rho is a whole-model statistic and mergekit merges one tensor at a time, so the counts come first. When
-every lambda is known from the recipe, no pre-pass runs: the methods append each group's counts to a file.
+rho is a whole-model statistic and mergekit merges one tensor at a time, so the counts come first; when every
+lambda is known from the recipe, no pre-pass runs and the methods append each group's counts to a file.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
 import time
-from dataclasses import dataclass, replace
-from typing import Any, Iterator, Mapping, Optional, Sequence
+from dataclasses import replace
+from typing import Any, Callable, Iterator, Mapping, NamedTuple, Optional, Sequence
 
 import torch
 import tqdm
@@ -36,8 +34,7 @@ Executor: Any = internal("mergekit.graph", "Executor")
 LoaderCache: Any = internal("mergekit.io.tasks", "LoaderCache")
 
 
-@dataclass(frozen=True)
-class Plan:
+class Plan(NamedTuple):
     """A RAM merge as mergekit plans it: merge tasks, the same as plain data, tensor -> module, rule."""
 
     tasks: list[Any]
@@ -48,27 +45,15 @@ class Plan:
     @classmethod
     def of(cls, method: str, tasks: Sequence[Any], modules: Optional[dict[str, str]] = None) -> Plan:
         ours = [task for task in tasks if getattr(task, "method_name", None) == method]
-        return cls(ours, [planned_tensor(task) for task in ours], modules or {}, rule_of(method, ours))
-
-
-@dataclass(frozen=True)
-class Prepared:
-    """The recipe with the lambdas in it; the pre-pass's statistics, else the file the merge counts into."""
-
-    plan: Plan
-    config: Any
-    checkpoint_dtypes: dict[str, set[str]]
-    statistics: Optional[RamStatistics] = None
-    counts_to: Optional[str] = None
-
-    def final_statistics(self) -> RamStatistics:
-        if self.statistics is not None:
-            return self.statistics
-        order = {tensor.name: index for index, tensor in reversed(list(enumerate(self.plan.tensors)))}
-        counts = sorted(read_counts(str(self.counts_to)), key=lambda found: order.get(found.name, len(order)))
-        statistics = self.plan.rule.statistics(counts, "merge", self.checkpoint_dtypes, self.plan.modules)
-        log_statistics(statistics)
-        return statistics
+        resolved = [
+            Resolved(
+                task.output_weight.name,
+                dict(task.parameters.items()),
+                {str(m): dict(task.input_parameters[m].items()) for m in task.model_order if m != task.base_model},
+            )
+            for task in ours
+        ]
+        return cls(ours, [planned_tensor(task) for task in ours], modules or {}, merge_rule(method, resolved))
 
 
 def plan_merge(config: Any, options: Any) -> Plan:
@@ -83,34 +68,13 @@ def plan_merge(config: Any, options: Any) -> Plan:
     planner = MergePlanner(config, arch_info, options=options, out_model_config=out_config)
     targets = planner.plan_to_disk(out_path="")  # planned, never run
     tasks = [task.tensor_task for task in targets if hasattr(task, "tensor_task")]
-    return Plan.of(config.merge_method, tasks, tensor_modules(planner))
-
-
-def tensor_modules(planner: Any) -> dict[str, str]:
-    """Each output tensor's module in a ``modules:`` merge of several; empty for one module."""
-    if len(planner.config.modules or {}) < 2:
-        return {}
-    found: dict[str, str] = {}
-    for module in planner.config.modules:
-        definition = planner.arch_info.modules[module]
-        prefix = definition.weight_prefix or ""
-        weights = definition.architecture.all_weights(config=planner.out_model_config)
-        found.update((prefix + weight.name, module) for weight in weights)
-    return found
-
-
-def rule_of(method: str, tasks: Sequence[Any]) -> MergeRule:
-    return merge_rule(
-        method,
-        [
-            Resolved(
-                task.output_weight.name,
-                dict(task.parameters.items()),
-                {str(m): dict(task.input_parameters[m].items()) for m in task.model_order if m != task.base_model},
-            )
-            for task in tasks
-        ],
-    )
+    modules: dict[str, str] = {}
+    if len(planner.config.modules or {}) > 1:  # each output tensor's module in a merge of several
+        for module in planner.config.modules:
+            definition = planner.arch_info.modules[module]
+            weights = definition.architecture.all_weights(config=planner.out_model_config)
+            modules.update(((definition.weight_prefix or "") + weight.name, module) for weight in weights)
+    return Plan.of(config.merge_method, tasks, modules)
 
 
 def planned_tensor(task: Any) -> PlannedTensor:
@@ -145,7 +109,7 @@ def _task_inputs(source: Any) -> Iterator[TensorInput]:
 
 
 def describe(value: Any) -> str:
-    """A canonical text for a planned task graph (pydantic models, mergekit's maps, scalars)."""
+    """A canonical text for a planned task graph (the cache key)."""
     if isinstance(value, BaseModel):
         fields = ", ".join(f"{name}={describe(getattr(value, name))}" for name in type(value).model_fields)
         return f"{type(value).__name__}({fields})"
@@ -172,13 +136,12 @@ def counted(plan: Plan, options: Any, cache: CacheSettings, headers: HeaderCache
 
 
 def run_prepass(plan: Plan, options: Any) -> list[Optional[TensorCounts]]:
-    """One streaming pass of the merge tasks' input sub-graphs through mergekit's Executor, each counted."""
-    sources = list(dict.fromkeys(task.gather_tensors for task in plan.tasks))
-    storage = options.device if options.low_cpu_memory else "cpu"
-    executor = Executor(sources, math_device=options.device, storage_device=storage)
+    """One streaming pass of the merge tasks' input sub-graphs through mergekit's Executor."""
     by_source: dict[Any, list[int]] = {}
     for index, task in enumerate(plan.tasks):
         by_source.setdefault(task.gather_tensors, []).append(index)
+    storage = options.device if options.low_cpu_memory else "cpu"
+    executor = Executor(list(by_source), math_device=options.device, storage_device=storage)
     counts: list[Optional[TensorCounts]] = [None] * len(plan.tasks)
     for source, tensors in executor.run(quiet=options.quiet, desc="RAM+ pre-pass"):
         for index in by_source[source]:
@@ -200,27 +163,35 @@ def _counted_task(task: Any, planned: PlannedTensor, tensors: Mapping[Any, Any])
 
 def prepare(
     config: Any, plan: Plan, options: Any, headers: HeaderCache, cache: CacheSettings, counts_to: str
-) -> Prepared:
-    """The checks, the pre-pass where a lambda needs the global rho, and the recipe with the lambdas in it."""
+) -> tuple[Any, Callable[[], RamStatistics]]:
+    """The checks, the pre-pass where a lambda needs the global rho; the recipe with the lambdas, the statistics."""
     dtypes = check_tensors(plan.tensors, headers).dtypes
     finetunes = list(dict.fromkeys(model for tensor in plan.tensors for model in tensor.finetunes))
     if plan.rule.method == "ram":
         LOG.info("merge_method 'ram' is mergekit-ram's float32 RAM (it replaces mergekit's built-in 'ram')")
     if not plan.rule.needs_counts(finetunes):
         hidden = {OUT_DTYPE: config.out_dtype, COUNTS_TO: counts_to}
-        return Prepared(plan, with_parameters(config, {}, hidden), dtypes, counts_to=counts_to)
+        return with_parameters(config, {}, hidden), functools.partial(merged_statistics, plan, dtypes, counts_to)
     counts = counted(plan, options, cache, headers)
     statistics = plan.rule.statistics(counts, "pre-pass", dtypes, plan.modules)
     log_statistics(statistics)
     applied = {
         model: value for model, value in plan.rule.applied(finetunes, statistics).items() if not plan.rule.pin(model)
     }
-    return Prepared(plan, with_parameters(config, applied, {OUT_DTYPE: config.out_dtype}), dtypes, statistics)
+    return with_parameters(config, applied, {OUT_DTYPE: config.out_dtype}), lambda: statistics
+
+
+def merged_statistics(plan: Plan, dtypes: dict[str, set[str]], counts_to: str) -> RamStatistics:
+    """The statistics of the counts the merge appended, in the plan's order."""
+    order = {tensor.name: index for index, tensor in reversed(list(enumerate(plan.tensors)))}
+    counts = sorted(read_counts(counts_to), key=lambda found: order.get(found.name, len(order)))
+    statistics = plan.rule.statistics(counts, "merge", dtypes, plan.modules)
+    log_statistics(statistics)
+    return statistics
 
 
 def with_parameters(config: Any, applied: Mapping[str, Applied], hidden: Mapping[str, Any]) -> Any:
-    """A copy of the recipe with each model's ``lambda`` (and finite ``rho``) wherever it names the model,
-    and the ``hidden`` parameters at the top level."""
+    """A copy of the recipe with each model's ``lambda`` (and finite ``rho``), and ``hidden`` at the top level."""
     shared = {**(config.parameters or {}), **{name: value for name, value in hidden.items() if value is not None}}
     return _injected(config, applied).model_copy(update={"parameters": shared})
 
@@ -252,7 +223,7 @@ def probe_statistics(config: Any, options: Any, refresh: bool = False) -> RamSta
 
     headers = HeaderCache()
     cache = CacheSettings.from_environment()
-    check_config(config.merge_method, config, headers, allow_crimes=options.allow_crimes)
+    check_config(config, headers, allow_crimes=options.allow_crimes)
     plan = plan_merge(config, options)
     dtypes = check_tensors(plan.tensors, headers).dtypes
     counts = counted(plan, options, replace(cache, mode="refresh") if refresh else cache, headers)

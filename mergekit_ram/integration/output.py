@@ -1,7 +1,5 @@
-"""``run_merge`` (so ``mergekit-yaml``, each ``mergekit-multi`` stage) and ``mergekit-pytorch`` write a
-RAM merge through ``staging``'s output transaction: weights, config, tokenizer, card and statistics
-reach the output folder together, or not at all. An output folder that is, or is inside, a folder the
-merge reads is refused first. Other methods run exactly as mergekit has them.
+"""``run_merge`` (``mergekit-yaml``, ``mergekit-multi``) and ``mergekit-pytorch`` write a RAM merge through
+``staging``'s output transaction, all files or none; an output folder inside an input's is refused first.
 """
 
 from __future__ import annotations
@@ -12,7 +10,6 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple, Optional, Sequence
 
-import pydantic
 import yaml
 from huggingface_hub import constants as hub_constants
 
@@ -22,8 +19,8 @@ from mergekit_ram.checks import HeaderCache
 from mergekit_ram.errors import InputError
 from mergekit_ram.files import write_atomically
 from mergekit_ram.integration.internals import MergekitMovedError, check_internals, internal, wrap
-from mergekit_ram.integration.merge import Plan, Prepared, plan_merge, prepare
-from mergekit_ram.integration.recipes import check_config
+from mergekit_ram.integration.merge import Plan, plan_merge, prepare
+from mergekit_ram.integration.recipes import check_config, recipe_nodes
 from mergekit_ram.integration.registry import is_ours
 from mergekit_ram.interrupts import MergeInterrupted
 from mergekit_ram.published import append_card_section, report_summary
@@ -37,8 +34,7 @@ Executor: Any = internal("mergekit.graph", "Executor")
 
 
 class InputFolder(NamedTuple):
-    """A folder a merge reads, ``label`` naming the input; ``whole``: an output inside it is refused too
-    (False for the folder of one input file, ``mergekit-pytorch``'s)."""
+    """A folder a merge reads; ``whole``: an output inside it is refused too (not for one input file's)."""
 
     label: str
     folder: str
@@ -46,8 +42,7 @@ class InputFolder(NamedTuple):
 
 
 def refuse_input_folder(out_path: str, inputs: Iterable[InputFolder]) -> None:
-    """Refuse an output folder that is, or is inside, a folder the merge reads, however it is spelled
-    (links, ``..``, bind mounts: compared by ``_folder_key``, up each folder above the output)."""
+    """Refuse an output folder that is, or is inside, a folder the merge reads, however it is spelled."""
     resolved = Path(os.path.realpath(out_path))
     chain = [_folder_key(str(folder)) for folder in (resolved, *resolved.parents)]
     for item in inputs:
@@ -64,18 +59,13 @@ def refuse_input_folder(out_path: str, inputs: Iterable[InputFolder]) -> None:
             )
 
 
-def _folder_key(path: str) -> tuple[Any, ...]:
-    """Its device and inode if it exists, else its resolved path (a stage's output, not yet made)."""
-    try:
-        status = os.stat(path)
-    except OSError:
-        return ("path", os.path.realpath(path))
-    return ("inode", status.st_dev, status.st_ino)
+def _folder_key(path: str) -> Any:
+    """Device and inode (links, bind mounts), else the resolved path (a stage's output, not yet made)."""
+    return _identity(path, follow_symlinks=True) or os.path.realpath(path)
 
 
 class Transaction:
-    """``staging.output_transaction`` into ``out_path`` that tells, after a Ctrl-C, what it holds: publishing
-    renames the files written (their device and inode recorded), so the new merge where all are there."""
+    """``staging.output_transaction`` that tells what ``out_path`` holds after a Ctrl-C (files renamed in)."""
 
     def __init__(self, out_path: str) -> None:
         self.out_path = out_path
@@ -90,7 +80,7 @@ class Transaction:
     def interrupted(self) -> MergeInterrupted:
         out, written = self.out_path, self.written or {}
         moved = sum(_identity(os.path.join(out, name)) == identity for name, identity in written.items())
-        if self.written is None or not moved:
+        if not moved:
             return MergeInterrupted(f"Interrupted: nothing was published; {out} holds what it held before")
         if moved == len(written):
             return MergeInterrupted(f"Interrupted after the merge was published: {out} holds the complete new merge")
@@ -100,9 +90,9 @@ class Transaction:
         )
 
 
-def _identity(path: str) -> Optional[tuple[int, int]]:
+def _identity(path: str, follow_symlinks: bool = False) -> Optional[tuple[int, int]]:
     try:
-        status = os.stat(path, follow_symlinks=False)
+        status = os.stat(path, follow_symlinks=follow_symlinks)
     except OSError:
         return None
     return status.st_dev, status.st_ino
@@ -120,20 +110,20 @@ def patch_run_merge(merge: Any) -> None:
                 check_internals()
                 refuse_input_folder(out_path, _model_folders(merge_config, options))
                 headers, cache = HeaderCache(), CacheSettings.from_environment()
-                check_config(
-                    merge_config.merge_method, merge_config, headers, config_source, allow_crimes=options.allow_crimes
-                )
+                check_config(merge_config, headers, config_source, allow_crimes=options.allow_crimes)
                 with transaction.staged() as staged:
                     plan = plan_merge(merge_config, options)
-                    prepared = prepare(merge_config, plan, options, headers, cache, os.path.join(staged, COUNTS_FILE))
+                    config, final = prepare(
+                        merge_config, plan, options, headers, cache, os.path.join(staged, COUNTS_FILE)
+                    )
                     source = config_source or merge_config.to_yaml()  # the recipe as given, not as run
-                    result = original(prepared.config, staged, options=options, config_source=source)
+                    result = original(config, staged, options=options, config_source=source)
                     if not os.path.isdir(staged):
                         raise MergekitMovedError(
                             f"mergekit moved its output out of {staged} (an architecture with "
                             "post_fill_parameters); mergekit-ram cannot publish it"
                         )
-                    statistics = finish(staged, prepared, options.write_model_card)
+                    statistics = finish(staged, final(), options.write_model_card)
                 if not options.quiet:
                     report_summary(out_path, statistics)
             except KeyboardInterrupt:
@@ -154,11 +144,10 @@ def patch_run_merge(merge: Any) -> None:
 COUNTS_FILE = ".mergekit-ram-counts.jsonl"
 
 
-def finish(staged: str, prepared: Prepared, card: bool) -> RamStatistics:
+def finish(staged: str, statistics: RamStatistics, card: bool) -> RamStatistics:
     """The merge's statistics, written beside the weights (and into the card) in the staging folder."""
-    statistics = prepared.final_statistics()
-    if prepared.counts_to is not None and os.path.exists(prepared.counts_to):
-        os.unlink(prepared.counts_to)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(os.path.join(staged, COUNTS_FILE))
     write_atomically(os.path.join(staged, STATISTICS_FILE), statistics_to_json(statistics))
     if card:
         append_card_section(staged, statistics)
@@ -166,31 +155,19 @@ def finish(staged: str, prepared: Prepared, card: bool) -> RamStatistics:
 
 
 def _model_folders(merge_config: Any, options: Any, made: Sequence[str] = ()) -> Iterator[InputFolder]:
-    """Every folder the recipe reads: each model reference anywhere in it and its LoRA, and
-    ``--lora-merge-cache``. ``made``: what an earlier ``mergekit-multi`` stage writes, local though not yet there."""
-    for reference in _references(merge_config):
-        label = str(reference)
+    """Each model reference's folders and ``--lora-merge-cache``; ``made``: earlier ``mergekit-multi`` stages'."""
+    for _, reference in recipe_nodes(merge_config):
+        if not {"model", "lora"} <= set(type(reference).model_fields):
+            continue
         for path in (reference.model, reference.lora):
             if path is not None:
-                yield InputFolder(label, _local_folder(path.path, options, made))
+                yield InputFolder(str(reference), _local_folder(path.path, options, made))
         if reference.lora is not None and options.lora_merge_cache:
-            yield InputFolder(label, os.path.expanduser(options.lora_merge_cache))
-
-
-def _references(value: Any) -> Iterator[Any]:
-    """Every mergekit ``ModelReference`` (a model and its LoRA) anywhere in a recipe object."""
-    if isinstance(value, pydantic.BaseModel) and {"model", "lora"} <= set(type(value).model_fields):
-        yield value
-    elif isinstance(value, pydantic.BaseModel):
-        for name in type(value).model_fields:
-            yield from _references(getattr(value, name))
-    elif isinstance(value, (dict, list, tuple)):
-        for item in value.values() if isinstance(value, dict) else value:
-            yield from _references(item)
+            yield InputFolder(str(reference), os.path.expanduser(options.lora_merge_cache))
 
 
 def _local_folder(path: str, options: Any, made: Sequence[str]) -> str:
-    """The folder mergekit reads for ``path``: itself if local, else a Hub id's folder in the Hub cache."""
+    """The folder mergekit reads for ``path``: itself if local, else its folder in the Hub cache."""
     local = os.path.expanduser(path)
     if os.path.exists(local) or path in made:
         return local
@@ -199,8 +176,7 @@ def _local_folder(path: str, options: Any, made: Sequence[str]) -> str:
 
 
 def refuse_stage_outputs(stages: Sequence[Stage], intermediate_dir: str, out_path: Optional[str], options: Any) -> None:
-    """``mergekit-multi``: no RAM stage writes into, or inside, a folder any stage reads, but for the stages
-    that read its output (``-I``/<name>, ``--out-path`` for the unnamed final stage)."""
+    """``mergekit-multi``: no RAM stage writes into a folder any stage reads, but for the stages reading its output."""
     made = [os.path.join(intermediate_dir, stage.name) for stage in stages if stage.name is not None]
     readers = {stage.name: "the final merge" if stage.name is None else f"stage {stage.name}" for stage in stages}
     for stage in stages:
@@ -217,8 +193,7 @@ def refuse_stage_outputs(stages: Sequence[Stage], intermediate_dir: str, out_pat
 
 
 def raw_pytorch_merge(arguments: Mapping[str, Any], options: Any) -> None:
-    """``mergekit-pytorch`` for a RAM recipe, run by the console scripts' hook in its place: mergekit's own
-    steps (its flat plan, its Executor) with the merge step's sequence, inside the output transaction."""
+    """``mergekit-pytorch`` for a RAM recipe: mergekit's flat plan and Executor, inside the output transaction."""
     config_path, out_path = arguments["config_path"], arguments["out_path"]
     with open(config_path, encoding="utf-8") as handle:
         source = handle.read()
@@ -232,17 +207,17 @@ def raw_pytorch_merge(arguments: Mapping[str, Any], options: Any) -> None:
     transaction = Transaction(out_path)
     try:
         headers, cache = HeaderCache(), CacheSettings.from_environment()
-        check_config(config.merge_method, config, headers, source, allow_crimes=options.allow_crimes)
+        check_config(config, headers, source, allow_crimes=options.allow_crimes)
         options.apply_global_options()
         union, intersection = arguments["tensor_union"], arguments["tensor_intersection"]
         with transaction.staged() as staged:
             planned = plan_flat_merge(config, "", union, intersection, options)
             plan = Plan.of(config.merge_method, [task.tensor_task for task in planned if hasattr(task, "tensor_task")])
-            prepared = prepare(config, plan, options, headers, cache, os.path.join(staged, COUNTS_FILE))
-            targets = plan_flat_merge(prepared.config, staged, union, intersection, options)
+            ram_config, final = prepare(config, plan, options, headers, cache, os.path.join(staged, COUNTS_FILE))
+            targets = plan_flat_merge(ram_config, staged, union, intersection, options)
             storage = options.device if options.low_cpu_memory else "cpu"
             Executor(targets, math_device=options.device, storage_device=storage).execute()
-            statistics = finish(staged, prepared, False)
+            statistics = finish(staged, final(), False)
         if not options.quiet:
             report_summary(out_path, statistics)
     except KeyboardInterrupt:

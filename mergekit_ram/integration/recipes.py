@@ -1,8 +1,6 @@
-"""Recipe checks of RAM recipes over mergekit's recipe classes (parameters, keys, models), mergekit-multi's
-stages, and the recipe's models as plain ``ModelIdentity`` values for ``mergekit_ram.checks``.
+"""Checks of RAM recipes over mergekit's recipe classes, mergekit-multi's stages, models as ``ModelIdentity``.
 
-mergekit's pydantic recipe classes drop what they do not know, so a misspelled key or a parameter in the
-wrong block would merge with the defaults: these checks refuse them before anything is read.
+mergekit's pydantic classes drop what they do not know, so a misspelled key would merge with the defaults.
 """
 
 from __future__ import annotations
@@ -32,7 +30,7 @@ from mergekit_ram.recipe_file import Stage, read_documents, validate
 
 LOG = logging.getLogger(__name__)
 MergeConfiguration: Any = internal("mergekit.config", "MergeConfiguration")
-#: Recipe classes whose keys are checked; others (model references, tokenizer settings) are leaves.
+#: Recipe classes whose keys are checked; others are leaves.
 _RECIPE_MODULES = ("mergekit.config", "mergekit.scripts.merge_raw_pytorch")
 _LAMBDA_SCOPE = " (lambda_t = 1 + r * clip(rho_t, 0, alpha) is global: one r, one alpha, one rule per merge)"
 _SHARED_SCOPE = {
@@ -44,11 +42,10 @@ _SHARED_SCOPE = {
 
 
 def check_config(
-    method: str, config: Any, headers: HeaderCache, source: Optional[str] = None, *, allow_crimes: Optional[bool] = None
+    config: Any, headers: HeaderCache, source: Optional[str] = None, *, allow_crimes: Optional[bool] = None
 ) -> None:
-    """Keys (given the recipe's YAML ``source``), parameters, base model and models of a RAM recipe, before
-    anything is read; ``headers`` keeps what it read. Architectures are compared only where mergekit's
-    ``allow_crimes`` is False (None: the caller has no options, and mergekit compares them itself)."""
+    """Keys (given the YAML ``source``), parameters and models; architectures only where ``allow_crimes`` is False."""
+    method = config.merge_method
     if source is not None:
         check_recipe_keys(method, yaml.safe_load(source), type(config))
     check_recipe(method, config)
@@ -62,18 +59,17 @@ def check_config(
 
 
 def _definitions(architecture: str) -> list[Any]:
-    """mergekit's definitions of an ``architectures`` name (none: it infers one from the tensors)."""
     return list(internal("mergekit.architecture.json_definitions", "NAME_TO_ARCH").get(architecture, ()))
 
 
 def same_architecture(name: str, other: str) -> bool:
-    """Whether mergekit merges the two without ``--allow-crimes``: a shared definition, or a name without one."""
+    """Whether mergekit merges the two without ``--allow-crimes``."""
     known, other_known = _definitions(name), _definitions(other)
     return name == other or not known or not other_known or any(one in other_known for one in known)
 
 
 def vocabulary_axes(architecture: str) -> dict[str, int]:
-    """The vocabulary axis (the one ``tokenizer_source`` aligns) of each tensor that has one, by name and alias."""
+    """The vocabulary axis of each tensor that has one, by name and alias."""
     axes = {}
     for definition in _definitions(architecture):
         for module in definition.modules.values():
@@ -85,16 +81,14 @@ def vocabulary_axes(architecture: str) -> dict[str, int]:
 
 
 def check_method_name(method: str) -> None:
-    """An unknown method name that misspells one of this plugin's: one line with the right name (mergekit's
-    error is a traceback without it). Other unknown names stay mergekit's."""
+    """A misspelling of one of this plugin's methods, with the right name (mergekit's error is a traceback)."""
     hint = close_method(method)
     if hint is not None and method not in internal("mergekit.merge_methods.registry", "_METHODS"):
         raise RecipeError(f"unknown merge method {method!r} (did you mean {hint!r}?)")
 
 
 def model_identity(model: Any) -> ModelIdentity:
-    """A ``ModelReference`` (or a ``mergekit-pytorch`` path) as plain data: a local model's real path
-    (``./ft``, ``ft/``, symlinks, ``~`` resolved) or the Hub id, its revision, LoRA and architecture override."""
+    """A ``ModelReference`` (or a ``mergekit-pytorch`` path) as plain data, local paths resolved."""
     if isinstance(model, str):
         return ModelIdentity(label=model, path=_real_path(model), local_paths=_local_paths(model))
     lora = model.lora
@@ -110,33 +104,44 @@ def model_identity(model: Any) -> ModelIdentity:
 
 
 def _real_path(path: str) -> str:
-    """A local path as the file system resolves it (mergekit takes an existing path as local); else the id."""
+    """mergekit takes an existing path as local."""
     expanded = os.path.expanduser(path)
     return os.path.realpath(expanded) if os.path.exists(expanded) else path
 
 
 def _local_paths(*paths: str) -> tuple[str, ...]:
-    """Paths that must exist: absolute or explicitly relative ones (not Hub ids)."""
+    """Absolute or explicitly relative paths must exist (not Hub ids)."""
     return tuple(os.path.expanduser(path) for path in paths if os.path.isabs(path) or path.startswith((".", "~")))
 
 
 def model_lists(config: Any) -> Iterator[tuple[str, list[ModelIdentity]]]:
-    """Each list of a recipe's input models, with where it is: models, each slice's sources, then each module's."""
-    modules = (getattr(config, "modules", None) or {}).items()
-    for prefix, block in [("", config), *((f"modules.{name}.", module) for name, module in modules)]:
-        if getattr(block, "models", None):
-            yield f"{prefix}models", [model_identity(entry.model) for entry in block.models]
-        for index, output_slice in enumerate(getattr(block, "slices", None) or []):
-            yield f"{prefix}slices[{index}].sources", [model_identity(source.model) for source in output_slice.sources]
+    """Each list of a recipe's input models, with where it is (``models``, ``modules.m.slices[0].sources``)."""
+    for where, node in recipe_nodes(config):
+        for field in ("models", "sources"):
+            if field in type(node).model_fields and getattr(node, field):
+                yield _joined(where, field), [model_identity(entry.model) for entry in getattr(node, field)]
+
+
+def recipe_nodes(node: Any, where: str = "") -> Iterator[tuple[str, Any]]:
+    """Each pydantic object in a recipe with where it is, children first, in mergekit's field order."""
+    if isinstance(node, BaseModel):
+        for name in type(node).model_fields:
+            yield from recipe_nodes(getattr(node, name), _joined(where, name))
+        yield where, node
+    elif isinstance(node, (list, tuple)):
+        for index, item in enumerate(node):
+            yield from recipe_nodes(item, f"{where}[{index}]")
+    elif isinstance(node, dict):
+        for key, item in node.items():
+            yield from recipe_nodes(item, f"{where}.{key}")
+
+
+def _joined(where: str, name: str) -> str:
+    return f"{where}.{name}" if where else name
 
 
 def check_recipe(method: str, config: BaseModel) -> None:
-    """Every parameter of a RAM recipe: known, in a block where it applies, with a valid value.
-
-    mergekit silently drops parameters a method does not declare. A name another registered method declares
-    is ignored with a warning, as mergekit's built-in ``ram`` ignored it; a near miss of ours (``apha``) or a
-    name no method declares is an error, and so is a whole-merge setting in a model's block.
-    """
+    """Every parameter known, in a block where it applies, valid; another method's parameter is only warned about."""
     declared, others = declared_names(method), declared_by_other_methods(method)
     ignored: dict[str, list[str]] = {}
     values: dict[str, list[tuple[Any, str]]] = {}
@@ -156,12 +161,14 @@ def check_recipe(method: str, config: BaseModel) -> None:
     for name, places in ignored.items():
         users = [other for other in METHOD_PARAMETERS if name in declared_names(other)]
         hint = f"; set merge_method: {' or '.join(users)} to use it" if users else ""
+        owners = sorted(set(others[name]))
+        listing = ", ".join(owners[:4]) + (f" and {len(owners) - 4} more" if len(owners) > 4 else "")
         LOG.warning(
             "%s ignores parameter %r (in %s): it is a parameter of %s, not of %s%s",
             method,
             name,
             ", ".join(places),
-            _listing(others[name]),
+            listing,
             method,
             hint,
         )
@@ -174,34 +181,16 @@ def check_recipe(method: str, config: BaseModel) -> None:
         )
 
 
-def _listing(names: list[str], shown: int = 4) -> str:
-    names = sorted(set(names))
-    more = f" and {len(names) - shown} more" if len(names) > shown else ""
-    return ", ".join(names[:shown]) + more
-
-
-def _parameter_settings(node: Any, where: str = "") -> Iterator[tuple[str, str, Any, bool]]:
-    """(where, name, setting, in one model's block) for each ``parameters`` entry of a recipe, depth first."""
-    if isinstance(node, BaseModel):
-        fields = type(node).model_fields
-        for field_name in fields:
-            value = getattr(node, field_name)
-            location = f"{where}.{field_name}" if where else field_name
-            if field_name == "parameters" and isinstance(value, dict):
-                # "model": models[i], slices[j].sources[i]
-                yield from ((location, name, setting, "model" in fields) for name, setting in value.items())
-            elif field_name != "parameters":
-                yield from _parameter_settings(value, location)
-    elif isinstance(node, (list, tuple)):
-        for index, item in enumerate(node):
-            yield from _parameter_settings(item, f"{where}[{index}]")
-    elif isinstance(node, dict):
-        for key, item in node.items():
-            yield from _parameter_settings(item, f"{where}.{key}")
+def _parameter_settings(config: Any) -> Iterator[tuple[str, str, Any, bool]]:
+    """(where, name, setting, in one model's block) for each ``parameters`` entry of a recipe."""
+    for where, node in recipe_nodes(config):
+        fields = type(node).model_fields  # "model": models[i], slices[j].sources[i]
+        if "parameters" in fields and isinstance(node.parameters, dict):
+            for name, setting in node.parameters.items():
+                yield _joined(where, "parameters"), name, setting, "model" in fields
 
 
 def _scalars(setting: Any) -> Iterator[Any]:
-    """The scalar values inside a setting: plain, gradient list, or filtered values."""
     if isinstance(setting, list):
         for item in setting:
             yield from _scalars(item)
@@ -212,7 +201,7 @@ def _scalars(setting: Any) -> Iterator[Any]:
 
 
 def check_stage_keys(path: str, text: str) -> None:
-    """Unknown keys of each RAM stage of a mergekit-multi file (mergekit-multi rebuilds a stage without them)."""
+    """Unknown keys of each RAM stage of a mergekit-multi file."""
     for document in read_documents(path, text):
         method = document.get("merge_method") if isinstance(document, dict) else None
         if isinstance(method, str) and is_ours(method):
@@ -221,8 +210,7 @@ def check_stage_keys(path: str, text: str) -> None:
 
 
 def check_recipe_keys(method: str, raw: Any, schema: type[BaseModel]) -> None:
-    """Refuse keys mergekit's recipe classes do not have (``paramaters:``, a top-level ``rule:``), which
-    pydantic drops: ``raw`` against what ``schema`` validates it to (one mergekit cannot read is its to report)."""
+    """Refuse keys of ``raw`` that ``schema`` drops (``paramaters:``); an invalid recipe is mergekit's to report."""
     try:
         validated = schema.model_validate(raw)
     except Exception:  # noqa: BLE001 - mergekit reads the recipe again and says what is wrong
@@ -243,7 +231,6 @@ def check_recipe_keys(method: str, raw: Any, schema: type[BaseModel]) -> None:
 
 
 def _unknown_keys(raw: Any, validated: Any, where: str) -> Iterator[tuple[str, str, tuple[str, ...]]]:
-    """(where, key, valid keys) for each key of ``raw`` that the recipe class it was validated to lacks."""
     fields = None
     if isinstance(validated, BaseModel):
         if type(validated).__module__ not in _RECIPE_MODULES:
@@ -261,8 +248,7 @@ def _unknown_keys(raw: Any, validated: Any, where: str) -> Iterator[tuple[str, s
 
 
 def read_stages(path: str, text: str, intermediate_dir: str = "") -> list[Stage]:
-    """The stages of a recipe file as mergekit-multi reads them (a single recipe is one stage); a model named
-    like another stage becomes ``intermediate_dir/<name>`` (mergekit's ``patched_config``), a dependency."""
+    """The stages as mergekit-multi reads them; a model named like a stage becomes a dependency."""
     patched_config = internal("mergekit.scripts.multimerge", "patched_config")
     stages: dict[Optional[str], Any] = {}
     for index, document in enumerate(read_documents(path, text)):
