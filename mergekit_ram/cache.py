@@ -62,7 +62,12 @@ class CacheSettings:
         return cls(mode, directory, shared == "1")
 
     def entry(self, key: str) -> str:
-        return os.path.join(self.directory, ENTRIES_DIR, f"{key}.json")
+        return os.path.join(self.directory, ENTRIES_DIR, entry_name(key))
+
+
+def entry_name(key: str) -> str:
+    """An entry's file name in its folder."""
+    return f"{key}.json"
 
 
 class UntrustedFolder(Exception):
@@ -193,24 +198,28 @@ class CacheEntry:
     folder: int
     key: str
 
+    @property
+    def path(self) -> str:
+        """Where the entry is, for messages (it is opened relative to ``folder``)."""
+        return self.settings.entry(self.key)
+
     def load(self, planned: Sequence[PlannedTensor], headers: HeaderCache) -> Optional[list[Optional[TensorCounts]]]:
         """The cached counts (one per merge task), or None: missing, refreshing, or unusable."""
         if self.settings.mode != "on":
             return None
-        path = self.settings.entry(self.key)
         try:
-            data = read_json(f"{self.key}.json", dir_fd=self.folder, follow_symlinks=False)
+            data = read_json(entry_name(self.key), dir_fd=self.folder, follow_symlinks=False)
         except FileNotFoundError:
             return None
         except (OSError, UnreadableFile) as error:
-            LOG.warning("ignoring unreadable pre-pass cache entry %s (%s); %s", path, error, _ADVICE)
+            LOG.warning("ignoring unreadable pre-pass cache entry %s (%s); %s", self.path, error, _ADVICE)
             return None
         try:
             counts = _matching_counts(data, planned, headers)
         except (TypeError, ValueError, KeyError, AttributeError) as error:
-            LOG.warning("ignoring pre-pass cache entry %s: %s; counting afresh (%s)", path, error, _ADVICE)
+            LOG.warning("ignoring pre-pass cache entry %s: %s; counting afresh (%s)", self.path, error, _ADVICE)
             return None
-        LOG.info("ram_plus pre-pass: using cached counts %s (%s=refresh recomputes)", path, MODE_VARIABLE)
+        LOG.info("ram_plus pre-pass: using cached counts %s (%s=refresh recomputes)", self.path, MODE_VARIABLE)
         return counts
 
     def store(self, counts: Sequence[Optional[TensorCounts]]) -> None:
@@ -218,10 +227,10 @@ class CacheEntry:
         tensors = [None if c is None else counts_to_dict(c) for c in counts]
         text = json.dumps({"tensors": tensors, "sha256": checksum(tensors)})
         try:
-            write_atomically(f"{self.key}.json", text, dir_fd=self.folder)
+            write_atomically(entry_name(self.key), text, dir_fd=self.folder)
         except OSError as error:
-            return _not_written(self.settings.entry(self.key), error)
-        LOG.info("ram_plus pre-pass: counts cached in %s", self.settings.entry(self.key))
+            return _not_written(self.path, error)
+        LOG.info("ram_plus pre-pass: counts cached in %s", self.path)
 
 
 def _matching_counts(data: Any, planned: Sequence[PlannedTensor], headers: HeaderCache) -> list[Optional[TensorCounts]]:
