@@ -574,14 +574,23 @@ class _MergeScratch:
                 base_out.copy_(grad)
             return
         base_c = _load(self.base, base)
-        g, models, weight = grad.to(self.dtype), range(len(finetunes)), self.active[: base.numel()]
-        counts, spare = self._sums(base_c, finetunes, models), torch.empty_like(base_c)
+        g, models = grad.to(self.dtype), range(len(finetunes))
+        counts = self._sums(base_c, finetunes, models)
         for index, out in enumerate(finetune_outs):
             if out is not None:
-                out.copy_(self._sums(base_c, finetunes, [index], g, counts).combine(self.plan, weight, spare, counts))
+                out.copy_(self._rule(base_c, finetunes, [index], g, counts))
         if base_out is not None:
-            weights = self._sums(base_c, finetunes, models, torch.ones_like(g), counts)
-            base_out.copy_(weights.combine(self.plan, weight, spare, counts).neg_().add_(1.0).mul_(g))
+            weights = self._rule(base_c, finetunes, models, torch.ones_like(g), counts)
+            base_out.copy_(weights.neg_().add_(1.0).mul_(g))
+
+    def _rule(
+        self, base_c: Tensor, finetunes: Sequence[Tensor], models: Sequence[int], value: Optional[Tensor], counts: Any
+    ) -> Tensor:
+        """The rule applied to the sums over ``models`` of ``value`` where the updates' ``counts`` are (as ``run``
+        does, the update buffer, free once summed, takes the elected sign)."""
+        length = base_c.numel()
+        sums = self._sums(base_c, finetunes, models, value, counts)
+        return sums.combine(self.plan, self.active[:length], self.tau[:length], counts)
 
     def _diagnose(self, base: Tensor, finetunes: Sequence[Tensor], out: Tensor, result: Tensor) -> None:
         """Raise for a NaN or Inf input, else for the first cause of a non-finite ``out`` (a lambda where the base plus
@@ -597,10 +606,9 @@ class _MergeScratch:
             if not bool(torch.isfinite(torch.sub(finetune, base_c)[overflowed]).all()):
                 raise MergeOverflowError("update", index, self.dtype)
         if self.plan.lambdas:
-            models, weight = range(len(finetunes)), self.active[: base.numel()]
-            counts, spare = self._sums(base_c, finetunes, models), torch.empty_like(base_c)
-            for index in models:
-                alone = self._sums(base_c, finetunes, [index], counts=counts).combine(self.plan, weight, spare, counts)
+            counts = self._sums(base_c, finetunes, range(len(finetunes)))
+            for index in range(len(finetunes)):
+                alone = self._rule(base_c, finetunes, [index], None, counts)
                 if not bool(torch.isfinite(alone.add_(base_c)).all()):
                     raise MergeOverflowError("lambda", index, self.dtype)
         raise MergeOverflowError("sum", None, self.dtype)
