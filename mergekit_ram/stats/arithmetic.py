@@ -77,8 +77,9 @@ def by_module(statistics: RamStatistics) -> dict[str, tuple[OverlapCounts, ...]]
 
 def by_merged_module(statistics: RamStatistics) -> dict[str, tuple[OverlapCounts, ...]]:
     """The counts per module of a ``modules:`` merge, in recipe order; empty for a merge of one module."""
-    groups = _grouped(statistics.tensors, lambda counts: counts.module)
-    return groups if len(groups) > 1 else {}
+    if len({counts.module for counts in statistics.tensors}) < 2:
+        return {}
+    return _grouped(statistics.tensors, lambda counts: counts.module)
 
 
 def _grouped(
