@@ -5,7 +5,6 @@ mergekit or boundary module is half-executed; where an internal has moved, the p
 Ctrl-C before its callback begins is one line and exit status 130 (``mergekit_ram.interrupts``).
 """
 
-import importlib
 import os
 import sys
 
@@ -94,6 +93,8 @@ class MergekitFinder:
 
     @staticmethod
     def _call(hook_name, *args, **kwargs):
+        import importlib  # when a hook runs: a clean environment starts without importlib
+
         submodule, _, function = hook_name.partition(":")
         return getattr(importlib.import_module(f"{BOUNDARY}.{submodule}"), function)(*args, **kwargs)
 
