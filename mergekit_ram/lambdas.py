@@ -12,7 +12,7 @@ from typing import Any, Iterable, Mapping, NamedTuple, Optional, Sequence
 from mergekit_ram.parameters import METHOD_PARAMETERS, ParameterError
 from mergekit_ram.rescaling import Rescaling
 from mergekit_ram.stats.arithmetic import build_statistics, model_lambda
-from mergekit_ram.stats.data import Pin, RamStatistics, Source, TensorCounts
+from mergekit_ram.stats.data import PIN_KINDS, Pin, RamStatistics, Source, TensorCounts
 
 
 class Resolved(NamedTuple):
@@ -104,7 +104,7 @@ def _pins(method: str, tensors: Sequence[Resolved]) -> tuple[tuple[str, Pin, flo
         for tensor in tensors:
             own = tensor.per_model.get(model)
             if own is not None:
-                kind: Pin = next((k for k in ("lambda", "rho", "scale") if own.get(k) is not None), "rho")
+                kind: Pin = next((k for k in PIN_KINDS if own.get(k) is not None), "rho")
                 seen.setdefault((kind, own.get(kind)), tensor.name)
         if len(seen) > 1:
             (first, first_tensor), (second, second_tensor) = list(seen.items())[:2]

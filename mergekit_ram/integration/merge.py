@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 import os
 import time
 from dataclasses import replace
@@ -21,7 +20,7 @@ from pydantic import BaseModel
 from mergekit_ram.cache import CacheSettings, opened
 from mergekit_ram.checks import HeaderCache, check_tensors
 from mergekit_ram.integration.internals import internal
-from mergekit_ram.integration.methods import COUNTS_TO, OUT_DTYPE, count_tensors, read_counts
+from mergekit_ram.integration.methods import COUNTS_TO, OUT_DTYPE, count_tensors, finite, read_counts
 from mergekit_ram.lambdas import Applied, MergeRule, Resolved, merge_rule
 from mergekit_ram.planned import PlannedTensor, TensorInput
 from mergekit_ram.stats.data import RamStatistics, TensorCounts
@@ -43,7 +42,9 @@ class Plan(NamedTuple):
     rule: MergeRule
 
     @classmethod
-    def of(cls, method: str, tasks: Sequence[Any], modules: Optional[dict[str, str]] = None) -> Plan:
+    def of(cls, method: str, targets: Sequence[Any], modules: Optional[dict[str, str]] = None) -> Plan:
+        """From the planner's targets: the merge tasks of ``method`` behind them."""
+        tasks = [target.tensor_task for target in targets if hasattr(target, "tensor_task")]
         ours = [task for task in tasks if getattr(task, "method_name", None) == method]
         resolved = [
             Resolved(
@@ -67,14 +68,13 @@ def plan_merge(config: Any, options: Any) -> Plan:
     out_config = internal("mergekit.merge", "_model_out_config")(config, arch_info, options.trust_remote_code)
     planner = MergePlanner(config, arch_info, options=options, out_model_config=out_config)
     targets = planner.plan_to_disk(out_path="")  # planned, never run
-    tasks = [task.tensor_task for task in targets if hasattr(task, "tensor_task")]
     modules: dict[str, str] = {}
     if len(planner.config.modules or {}) > 1:  # each output tensor's module in a merge of several
         for module in planner.config.modules:
             definition = planner.arch_info.modules[module]
             weights = definition.architecture.all_weights(config=planner.out_model_config)
             modules.update(((definition.weight_prefix or "") + weight.name, module) for weight in weights)
-    return Plan.of(config.merge_method, tasks, modules)
+    return Plan.of(config.merge_method, targets, modules)
 
 
 def planned_tensor(task: Any) -> PlannedTensor:
@@ -140,14 +140,18 @@ def run_prepass(plan: Plan, options: Any) -> list[Optional[TensorCounts]]:
     by_source: dict[Any, list[int]] = {}
     for index, task in enumerate(plan.tasks):
         by_source.setdefault(task.gather_tensors, []).append(index)
-    storage = options.device if options.low_cpu_memory else "cpu"
-    executor = Executor(list(by_source), math_device=options.device, storage_device=storage)
     counts: list[Optional[TensorCounts]] = [None] * len(plan.tasks)
-    for source, tensors in executor.run(quiet=options.quiet, desc="RAM+ pre-pass"):
+    for source, tensors in executor(list(by_source), options).run(quiet=options.quiet, desc="RAM+ pre-pass"):
         for index in by_source[source]:
             counts[index] = _counted_task(plan.tasks[index], plan.tensors[index], tensors)
         del tensors
     return counts
+
+
+def executor(targets: list[Any], options: Any) -> Any:
+    """mergekit's Executor as ``run_merge`` builds it: tensors stay on the device only under ``low_cpu_memory``."""
+    storage = options.device if options.low_cpu_memory else "cpu"
+    return Executor(targets, math_device=options.device, storage_device=storage)
 
 
 def _counted_task(task: Any, planned: PlannedTensor, tensors: Mapping[Any, Any]) -> Optional[TensorCounts]:
@@ -204,10 +208,10 @@ def _injected(node: Any, applied: Mapping[str, Applied]) -> Any:
             for name in fields
             if name not in ("parameters", "model") and isinstance(getattr(node, name), (BaseModel, list, dict))
         }
-        entry: Any = node  # a model entry: ``model`` and ``parameters``
+        entry: Any = node  # a model entry: ``model`` and ``parameters`` (fields the BaseModel type does not know)
         if "model" in fields and "parameters" in fields and str(entry.model) in applied:
             lam, rho = applied[str(entry.model)]
-            own = {"lambda": lam, **({"rho": rho} if rho is not None and math.isfinite(rho) else {})}
+            own = {"lambda": lam, **({"rho": rho} if finite(rho) is not None else {})}
             update["parameters"] = {**(entry.parameters or {}), **own}
         return node.model_copy(update=update) if update else node
     if isinstance(node, list):

@@ -20,7 +20,7 @@ from mergekit_ram.lambdas import Resolved, merge_rule
 from mergekit_ram.parameters import METHOD_PARAMETERS, SHARED_RULES, ParameterError, ParameterInfo
 from mergekit_ram.rescaling import Rescaling
 from mergekit_ram.stats.arithmetic import model_lambda
-from mergekit_ram.stats.data import Pin, RamStatistics, TensorCounts
+from mergekit_ram.stats.data import PIN_KINDS, RamStatistics, TensorCounts
 from mergekit_ram.stats.schema import counts_from_dict, counts_to_dict
 
 GroupMergeMethod: Any = internal("mergekit.merge_methods.base", "GroupMergeMethod")
@@ -41,8 +41,6 @@ PRETTY_NAMES = {
 OUT_DTYPE = "mergekit_ram_out_dtype"
 COUNTS_TO = "mergekit_ram_counts_to"
 HIDDEN_PARAMETERS = (OUT_DTYPE, COUNTS_TO)
-#: A model's pin: the first of these set (the merge step writes a lambda with the rho it came from).
-PIN_KINDS: tuple[Pin, ...] = ("scale", "lambda", "rho")
 
 
 class RamMergeMethod(GroupMergeMethod):
@@ -98,7 +96,7 @@ class RamMergeMethod(GroupMergeMethod):
         if needs_counts:  # an infinite rho is left out: parameters are finite
             applied = rule.applied([str(model) for model in finetunes], statistics)
             supplied["lambda"] = {model: applied[str(model)].lambda_ for model in finetunes}
-            supplied["rho"] = {model: _finite(applied[str(model)].rho) for model in finetunes}
+            supplied["rho"] = {model: finite(applied[str(model)].rho) for model in finetunes}
         supplied[OUT_DTYPE] = None if out_dtype is None else str(out_dtype).removeprefix("torch.")
         merged = super().__call__(
             groups, parameters=supplied, dtype=dtype, out_dtype=out_dtype, batch_options=batch_options
@@ -266,7 +264,8 @@ def append_counts(path: str, counts: TensorCounts) -> None:
         handle.write((json.dumps(counts_to_dict(counts)) + "\n").encode())
 
 
-def _finite(value: Optional[float]) -> Optional[float]:
+def finite(value: Optional[float]) -> Optional[float]:
+    """``value`` where it is a finite number (an infinite rho is not handed to a method), else None."""
     return value if value is not None and math.isfinite(value) else None
 
 

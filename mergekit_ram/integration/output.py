@@ -19,7 +19,7 @@ from mergekit_ram.checks import HeaderCache
 from mergekit_ram.errors import InputError
 from mergekit_ram.files import write_atomically
 from mergekit_ram.integration.internals import MergekitMovedError, check_internals, internal, wrap
-from mergekit_ram.integration.merge import Plan, plan_merge, prepare
+from mergekit_ram.integration.merge import Plan, executor, plan_merge, prepare
 from mergekit_ram.integration.recipes import check_config, recipe_nodes
 from mergekit_ram.integration.registry import is_ours
 from mergekit_ram.interrupts import MergeInterrupted
@@ -30,7 +30,6 @@ from mergekit_ram.stats.schema import STATISTICS_FILE, statistics_to_json
 
 RawPyTorchMergeConfig: Any = internal("mergekit.scripts.merge_raw_pytorch", "RawPyTorchMergeConfig")
 plan_flat_merge: Any = internal("mergekit.scripts.merge_raw_pytorch", "plan_flat_merge")
-Executor: Any = internal("mergekit.graph", "Executor")
 
 
 class InputFolder(NamedTuple):
@@ -192,11 +191,10 @@ def refuse_stage_outputs(stages: Sequence[Stage], intermediate_dir: str, out_pat
         refuse_input_folder(output, inputs)
 
 
-def raw_pytorch_merge(arguments: Mapping[str, Any], options: Any) -> None:
-    """``mergekit-pytorch`` for a RAM recipe: mergekit's flat plan and Executor, inside the output transaction."""
-    config_path, out_path = arguments["config_path"], arguments["out_path"]
-    with open(config_path, encoding="utf-8") as handle:
-        source = handle.read()
+def raw_pytorch_merge(arguments: Mapping[str, Any], options: Any, source: str) -> None:
+    """``mergekit-pytorch`` for a RAM recipe (``source``, its file's text as checked): mergekit's flat plan and
+    Executor, inside the output transaction."""
+    out_path = arguments["out_path"]
     config = RawPyTorchMergeConfig.model_validate(yaml.safe_load(source))
     check_internals()
     files = [entry.model for entry in config.models] + ([config.base_model] if config.base_model else [])
@@ -212,11 +210,10 @@ def raw_pytorch_merge(arguments: Mapping[str, Any], options: Any) -> None:
         union, intersection = arguments["tensor_union"], arguments["tensor_intersection"]
         with transaction.staged() as staged:
             planned = plan_flat_merge(config, "", union, intersection, options)
-            plan = Plan.of(config.merge_method, [task.tensor_task for task in planned if hasattr(task, "tensor_task")])
+            plan = Plan.of(config.merge_method, planned)
             ram_config, final = prepare(config, plan, options, headers, cache, os.path.join(staged, COUNTS_FILE))
             targets = plan_flat_merge(ram_config, staged, union, intersection, options)
-            storage = options.device if options.low_cpu_memory else "cpu"
-            Executor(targets, math_device=options.device, storage_device=storage).execute()
+            executor(targets, options).execute()
             statistics = finish(staged, final(), False)
         if not options.quiet:
             report_summary(out_path, statistics)

@@ -43,7 +43,7 @@ def patch_scripts(options: ModuleType) -> None:
                 checked = check_script_recipe(name, kwargs.get(recipe_argument), kwargs)
                 theirs = checked is None  # mergekit's own recipe: mergekit's own Ctrl-C
                 if name == "mergekit-pytorch" and checked is not None:
-                    raw_pytorch_merge(kwargs, checked)  # its options are built inside the command
+                    raw_pytorch_merge(kwargs, *checked)  # its options are built inside the command
                     return None
                 with removed_if_failed(kwargs.get("intermediate_dir") if checked is not None else None):
                     return original(command, context)  # mergekit-multi makes its -I folder itself
@@ -61,9 +61,11 @@ def patch_scripts(options: ModuleType) -> None:
     wrap("mergekit.options", "PrettyPrintHelp.invoke", make)
 
 
-def check_script_recipe(name: str, path: Optional[str], arguments: dict[str, Any]) -> Optional[MergeOptions]:
+def check_script_recipe(
+    name: str, path: Optional[str], arguments: dict[str, Any]
+) -> Optional[tuple[MergeOptions, str]]:
     """A RAM recipe file (a misspelt method refused) read and validated as ``name`` will, the device and
-    mergekit-multi's stage outputs checked: the command's MergeOptions; None for any other file."""
+    mergekit-multi's stage outputs checked: the command's MergeOptions and the text checked; None for any other file."""
     if path is None:
         return None
     if not os.path.exists(path):  # mergekit-yaml's own open() would raise a traceback
@@ -90,7 +92,7 @@ def check_script_recipe(name: str, path: Optional[str], arguments: dict[str, Any
     if stages:
         refuse_stage_outputs(stages, arguments.get("intermediate_dir") or "", arguments.get("out_path"), options)
         check_stage_keys(path, text)
-    return options
+    return options, text
 
 
 def check_options_device(options: MergeOptions) -> None:

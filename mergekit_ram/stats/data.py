@@ -10,6 +10,8 @@ from mergekit_ram.rescaling import Rescaling, rho_of_histogram
 Source = Literal["pre-pass", "merge"]
 #: Which per-model value the recipe set: a pinned rho or lambda (ram_plus, ram_ties), or ram_unique's scale.
 Pin = Literal["rho", "lambda", "scale"]
+#: A model's pin is the first of these it sets (no method declares ``scale`` beside ``lambda`` or ``rho``).
+PIN_KINDS: tuple[Pin, ...] = ("lambda", "rho", "scale")
 
 
 @dataclass(frozen=True)
