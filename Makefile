@@ -16,7 +16,8 @@ NEWEST_VENV ?= .venv-mergekit-newest
 # the exact merges and other methods unchanged.
 DROP_IN_TESTS ?= tests/test_internals.py tests/test_entry_points.py tests/test_moved_mergekit.py \
 	tests/test_merge_exact.py tests/test_reliability.py::test_other_methods_are_unchanged_by_the_plugin
-# pytest-xdist workers for `make test`; each runs whole test files, so a module fixture is built once.
+# pytest-xdist workers for `make test`; each runs whole test files, so a module fixture is built once, the
+# longest files first (tests/conftest.py: SLOWEST_FIRST).
 TEST_WORKERS ?= 2
 # The benchmarks' own end-to-end check (the agents experiment at toy size): `make test-benchmarks`, run by CI,
 # not by `make test`, which checks the product.
@@ -35,7 +36,7 @@ demo: install
 	HF_HUB_OFFLINE=1 $(BIN)/mergekit-ram demo $(DEMO_DIR)
 
 test: install
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --ignore=$(BENCHMARK_TESTS)
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --ignore=$(BENCHMARK_TESTS)
 
 test-benchmarks: install
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest $(BENCHMARK_TESTS)

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
+import errno
 import fcntl
 import functools
 import glob
+import hashlib
 import importlib.metadata
 import json
 import locale
@@ -17,6 +20,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, TypeVar
@@ -42,10 +46,12 @@ def script(name: str) -> str:
 
 
 #: What a forked run takes on after the fork: variables read only once the script runs, and the fault
-#: hook's (``tests/faults``, installed again in each forked run).
+#: hook's (``tests/faults``, installed again in each forked run). The xdist worker's name, so that the
+#: workers of a test run share their warm interpreters.
 FORK_VARIABLES = frozenset(
     {
         "PYTEST_CURRENT_TEST",
+        "PYTEST_XDIST_WORKER",
         cache.MODE_VARIABLE,
         cache.DIRECTORY_VARIABLE,
         cache.SHARED_VARIABLE,
@@ -68,57 +74,116 @@ COMMAND_IMPORTS = {
 }
 
 
+#: The folder of this test run's warm interpreters, made by the pytest process that starts the xdist workers
+#: (``pytest_configure``), so that the workers share them; removed once the run ends.
+WARM_FOLDER_VARIABLE = "MERGEKIT_RAM_TEST_WARM_FOLDER"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if not hasattr(config, "workerinput"):  # not an xdist worker: before any worker starts
+        os.environ[WARM_FOLDER_VARIABLE] = tempfile.mkdtemp(prefix="warm-")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if not hasattr(config, "workerinput"):
+        shutil.rmtree(os.environ.pop(WARM_FOLDER_VARIABLE), ignore_errors=True)
+
+
 @functools.cache
 def launcher_folder() -> str:
-    """Where this process's warm interpreters are started from (removed at its exit)."""
+    """Where the warm interpreters are started from: the test run's, or outside pytest this process's own."""
+    if WARM_FOLDER_VARIABLE in os.environ:
+        return os.environ[WARM_FOLDER_VARIABLE]
     folder = tempfile.mkdtemp(prefix="warm-")
     atexit.register(shutil.rmtree, folder, True)
     return folder
 
 
 class WarmInterpreter:
-    """A ``tests/warm_interpreter.py`` server: started as ``argv``, with ``environment``, ``preload`` imported."""
+    """A ``tests/warm_interpreter.py`` server: started as ``argv``, with ``environment``, ``preload`` imported,
+    listening on an abstract socket name that every worker of the test run connects to. The worker that
+    started it keeps it running (``keepalive``); a worker finding none listening (never started, or gone
+    with its starter) starts one."""
 
     def __init__(
         self, argv: tuple[str, ...], preload: tuple[str, ...], environment: tuple[tuple[str, str], ...]
     ) -> None:
-        self.channel, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        launcher = os.path.join(launcher_folder(), argv[0])  # argv[0] named as the real script's
-        if not os.path.lexists(launcher):
+        self.argv, self.preload, self.environment = argv, preload, environment
+        key = hashlib.sha256(repr((launcher_folder(), argv, preload, environment)).encode()).hexdigest()
+        self.address = f"\0mergekit-ram-warm-{key}"  # Linux's abstract namespace: gone with the server
+        self.keepalive: Optional[socket.socket] = None
+        self.process: Optional[subprocess.Popen] = None
+
+    def connect(self) -> socket.socket:
+        """A connection to the server, started first where none listens."""
+        with open(os.path.join(launcher_folder(), "start.lock"), "w", encoding="utf-8") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            connection = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            try:
+                connection.connect(self.address)
+            except ConnectionRefusedError:
+                connection.connect(self.start())
+            return connection
+
+    def start(self) -> str:
+        """The server started, listening on ``address`` (taken over from one still ending)."""
+        launcher = os.path.join(launcher_folder(), self.argv[0])  # argv[0] named as the real script's
+        with contextlib.suppress(FileExistsError):
             os.symlink(WARM_SERVER, launcher)
-        variables = {"MERGEKIT_RAM_TEST_WARM": str(theirs.fileno()), "MERGEKIT_RAM_TEST_PRELOAD": ",".join(preload)}
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        for _ in range(200):
+            try:
+                listener.bind(self.address)
+                break
+            except OSError as error:  # EADDRINUSE: a server told to end has not yet ended
+                if error.errno != errno.EADDRINUSE:
+                    raise
+                time.sleep(0.05)
+        listener.listen(64)
+        self.keepalive, theirs = socket.socketpair()
+        descriptors = (listener.fileno(), theirs.fileno())
+        variables = {
+            "MERGEKIT_RAM_TEST_WARM": ",".join(map(str, descriptors)),
+            "MERGEKIT_RAM_TEST_PRELOAD": ",".join(self.preload),
+        }
         self.process = subprocess.Popen(
-            [sys.executable, launcher, *argv[1:]],
-            env={**dict(environment), **variables},
-            pass_fds=[theirs.fileno()],
+            [sys.executable, launcher, *self.argv[1:]],
+            env={**dict(self.environment), **variables},
+            pass_fds=descriptors,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
         )
+        listener.close()
         theirs.close()
+        return self.address
 
     def run(
         self, command: list[str], environment: dict[str, str], timeout: Optional[float]
     ) -> Optional[subprocess.CompletedProcess]:
         """``command`` (a script and its arguments) forked from the server; None where it answers that a
-        fresh start is needed. Safe from several threads at once."""
+        fresh start is needed, or does not answer. Safe from several threads at once."""
         request = {"script": command[0], "args": command[1:], "env": environment, "cwd": os.getcwd()}
-        reply, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        with reply, open(os.devnull, "rb") as stdin, tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-            with theirs:
-                descriptors = [handle.fileno() for handle in (stdin, out, err, theirs)]
-                socket.send_fds(self.channel, [json.dumps(request).encode()], descriptors)
-            pid = reply.recv(64)
-            if pid == b"cold":
-                return None
-            if not pid:
-                raise AssertionError(f"the warm interpreter for {command[0]} ended ({self.process.poll()})")
-            reply.settimeout(timeout)
-            try:
-                status = reply.recv(64)
-            except TimeoutError:
-                os.kill(int(pid), signal.SIGKILL)  # as subprocess.run does at its timeout
-                raise subprocess.TimeoutExpired(command, timeout or 0) from None
-            return subprocess.CompletedProcess(command, int(status), text(out), text(err))
+        for _ in range(3):  # a server ending (its starter's ``keepalive`` closed) drops requests unanswered
+            reply, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            with reply, open(os.devnull, "rb") as stdin, tempfile.TemporaryFile() as out:
+                with tempfile.TemporaryFile() as err:
+                    with theirs, self.connect() as connection:
+                        descriptors = [handle.fileno() for handle in (stdin, out, err, theirs)]
+                        socket.send_fds(connection, [json.dumps(request).encode()], descriptors)
+                    pid = reply.recv(64)
+                    if pid == b"cold":
+                        return None
+                    if not pid:
+                        time.sleep(0.1)
+                        continue
+                    reply.settimeout(timeout)
+                    try:
+                        status = reply.recv(64)
+                    except TimeoutError:
+                        os.kill(int(pid), signal.SIGKILL)  # as subprocess.run does at its timeout
+                        raise subprocess.TimeoutExpired(command, timeout or 0) from None
+                    return subprocess.CompletedProcess(command, int(status), text(out), text(err))
+        return None  # a server that keeps dropping requests: a fresh start (``test_a_warm_run_is_a_fresh_run``)
 
 
 def text(handle: Any) -> str:
@@ -128,7 +193,7 @@ def text(handle: Any) -> str:
     return data.replace("\r\n", "\n").replace("\r", "\n")
 
 
-@functools.lru_cache(maxsize=6)  # about 420 MB each
+@functools.lru_cache(maxsize=10)  # about 420 MB each, per xdist worker
 def warm_interpreter(
     argv: tuple[str, ...], preload: tuple[str, ...], environment: tuple[tuple[str, str], ...]
 ) -> WarmInterpreter:
@@ -278,6 +343,32 @@ def _build(directory: str, dtype: torch.dtype, architecture: str = "llama") -> M
     config = tiny_config(architecture, hidden_size=32, intermediate_size=48, num_layers=2, vocab_size=64)
     base, agents, design = build_agents(directory, config, PAPER_OVERLAP, PAPER_AGENTS, dtype=dtype, seed=3)
     return ModelSet(base=base, agents=agents, design=design)
+
+
+#: The test files that take longest in ``make test``, longest first (measured): with ``--dist loadfile
+#: --no-loadscope-reorder`` pytest-xdist hands them out first, so no worker is left alone with one at the end.
+SLOWEST_FIRST = (
+    "test_cli.py",
+    "test_interrupts.py",
+    "test_moved_mergekit.py",
+    "test_output.py",
+    "test_reliability.py",
+    "test_transaction.py",
+    "test_entry_points.py",
+    "test_resources.py",
+    "test_input_folders.py",
+    "test_layers.py",
+    "test_kernel.py",
+    "test_packaging.py",
+    "test_inputs.py",
+    "test_statistics.py",
+    "test_check.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: index for index, name in enumerate(SLOWEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file's order kept
 
 
 @pytest.fixture(scope="session")

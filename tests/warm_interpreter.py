@@ -1,14 +1,15 @@
 """A warm interpreter for the tests' subprocesses: a script's imports done once, each run forked.
 
-    MERGEKIT_RAM_TEST_WARM=FD MERGEKIT_RAM_TEST_PRELOAD=MODULE,... python <folder>/<name> [ARG]
+    MERGEKIT_RAM_TEST_WARM=LISTENER,KEEPALIVE MERGEKIT_RAM_TEST_PRELOAD=MODULE,... python <folder>/<name> [ARG]
 
 A console script started afresh spends about 7 s importing mergekit (torch, transformers, peft) and
 exiting; most tests run one for a few tenths of a second of work. ``tests/conftest.py`` starts this
 server under the script's own name (and, for ``mergekit-ram``, with the run's command: ``yaml``,
 ``probe``, ...), so that ``mergekit_ram_autoload.pth`` sees the ``argv`` a real run has at start-up.
-It imports the modules MODULE, ... (what the script imports), then answers requests on the
-``SOCK_SEQPACKET`` socket FD: JSON ``{script, args, env, cwd}`` with four file descriptors (standard
-input, output and error, and a socket for the reply), any number at once.
+It imports the modules MODULE, ... (what the script imports), then answers requests on the listening
+``SOCK_SEQPACKET`` socket LISTENER, one per connection (from any xdist worker of the test run): JSON
+``{script, args, env, cwd}`` with four file descriptors (standard input, output and error, and a socket
+for the reply), any number at once. It ends when the socket KEEPALIVE does (its starter gone).
 
 Each request is a fork of this process: the child takes the descriptors, the environment, the folder
 and ``argv``, installs the fault its environment names where the fault hook is loaded
@@ -26,6 +27,7 @@ import importlib
 import json
 import os
 import runpy
+import select
 import signal
 import socket
 import sys
@@ -62,17 +64,24 @@ def preload(modules: list[str]) -> Optional[tuple[bytes, bytes]]:
     return (printed[0], printed[1]) if imported and threading.active_count() == 1 else None
 
 
-def serve(channel: socket.socket, warm: bool) -> dict:
-    """Answer requests until the caller goes; returns (in a forked child only) the request to run."""
+def serve(listener: socket.socket, keepalive: socket.socket, warm: bool) -> dict:
+    """Answer requests until the worker that started this server goes (``keepalive`` ends); returns (in a
+    forked child only) the request to run."""
     while True:
-        message, descriptors, _flags, _address = socket.recv_fds(channel, 1 << 20, 4)
-        if not message:
+        if keepalive in select.select([listener, keepalive], [], [])[0]:
             sys.exit(0)
+        with listener.accept()[0] as connection:
+            message, descriptors, _flags, _address = socket.recv_fds(connection, 1 << 20, 4)
+        if not message:  # the caller went before its request
+            for descriptor in descriptors:
+                os.close(descriptor)
+            continue
         reply = socket.socket(fileno=descriptors.pop())
         if not warm or len(descriptors) != 3:
             reply.send(b"cold")
         elif os.fork() == 0:  # the second fork, which waits
-            channel.close()
+            listener.close()
+            keepalive.close()
             pid = os.fork()
             if pid == 0:
                 reply.close()
@@ -132,10 +141,10 @@ def exit_uncaught(error: BaseException, script: str) -> NoReturn:
 
 
 if __name__ == "__main__":
-    channel = socket.socket(fileno=int(os.environ.pop("MERGEKIT_RAM_TEST_WARM")))
+    listening, alive = (int(fd) for fd in os.environ.pop("MERGEKIT_RAM_TEST_WARM").split(","))
     printed = preload(list(filter(None, os.environ.pop("MERGEKIT_RAM_TEST_PRELOAD").split(","))))
     gc.freeze()  # the imports' objects stay out of the children's collections: 1.6 s to exit becomes 0.4 s
-    request = serve(channel, printed is not None)
+    request = serve(socket.socket(fileno=listening), socket.socket(fileno=alive), printed is not None)
     for stream, data in zip((sys.stdout, sys.stderr), printed or ()):  # first, as the imports print in a fresh run
         stream.buffer.write(data)
         stream.flush()
