@@ -14,6 +14,7 @@ import json
 import locale
 import os
 import re
+import resource
 import shutil
 import signal
 import socket
@@ -158,11 +159,12 @@ class WarmInterpreter:
         return self.address
 
     def run(
-        self, command: list[str], environment: dict[str, str], timeout: Optional[float]
+        self, command: list[str], environment: dict[str, str], timeout: Optional[float], limits: dict[int, int]
     ) -> Optional[subprocess.CompletedProcess]:
-        """``command`` (a script and its arguments) forked from the server; None where it answers that a
-        fresh start is needed, or does not answer. Safe from several threads at once."""
-        request = {"script": command[0], "args": command[1:], "env": environment, "cwd": os.getcwd()}
+        """``command`` (a script and its arguments) forked from the server, under the soft resource
+        ``limits``; None where it answers that a fresh start is needed, or does not answer. Safe from
+        several threads at once."""
+        request = {"script": command[0], "args": command[1:], "env": environment, "cwd": os.getcwd(), "limits": limits}
         for _ in range(3):  # a server ending (its starter's ``keepalive`` closed) drops requests unanswered
             reply, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
             with reply, open(os.devnull, "rb") as stdin, tempfile.TemporaryFile() as out:
@@ -201,7 +203,10 @@ def warm_interpreter(
 
 
 def warm_run(
-    command: list[str], environment: dict[str, str], timeout: Optional[float] = None
+    command: list[str],
+    environment: dict[str, str],
+    timeout: Optional[float] = None,
+    limits: Optional[dict[int, int]] = None,
 ) -> Optional[subprocess.CompletedProcess]:
     """``command`` (a console script's path or a Python script's, and its arguments) forked from a warm
     interpreter started with ``environment`` (``FORK_VARIABLES`` aside); None where a fresh start is needed."""
@@ -216,11 +221,14 @@ def warm_run(
             source = handle.read()
         argv, preload = (name,), tuple(re.findall(r"^(?:from|import) (mergekit_ram[\w.]*)", source, re.MULTILINE))
     start = tuple(sorted((key, value) for key, value in environment.items() if key not in FORK_VARIABLES))
-    return warm_interpreter(argv, preload, start).run(command, environment, timeout)
+    return warm_interpreter(argv, preload, start).run(command, environment, timeout, limits or {})
 
 
 def run_python(
-    command: list[str], environment: dict[str, str], timeout: Optional[float] = None
+    command: list[str],
+    environment: dict[str, str],
+    timeout: Optional[float] = None,
+    limits: Optional[dict[int, int]] = None,
 ) -> subprocess.CompletedProcess:
     """``command`` (a console script or a ``.py`` file, and its arguments) in a process of its own, as
     ``subprocess.run(capture_output=True, text=True)`` runs it.
@@ -229,14 +237,22 @@ def run_python(
     script and start-up environment (``environment`` but ``FORK_VARIABLES``), which saves a console
     script 5.5 s of CPU. A run whose fault is during the imports starts afresh, as does every run under
     ``MERGEKIT_RAM_TEST_COLD=1``. Tests of what happens while a script starts (entry points, Ctrl-C)
-    start their processes themselves."""
+    start their processes themselves. ``limits``: soft resource limits of the run (``resource``), set
+    once the imports are done (afresh: as it starts)."""
     cold = "1" in (environment.get(COLD_VARIABLE), os.environ.get(COLD_VARIABLE))
     if not cold and not environment.get("MERGEKIT_RAM_TEST_FAULT", "").startswith("import:"):
-        completed = warm_run(command, environment, timeout)
+        completed = warm_run(command, environment, timeout, limits)
         if completed is not None:
             return completed
+
+    def lower() -> None:
+        for which, soft in (limits or {}).items():
+            resource.setrlimit(which, (soft, resource.getrlimit(which)[1]))
+
     started = [sys.executable, *command] if command[0].endswith(".py") else command
-    return subprocess.run(started, env=environment, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        started, env=environment, capture_output=True, text=True, timeout=timeout, preexec_fn=lower if limits else None
+    )
 
 
 def run_script(
@@ -352,15 +368,14 @@ SLOWEST_FIRST = (
     "test_interrupts.py",
     "test_moved_mergekit.py",
     "test_output.py",
-    "test_reliability.py",
-    "test_transaction.py",
     "test_entry_points.py",
-    "test_resources.py",
-    "test_input_folders.py",
+    "test_transaction.py",
+    "test_reliability.py",
     "test_layers.py",
-    "test_kernel.py",
-    "test_packaging.py",
     "test_inputs.py",
+    "test_packaging.py",
+    "test_kernel.py",
+    "test_recipe_checks.py",
     "test_statistics.py",
     "test_check.py",
 )

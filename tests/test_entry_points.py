@@ -175,6 +175,32 @@ def test_mergekit_pytorch_uses_global_rho(bf16_models: ModelSet, ram_plus_merge:
     assert all(torch.equal(actual[name], expected[name]) for name in expected)
 
 
+#: A program whose end shows each step of an interpreter's: output not flushed, a thread still running,
+#: an atexit function, and the exit status of ``sys.exit(argv[1])``.
+ENDINGS = """
+import atexit, sys, threading, time
+print("printed, not flushed")
+atexit.register(print, "atexit")
+threading.Thread(target=lambda: (time.sleep(0.2), print("thread"))).start()
+code = sys.argv[1]
+sys.exit(None if code == "none" else int(code) if code.isdigit() else code)
+"""
+
+
+def test_a_warm_run_ends_as_a_fresh_run(tmp_path) -> None:
+    """The warm interpreter's end (``finish``, without the modules' teardown): the thread joined, the atexit
+    function run, the output flushed, and ``sys.exit``'s status and message, as a fresh run ends."""
+    program = tmp_path / "endings.py"
+    program.write_text(ENDINGS, encoding="utf-8")
+    buffered = {name: value for name, value in os.environ.items() if name != "PYTHONUNBUFFERED"}
+    for code in ("none", "3", "a message"):
+        cold = subprocess.run([sys.executable, str(program), code], env=buffered, capture_output=True, text=True)
+        warm = warm_run([str(program), code], buffered)
+        assert warm is not None, code
+        assert (warm.returncode, warm.stdout, warm.stderr) == (cold.returncode, cold.stdout, cold.stderr), code
+    assert (cold.returncode, cold.stdout, cold.stderr) == (1, "printed, not flushed\nthread\natexit\n", "a message\n")
+
+
 def test_a_warm_run_is_a_fresh_run(ram_plus_merge: Merged, tmp_path) -> None:
     """``run_script`` forks most runs from a warm interpreter (tests/warm_interpreter.py): the same
     exit status, output, files and traceback as the script started afresh."""

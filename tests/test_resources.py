@@ -1,6 +1,7 @@
 """The machine's resources running out in a RAM merge (too many open files, a file size limit, a full disk,
 no memory): mergekit's own cause once, in one line with its fix (``errors.resource_message``), and the output
-folder as it was. The limits are lowered for the real mergekit-yaml only (``preexec_fn``)."""
+folder as it was. The limits are lowered for the real mergekit-yaml only, once it has imported mergekit (a run
+forked from a warm interpreter, ``run_python``), so that each limit tried costs a merge, not a start."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 import pytest
 
 from mergekit_ram.errors import RESOURCE_FAILURES, resource_message
-from tests.conftest import ModelSet, script, write_recipe
+from tests.conftest import ModelSet, run_python, script, write_recipe
 from tests.test_cli import one_line_error
 
 USER_FILES = {"notes.txt": b"the user's own file\n"}
@@ -31,7 +32,7 @@ class LimitedRun:
 
 def limited_run(models: ModelSet, root: str, which: int, limits: range) -> LimitedRun:
     """mergekit-yaml with the resource ``which`` lowered to each of ``limits`` in turn, until mergekit gets as
-    far as merging (its loader warms up, or it succeeds): below that Python or mergekit cannot even start."""
+    far as merging (its loader warms up, or it succeeds): below that it fails earlier."""
     recipe = write_recipe(os.path.join(root, "r.yml"), models.recipe("ram_plus"))
     out = os.path.join(root, "out")
     for limit in limits:
@@ -40,16 +41,8 @@ def limited_run(models: ModelSet, root: str, which: int, limits: range) -> Limit
             with open(os.path.join(out, name), "wb") as handle:
                 handle.write(data)
 
-        def lower(limit: int = limit) -> None:
-            resource.setrlimit(which, (limit, resource.getrlimit(which)[1]))
-
-        completed = subprocess.run(
-            [script("mergekit-yaml"), recipe, out],
-            env={**os.environ, "HF_HUB_OFFLINE": "1"},
-            capture_output=True,
-            text=True,
-            preexec_fn=lower,
-        )
+        environment = {**os.environ, "HF_HUB_OFFLINE": "1"}
+        completed = run_python([script("mergekit-yaml"), recipe, out], environment, limits={which: limit})
         if completed.returncode == 0 or "Warmup loader cache" in completed.stderr:
             return LimitedRun(completed, limit, out)
     raise AssertionError(f"mergekit-yaml did not start under any of the limits {limits}")
@@ -65,8 +58,8 @@ def assert_as_it_was(out: str) -> None:
 
 @pytest.fixture(scope="module")
 def too_many_open_files(bf16_models: ModelSet, tmp_path_factory: pytest.TempPathFactory) -> LimitedRun:
-    """The lowest ``ulimit -n`` at which mergekit gets as far as merging (9 here; 6 to 8 stop earlier, each in a
-    cold start of about 5 s: the search is most of this module's time). The merge then fails on EMFILE."""
+    """The lowest ``ulimit -n`` at which mergekit gets as far as merging (9 here, as when the limit is set before
+    the imports; 6 to 8 stop earlier, each with its own one line). The merge then fails on EMFILE."""
     return limited_run(bf16_models, str(tmp_path_factory.mktemp("nofile")), resource.RLIMIT_NOFILE, range(4, 16))
 
 

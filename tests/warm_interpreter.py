@@ -8,17 +8,19 @@ server under the script's own name (and, for ``mergekit-ram``, with the run's co
 ``probe``, ...), so that ``mergekit_ram_autoload.pth`` sees the ``argv`` a real run has at start-up.
 It imports the modules MODULE, ... (what the script imports), then answers requests on the listening
 ``SOCK_SEQPACKET`` socket LISTENER, one per connection (from any xdist worker of the test run): JSON
-``{script, args, env, cwd}`` with four file descriptors (standard input, output and error, and a socket
-for the reply), any number at once. It ends when the socket KEEPALIVE does (its starter gone).
+``{script, args, env, cwd, limits}`` (``limits``: soft resource limits to set) with four file
+descriptors (standard input, output and error, and a socket for the reply), any number at once. It
+ends when the socket KEEPALIVE does (its starter gone).
 
-Each request is a fork of this process: the child takes the descriptors, the environment, the folder
-and ``argv``, installs the fault its environment names where the fault hook is loaded
+Each request is a fork of this process: the child takes the descriptors, the environment, the folder,
+the limits and ``argv``, installs the fault its environment names where the fault hook is loaded
 (``tests/faults`` on PYTHONPATH), and runs the real script file as ``__main__``; its exit status,
-uncaught exception or signal is the interpreter's own, as in a run started afresh, and what the
-imports printed comes first in its output, as in a fresh run. A second fork between the two waits
-for the child and replies with its process id, then its status as ``subprocess`` reports it
-(negative: the signal). Where the imports failed or left a Python thread running, the server
-replies ``cold`` and the caller starts the script afresh. Standard library only.
+uncaught exception or signal is what a run started afresh gets, and what the imports printed comes
+first in its output, as in a fresh run. It ends as a fresh run does, less the teardown of the modules
+(``finish``). A second fork between the two waits for the child and replies with its process id, then
+its status as ``subprocess`` reports it (negative: the signal). Where the imports failed or left a
+Python thread running, the server replies ``cold`` and the caller starts the script afresh. Standard
+library only.
 """
 
 import atexit
@@ -26,6 +28,7 @@ import gc
 import importlib
 import json
 import os
+import resource
 import runpy
 import select
 import signal
@@ -113,6 +116,8 @@ def run(request: dict) -> None:
     os.environ.clear()
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
+    for which, soft in request["limits"].items():  # as ``preexec_fn`` would, once the imports are done
+        resource.setrlimit(int(which), (soft, resource.getrlimit(int(which))[1]))
     faults = sys.modules.get("sitecustomize")
     if hasattr(faults, "install_faults"):  # tests/faults on PYTHONPATH: this run's fault, as at start-up
         faults.install_faults()
@@ -120,6 +125,29 @@ def run(request: dict) -> None:
     sys.argv = [script, *request["args"]]
     sys.path[0] = os.path.dirname(script)
     runpy.run_path(script, run_name="__main__")
+
+
+def finish(code: object) -> NoReturn:
+    """The end of a run as ``Py_FinalizeEx`` begins it: threads joined, atexit functions run, the standard
+    streams flushed (a failure there: status 120), with the status of ``sys.exit(code)``. What a fresh
+    process does after that, the teardown of every module, is left out: in a fork of this server it
+    touches every imported object (0.5 s of copy-on-write a run), and a run that left a file for it to
+    flush fails its test here instead of passing unnoticed."""
+    if code is None:
+        status = 0
+    elif isinstance(code, int):
+        status = code
+    else:
+        print(code, file=sys.stderr)
+        status = 1
+    threading._shutdown()  # type: ignore[attr-defined]
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            status = 120
+    os._exit(status & 0xFF)
 
 
 def exit_uncaught(error: BaseException, script: str) -> NoReturn:
@@ -131,7 +159,7 @@ def exit_uncaught(error: BaseException, script: str) -> NoReturn:
         traceback = traceback.tb_next
     sys.excepthook(type(error), error.with_traceback(traceback), traceback)  # it prints the error's own
     if not isinstance(error, KeyboardInterrupt):
-        sys.exit(1)
+        finish(1)
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -143,14 +171,15 @@ def exit_uncaught(error: BaseException, script: str) -> NoReturn:
 if __name__ == "__main__":
     listening, alive = (int(fd) for fd in os.environ.pop("MERGEKIT_RAM_TEST_WARM").split(","))
     printed = preload(list(filter(None, os.environ.pop("MERGEKIT_RAM_TEST_PRELOAD").split(","))))
-    gc.freeze()  # the imports' objects stay out of the children's collections: 1.6 s to exit becomes 0.4 s
+    gc.freeze()  # the imports' objects stay out of the children's collections
     request = serve(socket.socket(fileno=listening), socket.socket(fileno=alive), printed is not None)
     for stream, data in zip((sys.stdout, sys.stderr), printed or ()):  # first, as the imports print in a fresh run
         stream.buffer.write(data)
         stream.flush()
     try:
         run(request)
-    except SystemExit:
-        raise
+    except SystemExit as ending:
+        finish(ending.code)
     except BaseException as error:
         exit_uncaught(error, request["script"])
+    finish(None)
