@@ -140,6 +140,8 @@ class WarmInterpreter:
                 if error.errno != errno.EADDRINUSE:
                     raise
                 time.sleep(0.05)
+        else:
+            raise AssertionError(f"the warm interpreter for {self.argv[0]} before this one does not end")
         listener.listen(64)
         self.keepalive, theirs = socket.socketpair()
         descriptors = (listener.fileno(), theirs.fileno())
