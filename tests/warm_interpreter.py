@@ -131,8 +131,8 @@ def finish(code: object) -> NoReturn:
     """The end of a run as ``Py_FinalizeEx`` begins it: threads joined, atexit functions run, the standard
     streams flushed (a failure there: status 120), with the status of ``sys.exit(code)``. What a fresh
     process does after that, the teardown of every module, is left out: in a fork of this server it
-    touches every imported object (0.5 s of copy-on-write a run), and a run that left a file for it to
-    flush fails its test here instead of passing unnoticed."""
+    touches every imported object (0.5 s of copy-on-write a run). A run that leaves a file for that
+    teardown to flush loses it here, so the difference can only fail a test, never pass one."""
     if code is None:
         status = 0
     elif isinstance(code, int):
