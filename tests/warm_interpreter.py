@@ -132,7 +132,8 @@ def finish(code: object) -> NoReturn:
     streams flushed (a failure there: status 120), with the status of ``sys.exit(code)``. What a fresh
     process does after that, the teardown of every module, is left out: in a fork of this server it
     touches every imported object (0.5 s of copy-on-write a run). A run that leaves a file for that
-    teardown to flush loses it here, so the difference can only fail a test, never pass one."""
+    teardown to flush loses it here (its test fails); what the teardown would print (an exception ignored
+    in a finalizer) is missing here, which ``test_a_warm_run_is_a_fresh_run`` compares for three runs."""
     if code is None:
         status = 0
     elif isinstance(code, int):
