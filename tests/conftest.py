@@ -14,7 +14,6 @@ import json
 import locale
 import os
 import re
-import resource
 import shutil
 import signal
 import socket
@@ -33,6 +32,7 @@ from safetensors.torch import load_file
 
 from mergekit_ram import cache
 from mergekit_ram.synthetic import PAPER_AGENTS, PAPER_OVERLAP, Agents, build_agents, tiny_config
+from tests.warm_interpreter import lower_limits
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 # The pre-pass cache is tested on its own (test_statistics.py); elsewhere every pre-pass really runs.
@@ -113,7 +113,7 @@ class WarmInterpreter:
         key = hashlib.sha256(repr((launcher_folder(), argv, preload, environment)).encode()).hexdigest()
         self.address = f"\0mergekit-ram-warm-{key}"  # Linux's abstract namespace: gone with the server
         self.keepalive: Optional[socket.socket] = None
-        self.process: Optional[subprocess.Popen] = None
+        self.process: Optional[subprocess.Popen] = None  # held: a dropped Popen warns of a running child
 
     def connect(self) -> socket.socket:
         """A connection to the server, started first where none listens."""
@@ -246,15 +246,9 @@ def run_python(
         completed = warm_run(command, environment, timeout, limits)
         if completed is not None:
             return completed
-
-    def lower() -> None:
-        for which, soft in (limits or {}).items():
-            resource.setrlimit(which, (soft, resource.getrlimit(which)[1]))
-
     started = [sys.executable, *command] if command[0].endswith(".py") else command
-    return subprocess.run(
-        started, env=environment, capture_output=True, text=True, timeout=timeout, preexec_fn=lower if limits else None
-    )
+    lower = functools.partial(lower_limits, limits) if limits else None
+    return subprocess.run(started, env=environment, capture_output=True, text=True, timeout=timeout, preexec_fn=lower)
 
 
 def run_script(

@@ -111,29 +111,47 @@ def serve(listener: socket.socket, keepalive: socket.socket, warm: bool) -> dict
                 break
 
 
+def lower_limits(limits: dict) -> None:
+    """Each soft resource limit of ``limits`` (a ``resource.RLIMIT_*`` number, or its JSON text) set."""
+    for which, soft in limits.items():
+        resource.setrlimit(int(which), (soft, resource.getrlimit(int(which))[1]))
+
+
 def run(request: dict) -> None:
     """The script ``request["script"]`` as a fresh process runs it, in this forked child."""
     os.environ.clear()
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
-    for which, soft in request["limits"].items():  # as ``preexec_fn`` would, once the imports are done
-        resource.setrlimit(int(which), (soft, resource.getrlimit(int(which))[1]))
-    faults = sys.modules.get("sitecustomize")
-    if hasattr(faults, "install_faults"):  # tests/faults on PYTHONPATH: this run's fault, as at start-up
-        faults.install_faults()
+    lower_limits(request["limits"])  # as a fresh start's ``preexec_fn`` does, once the imports are done
+    install_faults = getattr(sys.modules.get("sitecustomize"), "install_faults", None)
+    if install_faults is not None:  # tests/faults on PYTHONPATH: this run's fault, as at start-up
+        install_faults()
     script = request["script"]
     sys.argv = [script, *request["args"]]
     sys.path[0] = os.path.dirname(script)
     runpy.run_path(script, run_name="__main__")
 
 
+def end() -> bool:
+    """What ``Py_FinalizeEx`` does first: threads joined, atexit functions run, the standard streams
+    flushed; False where a flush failed."""
+    threading._shutdown()  # type: ignore[attr-defined]
+    atexit._run_exitfuncs()
+    flushed = True
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            flushed = False
+    return flushed
+
+
 def finish(code: object) -> NoReturn:
-    """The end of a run as ``Py_FinalizeEx`` begins it: threads joined, atexit functions run, the standard
-    streams flushed (a failure there: status 120), with the status of ``sys.exit(code)``. What a fresh
-    process does after that, the teardown of every module, is left out: in a fork of this server it
-    touches every imported object (0.5 s of copy-on-write a run). A run that leaves a file for that
-    teardown to flush loses it here (its test fails); what the teardown would print (an exception ignored
-    in a finalizer) is missing here, which ``test_a_warm_run_is_a_fresh_run`` compares for three runs."""
+    """The end of a run with the status of ``sys.exit(code)`` (120 where a flush failed), as a fresh process
+    ends but for the teardown of every module (``end`` does the rest): in a fork of this server it touches
+    every imported object (0.5 s of copy-on-write a run). A run that leaves a file for that teardown to
+    flush loses it here (its test fails); what the teardown would print (an exception ignored in a
+    finalizer) is missing here, which ``test_a_warm_run_is_a_fresh_run`` compares for three runs."""
     if code is None:
         status = 0
     elif isinstance(code, int):
@@ -141,14 +159,7 @@ def finish(code: object) -> NoReturn:
     else:
         print(code, file=sys.stderr)
         status = 1
-    threading._shutdown()  # type: ignore[attr-defined]
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            status = 120
-    os._exit(status & 0xFF)
+    os._exit((status if end() else 120) & 0xFF)
 
 
 def exit_uncaught(error: BaseException, script: str) -> NoReturn:
@@ -161,9 +172,7 @@ def exit_uncaught(error: BaseException, script: str) -> NoReturn:
     sys.excepthook(type(error), error.with_traceback(traceback), traceback)  # it prints the error's own
     if not isinstance(error, KeyboardInterrupt):
         finish(1)
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
+    end()
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     os.kill(os.getpid(), signal.SIGINT)
     sys.exit(1)  # not reached
