@@ -92,6 +92,28 @@ def output_transaction(out_path: str) -> Iterator[str]:
                 folder.end()
 
 
+@contextlib.contextmanager
+def folder_writer(out_path: str) -> Iterator[int]:
+    """OUT opened and locked as a merge locks it, for a write into a merged folder outside a merge (the card
+    tool): ``OutputBusyError`` while a merge holds it, ``OutputFolderError`` while ``MARKER_FILE`` or a private
+    folder is there (a killed or running merge's). Yields OUT's descriptor; write only plain names through it."""
+    try:
+        out = os.open(out_path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as error:
+        raise OutputFolderError(f"cannot open {out_path} ({_reason(error)})") from None
+    try:
+        _lock(out, out_path)
+        left = sorted(name for name in os.listdir(out) if name == MARKER_FILE or name.startswith(PRIVATE_PREFIX))
+        if left := [name for name in left if name != MANIFEST_FILE]:
+            raise OutputFolderError(
+                f"{out_path} holds {', '.join(left)}: a merge into it was killed or has not finished; merge into it "
+                "again (or wait for that merge) before changing its files"
+            )
+        yield out
+    finally:
+        os.close(out)
+
+
 class _Folder:
     """One run's hold on OUT: a locked descriptor of it, and of the private folder this run made."""
 
