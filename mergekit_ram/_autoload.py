@@ -1,41 +1,63 @@
-"""Registers mergekit-ram with mergekit the moment mergekit is imported (imported at interpreter start by
-``mergekit_ram_autoload.pth``; standard library only). A ``sys.meta_path`` finder runs ``HOOKS`` once no
-mergekit or boundary module is half-executed; where an internal has moved, the plugin steps aside
-(``integration.guard``). ``MERGEKIT_RAM_AUTOLOAD=0`` switches it off. In a command that runs a merge, a
-Ctrl-C before its callback begins is one line and exit status 130 (``mergekit_ram.interrupts``).
+"""The start-up hook (imported at interpreter start by ``mergekit_ram_autoload.pth``; standard library only).
+
+A ``sys.meta_path`` finder watches three mergekit modules and acts the moment each has finished executing:
+``mergekit.merge_methods`` registers the four methods, ``mergekit.merge`` gets the seam around ``run_merge``
+and ``mergekit.scripts.merge_raw_pytorch`` around ``plan_flat_merge`` (thin wrappers here, so that a module
+importing ``run_merge`` by name later gets the seam; the plugin itself loads only when one is called). A hook
+that fails never breaks mergekit's import: one warning line. ``MERGEKIT_RAM_AUTOLOAD=0`` switches it off
+(then ``mergekit_ram.register()``). In mergekit's merging scripts, Ctrl-C before the merge is one line.
 """
 
 import os
 import sys
 
 ENVIRONMENT_VARIABLE = "MERGEKIT_RAM_AUTOLOAD"
-
-# mergekit module -> the "module:function" of mergekit_ram.integration that patches it; each names its own
-# submodule, so a hook fired while the boundary is still importing needs only that one.
+#: mergekit module -> the attribute the seam wraps (None: the methods are registered).
 HOOKS = {
-    "mergekit.merge_methods": "registry:register_methods",
-    "mergekit.merge": "output:patch_run_merge",
-    "mergekit.options": "scripts:patch_scripts",
+    "mergekit.merge_methods": None,
+    "mergekit.merge": "run_merge",
+    "mergekit.scripts.merge_raw_pytorch": "plan_flat_merge",
 }
-BOUNDARY = "mergekit_ram.integration"
+MERGE_SCRIPTS = ("mergekit-yaml", "mergekit-multi", "mergekit-pytorch")
 
 
 def enabled():
     return os.environ.get(ENVIRONMENT_VARIABLE, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
-class MergekitFinder:
-    """Wraps the real loader's exec_module of mergekit's and the boundary's modules. Hooks wait until none is
-    half-executed: ``mergekit.merge`` imports ``mergekit.merge_methods`` before its own objects exist."""
+def seam(name, original):
+    """``original`` (mergekit's ``run_merge`` or ``plan_flat_merge``) behind the seam of the same name."""
+    if getattr(original, "__mergekit_ram_seam__", False):
+        return original
 
-    def __init__(self):
-        self.executing = 0  # mergekit and boundary modules executing right now
-        self.pending = []  # (hook name, mergekit module), in the order mergekit imported them
-        self.applying = False  # apply_pending is running: hooks keep their order
-        self.refusal = None  # why the plugin stepped aside (then hooks only make mergekit refuse its methods)
+    def entry(*args, **kwargs):
+        from mergekit_ram.integration import seam as seams
+
+        return getattr(seams, name)(original, *args, **kwargs)
+
+    entry.__mergekit_ram_seam__ = True
+    entry.__wrapped__ = original
+    entry.__name__, entry.__qualname__, entry.__doc__ = original.__name__, original.__qualname__, original.__doc__
+    entry.__module__ = original.__module__
+    return entry
+
+
+def hook(module):
+    """What the plugin does once ``module`` (one of ``HOOKS``) has executed."""
+    attribute = HOOKS[module.__name__]
+    if attribute is None:
+        from mergekit_ram.integration.registration import register_methods
+
+        register_methods()
+    else:
+        setattr(module, attribute, seam(attribute, getattr(module, attribute)))
+
+
+class MergekitFinder:
+    """Wraps the real loader's ``exec_module`` of the modules in ``HOOKS``."""
 
     def find_spec(self, fullname, path=None, target=None):
-        if fullname.partition(".")[0] != "mergekit" and not fullname.startswith(BOUNDARY + "."):
+        if fullname not in HOOKS:
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
@@ -50,78 +72,27 @@ class MergekitFinder:
             return spec
         exec_module = loader.exec_module
 
-        def exec_and_patch(module):
-            self.executing += 1
+        def exec_and_hook(module):
+            exec_module(module)
             try:
-                exec_module(module)
-            finally:
-                self.executing -= 1
-            if fullname in HOOKS:
-                self.pending.append((HOOKS[fullname], module))
-            if not self.executing:
-                self.apply_pending()
+                hook(module)
+            except Exception as error:  # never break mergekit's own import
+                import logging
 
-        loader.exec_module = exec_and_patch
+                logging.getLogger("mergekit_ram").warning(
+                    "mergekit-ram could not hook %s (%r); set %s=0 to run mergekit without it",
+                    fullname,
+                    error,
+                    ENVIRONMENT_VARIABLE,
+                )
+
+        loader.exec_module = exec_and_hook
         return spec
-
-    def apply_pending(self):
-        """Run the due hooks in order; a failing hook never breaks mergekit's import. A hook's import can
-        finish other modules: the loop already running takes their hooks after the current one."""
-        if self.applying:
-            return
-        self.applying = True
-        try:
-            while self.pending:
-                hook_name, module = self.pending.pop(0)
-                try:
-                    if self.refusal is not None:
-                        self._call("guard:refuse", module, self.refusal)
-                        continue
-                    self._call("internals:check_internals", imported_only=True)
-                    self._call(hook_name, module)
-                except Exception as error:  # never break mergekit's own import
-                    if self.refusal is not None:
-                        self._warn(f"mergekit-ram could not make {module.__name__} refuse its methods: {error!r}")
-                        continue
-                    self.refusal = f"mergekit-ram could not hook {module.__name__}: {error!r}"
-                    try:
-                        self.refusal = self._call("guard:step_aside", error, module.__name__)
-                    except Exception as failure:
-                        self._warn(f"{self.refusal}; stepping aside failed too: {failure!r}")
-        finally:
-            self.applying = False
-
-    @staticmethod
-    def _call(hook_name, *args, **kwargs):
-        import importlib  # when a hook runs: a clean environment starts without importlib
-
-        submodule, _, function = hook_name.partition(":")
-        return getattr(importlib.import_module(f"{BOUNDARY}.{submodule}"), function)(*args, **kwargs)
-
-    @staticmethod
-    def _warn(message):
-        """The last resort, where the boundary's own modules fail: one warning line."""
-        import logging
-
-        LOG = logging.getLogger("mergekit_ram")
-        LOG.warning("%s; set %s=0 to run mergekit without mergekit-ram", message, ENVIRONMENT_VARIABLE)
-        from mergekit_ram.interrupts import merge_started
-
-        merge_started()  # mergekit's callbacks may stay unhooked: its own Ctrl-C from here
-
-
-def runs_a_merge(argv, hooked):
-    """Whether ``argv`` runs a merge through a callback this plugin hooks: mergekit's hooked scripts, and
-    mergekit-ram's runners (the callback ends the quiet start)."""
-    command = os.path.basename(argv[0]) if argv else ""
-    if command == "mergekit-ram":
-        return len(argv) > 1 and argv[1] in ("yaml", "multi", "pytorch")
-    return hooked and command in ("mergekit-yaml", "mergekit-multi", "mergekit-pytorch")
 
 
 if enabled() and not any(isinstance(finder, MergekitFinder) for finder in sys.meta_path):
     sys.meta_path.insert(0, MergekitFinder())
-if runs_a_merge(getattr(sys, "argv", []), enabled()):
+if enabled() and os.path.basename(getattr(sys, "argv", [""])[0] or "") in MERGE_SCRIPTS:
     from mergekit_ram import interrupts
 
     interrupts.quiet_start()

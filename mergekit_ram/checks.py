@@ -14,7 +14,7 @@ from safetensors import SafetensorError, safe_open
 
 from mergekit_ram.errors import InputError
 from mergekit_ram.files import UnreadableFile, open_regular, plain_name, read_json
-from mergekit_ram.parameters import METHOD_PARAMETERS, close_match
+from mergekit_ram.parameters import METHOD_NAMES, close_match
 from mergekit_ram.planned import ModelIdentity, PlannedTensor
 
 #: mergekit 0.1.5's weights in a model folder, in the order it looks for them (``ShardedTensorIndex.from_disk``).
@@ -25,10 +25,10 @@ _LFS_POINTER = b"version https://git-lfs.github.com/spec/"
 
 def close_method(name: str) -> Optional[str]:
     """The method of ours ``name`` misspells (``RAM+``, ``ram-plus``, ``ram_pluss``), if any."""
-    if name in METHOD_PARAMETERS:
+    if name in METHOD_NAMES:
         return None
     spelled = name.strip().lower().replace("-", "_").replace("+", "_plus")
-    return spelled if spelled in METHOD_PARAMETERS else close_match(spelled, METHOD_PARAMETERS)
+    return spelled if spelled in METHOD_NAMES else close_match(spelled, METHOD_NAMES)
 
 
 class TensorHeader(NamedTuple):

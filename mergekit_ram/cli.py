@@ -4,6 +4,7 @@ mergekit's scripts with the plugin registered. Imports stay inside the commands:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -11,7 +12,7 @@ import shutil
 import subprocess
 import sys
 import time
-from typing import Any
+from typing import Any, Iterator
 
 import click
 
@@ -63,23 +64,12 @@ def _passthrough(kind: str) -> click.Command:
     )
     @click.pass_context
     def command(context: click.Context) -> None:
-        """Where the plugin cannot attach to this mergekit, the script runs alone and refuses RAM recipes."""
         import importlib
 
-        from mergekit_ram.errors import exit_on_one_line
         from mergekit_ram.integration import register
-        from mergekit_ram.integration.guard import refuse
-        from mergekit_ram.integration.internals import MergekitMovedError
 
-        try:
+        with needs_mergekit(f"mergekit-ram {kind}"):
             register()
-        except MergekitMovedError as moved:
-            try:
-                script = importlib.import_module(module_name)
-            except ImportError:
-                exit_on_one_line(moved, verbose=False)
-            refuse(script, str(moved))
-        else:
             script = importlib.import_module(module_name)
         script.main.main(args=list(context.args), prog_name=f"mergekit-ram {kind}")
 
@@ -88,6 +78,23 @@ def _passthrough(kind: str) -> click.Command:
 
 for _kind in MERGEKIT_SCRIPTS:
     main.add_command(_passthrough(_kind))
+
+
+@contextlib.contextmanager
+def needs_mergekit(command: str) -> Iterator[None]:
+    """mergekit not installed: one line with the pip command, not an import traceback."""
+    from mergekit_ram.errors import MissingExtraError
+
+    try:
+        yield
+    except ModuleNotFoundError as error:
+        if error.name is None or error.name.partition(".")[0] != "mergekit":
+            raise
+        from mergekit_ram.integration.internals import SUPPORTED_MERGEKIT
+
+        raise MissingExtraError(
+            f'{command} needs mergekit, which is not installed here: pip install "mergekit{SUPPORTED_MERGEKIT}"'
+        ) from None
 
 
 def console_script(name: str) -> str:
@@ -219,32 +226,31 @@ def probe(
     recipe's r / alpha / rule. A mergekit-multi file: every mergekit-ram stage (or the
     one --stage names). Nothing is merged or written (but the cache and --plot).
     """
-    from mergekit_ram.errors import exit_if_reported
-    from mergekit_ram.integration.scripts import MergeOptions, check_options_device
+    from mergekit_ram.errors import reported
     from mergekit_ram.plot import check_plot_extra, plot_statistics
-    from mergekit_ram.probe import probe_config, probe_report_json, select_stages, stage_plot_path
+    from mergekit_ram.probe import probe_options, probe_report_json, probe_stages, select_stages, stage_plot_path
     from mergekit_ram.stats.render import histogram_table, model_table, module_table
 
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING)
-    options = MergeOptions(**mergekit_options, quiet=as_json or not verbose)
     try:
         if plot_path is not None:
             check_plot_extra()  # before any work, and before the cache can answer
-        check_options_device(options)
-        if options.num_threads is not None:
-            import torch
-
-            torch.set_num_threads(options.num_threads)
-        selection = select_stages(recipe, stage, intermediate_dir)
+        with needs_mergekit("mergekit-ram probe"):
+            options = probe_options(mergekit_options, quiet=as_json or not verbose)
+            selection = select_stages(recipe, stage, intermediate_dir)
         for note in selection.not_probed:
             click.echo(f"note: {note}", err=True)
-        reports = [(chosen, probe_config(chosen.config, options, refresh)) for chosen in selection.stages]
+        reports = probe_stages(selection, options, refresh)
         if plot_path is not None:
             for chosen, statistics in reports:
                 plot_statistics(statistics, stage_plot_path(plot_path, chosen, selection))
     except Exception as error:
-        exit_if_reported(error, verbose, "probing")
-        raise
+        found = reported(error, "probing")
+        if found is None:
+            raise
+        if verbose:
+            logging.getLogger(__name__).error("traceback of the error reported below", exc_info=error)
+        raise found from None
     if as_json:
         click.echo(json.dumps(probe_report_json(selection, reports, by_module), indent=2))
         return
@@ -295,15 +301,11 @@ def check(out_dir: str, as_json: bool, accept_warnings: bool, license_id: str | 
     base_model_relation: merge and the merge tag; no local paths in README.md, mergekit_config.yml or
     ram_statistics.json; no statistics warnings. Exit status: 0 ready, 1 problems, 2 usage.
     """
-    from mergekit_ram.errors import RamError, exit_on_one_line
     from mergekit_ram.sharing import check_folder, set_license
 
-    try:
-        if license_id is not None:
-            set_license(out_dir, license_id)
-        report = check_folder(out_dir, accept_warnings)
-    except RamError as error:
-        exit_on_one_line(error, verbose=False)
+    if license_id is not None:
+        set_license(out_dir, license_id)
+    report = check_folder(out_dir, accept_warnings)
     if as_json:
         click.echo(json.dumps(report.to_json(), indent=2))
     else:

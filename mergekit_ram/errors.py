@@ -1,5 +1,5 @@
-"""The plugin's errors share one base class, so the console scripts tell them from mergekit's by type and show
-them (and a resource failure) as one ``Error:`` line, exit 1. Standard library only: the start-up hook imports it.
+"""The plugin's errors share one base class, ``click.ClickException``: every console script (mergekit's and
+``mergekit-ram``) prints one as one ``Error:`` line with exit status 1, without any wrap of click.
 """
 
 from __future__ import annotations
@@ -8,13 +8,18 @@ import errno
 import logging
 import os
 import re
-from typing import NoReturn, Optional
+from typing import Optional
+
+import click
 
 LOG = logging.getLogger(__name__)
 
 
-class RamError(Exception):
-    """Any error mergekit-ram raises for its user; its message names the cause and the fix."""
+class RamError(click.ClickException):
+    """Any error mergekit-ram raises for its user; its message, one line, names the cause and the fix."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(_joined(message) or type(self).__name__)
 
 
 class RecipeError(RamError, ValueError):
@@ -38,7 +43,15 @@ class MergedFolderError(RamError, ValueError):
 
 
 class MissingExtraError(RamError, ImportError):
-    """An optional dependency (an extra of mergekit-ram) is not installed."""
+    """An optional dependency (an extra of mergekit-ram) or mergekit itself is not installed."""
+
+
+class MergekitMovedError(RamError, RuntimeError):
+    """The installed mergekit is not one the plugin supports, or an internal it uses has moved."""
+
+
+class ResourceError(RamError, OSError):
+    """The machine ran out of something (files, memory, disk) while a command of the plugin ran."""
 
 
 def one_line(error: BaseException) -> str:
@@ -104,17 +117,13 @@ def _quoted_failure(message: str) -> tuple[Optional[int], str]:
     return None, ""
 
 
-def exit_on_one_line(error: BaseException, verbose: bool, message: Optional[str] = None) -> NoReturn:
-    """click's ``Error: <message>`` (the error's own by default), exit 1; the traceback first under ``-v``."""
-    import click
-
-    if verbose:
-        LOG.error("mergekit-ram: traceback of the error reported below", exc_info=error)
-    raise click.ClickException(message or one_line(error)) from None
-
-
-def exit_if_reported(error: BaseException, verbose: bool, doing: str) -> None:
-    """``exit_on_one_line`` for a ``RamError`` or a resource failure; returns for any other (the caller re-raises)."""
-    message = one_line(error) if isinstance(error, RamError) else resource_message(error, doing)
-    if message is not None:
-        exit_on_one_line(error, verbose, message)
+def reported(error: BaseException, doing: str) -> Optional[RamError]:
+    """The one-line error for ``error``: itself if it is a ``RamError``, a ``ResourceError`` for a resource
+    failure (the traceback logged at debug level), else None (not the plugin's to report)."""
+    if isinstance(error, RamError):
+        return error
+    message = resource_message(error, doing)
+    if message is None:
+        return None
+    LOG.debug("traceback of the resource failure reported below", exc_info=error)
+    return ResourceError(message)

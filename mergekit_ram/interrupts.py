@@ -1,9 +1,10 @@
 """Ctrl-C in a command that runs a merge: one line saying what the output folder holds, exit status 130.
 
-Until the command's callback begins, ``quiet_start``'s handler (installed by ``_autoload``) ends the process
-at once with one line: nothing is written yet, and mergekit's slow imports would end in a traceback. From
-``merge_started`` on, Ctrl-C raises ``KeyboardInterrupt`` again; a RAM merge turns it into
-``MergeInterrupted``, which ``exit_interrupted`` prints as one line instead of click's ``Aborted!``.
+In mergekit's console scripts the start-up hook (``_autoload``) installs ``quiet_start``: until a RAM merge
+begins, Ctrl-C ends the process at once with one line (nothing is written yet; mergekit's slow imports would
+end in a traceback). Inside the merge (``merge_started``), Ctrl-C raises ``KeyboardInterrupt`` again, which the
+seam turns into ``MergeInterrupted``; after it (``merge_ended``), Ctrl-C ends the process with the line that
+says the folder holds the complete new merge. Elsewhere (the Python API) SIGINT is left as it is.
 """
 
 from __future__ import annotations
@@ -11,42 +12,52 @@ from __future__ import annotations
 import os
 import signal
 from types import FrameType
-from typing import NoReturn, Optional
+from typing import IO, Any, Optional
+
+import click
+
+from mergekit_ram.errors import RamError
 
 #: 128 + SIGINT: the status a shell reports for a command that Ctrl-C ended.
 EXIT_STATUS = 128 + signal.SIGINT
+BEFORE_START = "Interrupted before the merge started: the output folder is untouched"
 
 
-class MergeInterrupted(KeyboardInterrupt):
-    """Ctrl-C during a RAM merge; the message says what the output folder holds."""
+class MergeInterrupted(RamError):
+    """Ctrl-C during a RAM merge; the message says what the output folder holds (shown without ``Error:``)."""
+
+    exit_code = EXIT_STATUS
+
+    def show(self, file: Optional[IO[Any]] = None) -> None:
+        click.echo(self.format_message(), err=True, file=file)
 
 
-def before_start(out: Optional[str]) -> str:
-    """The line for a Ctrl-C before any merge began to write."""
-    return f"Interrupted before the merge started: {out or 'the output folder'} is untouched"
+class _QuietExit:
+    """A SIGINT handler that writes one line and ends the process at once with status 130."""
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+    def __call__(self, _number: int, _frame: Optional[FrameType]) -> None:
+        os.write(2, (self.message + "\n").encode())
+        os._exit(EXIT_STATUS)
 
 
 def quiet_start() -> None:
-    """Ctrl-C ends the process with one line until ``merge_started``, unless SIGINT has another handler."""
+    """Ctrl-C ends the process with one line until a merge starts, unless SIGINT has another handler."""
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-        signal.signal(signal.SIGINT, _quiet_exit)
+        signal.signal(signal.SIGINT, _QuietExit(BEFORE_START))
 
 
-def _quiet_exit(_number: int, _frame: Optional[FrameType]) -> None:
-    os.write(2, (before_start(None) + "\n").encode())
-    os._exit(EXIT_STATUS)  # no clean-up to run: nothing was written
-
-
-def merge_started() -> None:
-    """From the command's callback on, Ctrl-C raises ``KeyboardInterrupt`` again (undoes ``quiet_start``)."""
-    if signal.getsignal(signal.SIGINT) is _quiet_exit:
+def merge_started() -> bool:
+    """Ctrl-C raises ``KeyboardInterrupt`` again; whether a console script's quiet handler was there."""
+    if isinstance(signal.getsignal(signal.SIGINT), _QuietExit):
         signal.signal(signal.SIGINT, signal.default_int_handler)
+        return True
+    return False
 
 
-def exit_interrupted(interrupt: KeyboardInterrupt, out: Optional[str]) -> NoReturn:
-    """The one line for ``interrupt``, then exit status 130; a second Ctrl-C meanwhile is ignored."""
-    import click
-
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    click.echo(str(interrupt) if isinstance(interrupt, MergeInterrupted) else before_start(out), err=True)
-    raise SystemExit(EXIT_STATUS)
+def merge_ended(interrupted: MergeInterrupted) -> None:
+    """After a console script's merge: Ctrl-C ends it with ``interrupted``'s line (what the folder holds)."""
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _QuietExit(interrupted.format_message()))

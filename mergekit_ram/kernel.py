@@ -103,9 +103,15 @@ class MergeResult:
 
 
 def count_overlaps(
-    base: Tensor, finetunes: Sequence[Tensor], epsilon: float, *, workers: int, chunk_elements: int = CHUNK_ELEMENTS
+    base: Tensor,
+    finetunes: Sequence[Tensor],
+    epsilon: float,
+    *,
+    workers: Optional[int] = None,
+    chunk_elements: int = CHUNK_ELEMENTS,
 ) -> OverlapCounts:
     """The overlap histograms of one tensor group with the merge's masks, without merging (the pre-pass)."""
+    workers = workers or torch.get_num_threads()
     _check_group(base, finetunes, workers, count=True)
     detached = [finetune.detach() for finetune in finetunes]
     work = partial(_CountScratch.run, epsilon=epsilon)
@@ -119,7 +125,7 @@ def merge_tensors(
     epsilon: float,
     lambdas: Optional[Sequence[float]] = None,
     *,
-    workers: int,
+    workers: Optional[int] = None,
     count: bool = False,
     out_dtype: Optional[torch.dtype] = None,
     chunk_elements: int = CHUNK_ELEMENTS,
@@ -135,6 +141,7 @@ def merge_tensors(
         raise ValueError(f"shared must be one of {', '.join(get_args(SharedRule))}, got {shared!r}")
     if not 0.0 < density <= 1.0:
         raise ValueError(f"density must be in (0, 1], got {density}")
+    workers = workers or torch.get_num_threads()
     _check_group(base, finetunes, workers, count)
     detached = [finetune.detach() for finetune in finetunes]
     scale = _unique_scale(lambdas, compute_dtype(base.dtype, *(finetune.dtype for finetune in finetunes)))

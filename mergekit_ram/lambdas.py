@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, NamedTuple, Optional, Sequence
 
-from mergekit_ram.parameters import METHOD_PARAMETERS, ParameterError
+from mergekit_ram.parameters import METHOD_NAMES, ParameterError
 from mergekit_ram.rescaling import Rescaling
 from mergekit_ram.stats.arithmetic import build_statistics, model_lambda
 from mergekit_ram.stats.data import PIN_KINDS, Pin, RamStatistics, Source, TensorCounts
@@ -83,15 +83,15 @@ class MergeRule:
         )
 
 
-def merge_rule(method: str, tensors: Sequence[Resolved]) -> MergeRule:
-    """The one MergeRule of a merge: each whole-merge parameter but epsilon, and each model's pin, one value."""
-    if method not in METHOD_PARAMETERS:
+def merge_rule(method: str, tensors: Sequence[Resolved], defaults: Mapping[str, Any]) -> MergeRule:
+    """The one MergeRule of a merge: each whole-merge parameter (``defaults``: their names and defaults, epsilon
+    aside), and each model's pin, one value."""
+    if method not in METHOD_NAMES:
         raise ValueError(f"not a mergekit-ram method: {method!r}")
     values = {}
-    for info in METHOD_PARAMETERS[method]:
-        if not info.per_model and info.name != "epsilon":
-            value = _one_value(method, info.name, [(tensor.name, tensor.shared.get(info.name)) for tensor in tensors])
-            values[info.name] = info.default if value is None else value
+    for name, default in defaults.items():
+        value = _one_value(method, name, [(tensor.name, tensor.shared.get(name)) for tensor in tensors])
+        values[name] = default if value is None else value
     rescaling = Rescaling(values["r"], values["alpha"], values["rule"]) if "r" in values else None
     return MergeRule(method=method, rescaling=rescaling, pins=_pins(method, tensors), density=values.get("density"))
 

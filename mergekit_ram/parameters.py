@@ -1,19 +1,21 @@
-"""The parameters of the four methods, declared once (``METHOD_PARAMETERS``) for mergekit's method specs,
-the recipe checks and the in-memory API, so each is refused with the same message everywhere."""
+"""The parameters' types, each with its bounds and the words that say them, declared once: the methods'
+signatures use them (``integration/methods.py``), so mergekit, the recipe checks, the in-memory API and the
+statistics file all validate a value alike and refuse it with the same message."""
 
 from __future__ import annotations
 
 import difflib
-from dataclasses import dataclass
-from functools import cached_property
-from typing import Any, Iterable, Literal, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence, get_args
 
-from pydantic import BeforeValidator, Field, TypeAdapter, ValidationError
+from pydantic import AfterValidator, BeforeValidator, Field, TypeAdapter, ValidationError
+from pydantic.fields import FieldInfo
 from typing_extensions import Annotated
 
 from mergekit_ram.errors import RecipeError
 from mergekit_ram.rescaling import RULES, Rescaling, rule_choices
 
+#: The plugin's methods, in the order they are documented.
+METHOD_NAMES = ("ram", "ram_plus", "ram_ties", "ram_unique")
 #: The largest float32; a value above it becomes inf in the float32 arithmetic.
 FLOAT32_MAX = float.fromhex("0x1.fffffep+127")
 
@@ -25,64 +27,44 @@ def _not_a_boolean(value: Any) -> Any:
     return value
 
 
-NonNegative = Annotated[float, BeforeValidator(_not_a_boolean), Field(ge=0, allow_inf_nan=False)]
-Share = Annotated[float, BeforeValidator(_not_a_boolean), Field(gt=0, le=1)]
+def _known_rule(value: str) -> str:
+    if value not in RULES:
+        raise ValueError(f"not one of {', '.join(RULES)}")
+    return value
 
 
-@dataclass(frozen=True)
-class ParameterInfo:
-    """One recipe parameter; ``per_model`` ones are set per fine-tuned model."""
+# Each type: a finite number (no boolean) within its bounds, and its words (``requirement``).
+NotBool = BeforeValidator(_not_a_boolean)
+NonNegative = Annotated[float, NotBool, Field(ge=0, allow_inf_nan=False, description="a finite number >= 0")]
+Share = Annotated[
+    float,
+    NotBool,
+    Field(gt=0, le=1, allow_inf_nan=False, description="a number in (0, 1], the share of shared updates kept"),
+]
+RuleName = Annotated[str, AfterValidator(_known_rule), Field(description=rule_choices())]
+RhoPin = Optional[
+    Annotated[
+        float, NotBool, Field(ge=0, allow_inf_nan=False, description="a finite number >= 0 (pins the model's rho)")
+    ]
+]
+LambdaPin = Optional[
+    Annotated[
+        float, NotBool, Field(ge=0, allow_inf_nan=False, description="a finite number >= 0 (pins the model's lambda)")
+    ]
+]
+Scale = Annotated[
+    float,
+    NotBool,
+    Field(ge=0, allow_inf_nan=False, description="a finite number >= 0 (the factor of the model's unique updates)"),
+]
 
-    name: str
-    value_type: Any
-    default: Any
-    requirement: str
-    per_model: bool = False
-
-    @cached_property
-    def adapter(self) -> TypeAdapter:
-        return TypeAdapter(self.value_type)
-
-
-EPSILON = ParameterInfo("epsilon", NonNegative, 1e-5, "a finite number >= 0")
-R = ParameterInfo("r", NonNegative, Rescaling.r, "a finite number >= 0")
-ALPHA = ParameterInfo("alpha", NonNegative, Rescaling.alpha, "a finite number >= 0")
-RULE = ParameterInfo("rule", Literal[tuple(RULES)], Rescaling.rule, rule_choices())
-RHO = ParameterInfo("rho", Optional[NonNegative], None, "a finite number >= 0 (pins the model's rho)", per_model=True)
-LAMBDA = ParameterInfo(
-    "lambda", Optional[NonNegative], None, "a finite number >= 0 (pins the model's lambda)", per_model=True
-)
-
-#: ram_ties: the share of each model's updates at a tensor's shared positions that TIES keeps (the authors': 0.1).
-DENSITY = ParameterInfo("density", Share, 0.1, "a number in (0, 1], the share of shared updates kept")
-#: ram_ties rescales nothing unless asked (the authors' mode): lambda 1 for every model.
-R_TIES = ParameterInfo("r", NonNegative, 0.0, "a finite number >= 0")
-SCALE = ParameterInfo(
-    "scale", NonNegative, 1.0, "a finite number >= 0 (the factor of the model's unique updates)", per_model=True
-)
-
-METHOD_PARAMETERS: dict[str, tuple[ParameterInfo, ...]] = {
-    "ram": (EPSILON,),
-    "ram_plus": (EPSILON, R, ALPHA, RULE, RHO, LAMBDA),
-    "ram_ties": (EPSILON, DENSITY, R_TIES, ALPHA, RULE, RHO, LAMBDA),
-    "ram_unique": (EPSILON, SCALE),
-}
-#: What each method does where several models changed an element (the kernel's ``shared`` rule):
-#: the mean of their updates, TIES (trim to ``density``, elect a sign, average the agreeing), or the base.
-SHARED_RULES: dict[str, Literal["mean", "ties", "base"]] = {
-    "ram": "mean",
-    "ram_plus": "mean",
-    "ram_ties": "ties",
-    "ram_unique": "base",
-}
+#: The defaults of the paper (section 4.2), for the signatures and the statistics file.
+EPSILON = 1e-5
+DENSITY = 0.1  # ram_ties: the share of each model's updates at a tensor's shared positions TIES keeps
 
 
 class ParameterError(RecipeError):
     """A recipe parameter a RAM method refuses; the message names it and where it was set."""
-
-
-def declared_names(method: str) -> list[str]:
-    return [info.name for info in METHOD_PARAMETERS[method]]
 
 
 def close_match(name: str, candidates: Iterable[str]) -> Optional[str]:
@@ -91,28 +73,26 @@ def close_match(name: str, candidates: Iterable[str]) -> Optional[str]:
     return hint[0] if hint else None
 
 
-def parameter_info(method: str, name: str, where: str = "parameters") -> ParameterInfo:
-    """The declaration of ``name`` for ``method``, or a ParameterError listing the valid names (and a near miss)."""
-    declared = {info.name: info for info in METHOD_PARAMETERS[method]}
-    if name not in declared:
-        hint = close_match(name, declared)
-        suggestion = f" (did you mean {hint!r}?)" if hint else ""
-        raise ParameterError(
-            f"{method}: unknown parameter {name!r} in {where}{suggestion}; valid names: {', '.join(sorted(declared))}"
-        )
-    return declared[name]
+def requirement(value_type: Any) -> str:
+    """The words of a declared type (the description of its ``Field``)."""
+    for argument in get_args(value_type):
+        if isinstance(argument, FieldInfo) and argument.description:
+            return argument.description
+        found = requirement(argument)
+        if found:
+            return found
+    return ""
 
 
-def check_parameter(method: str, name: str, value: Any, where: str = "parameters") -> Any:
+def check_value(method: str, name: str, value_type: Any, value: Any, where: str = "parameters") -> Any:
     """The validated value, or a refusal naming the parameter and where it was set; a number must also fit
     float32 (the arithmetic's precision): 1e300 would become inf."""
-    info = parameter_info(method, name, where)
     try:
-        validated = info.adapter.validate_python(value)
+        validated = TypeAdapter(value_type).validate_python(value)
     except ValidationError:
         boolean = " (true/false is a boolean, not a number)" if isinstance(value, bool) else ""
         raise ParameterError(
-            f"{method}: parameter {name!r} in {where} must be {info.requirement}; got {value!r}{boolean}"
+            f"{method}: parameter {name!r} in {where} must be {requirement(value_type)}; got {value!r}{boolean}"
         ) from None
     if isinstance(validated, float) and validated > FLOAT32_MAX:
         raise ParameterError(
@@ -120,6 +100,15 @@ def check_parameter(method: str, name: str, value: Any, where: str = "parameters
             f"({FLOAT32_MAX:g}) the merge computes in"
         )
     return validated
+
+
+def rescaling_of(method: str, r: Any, alpha: Any, rule: Any, where: str) -> Rescaling:
+    """r, alpha and the rule read from elsewhere than a recipe (the statistics file), checked as in a recipe."""
+    return Rescaling(
+        check_value(method, "r", NonNegative, r, where),
+        check_value(method, "alpha", NonNegative, alpha, where),
+        check_value(method, "rule", RuleName, rule, where),
+    )
 
 
 def check_lambda_range(method: str, r: float, alphas: Sequence[float], rules: Sequence[str], where: str) -> None:

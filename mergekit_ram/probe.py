@@ -7,11 +7,13 @@ file is read as mergekit-multi reads it: every RAM stage, or the one named.
 from __future__ import annotations
 
 import os
-from typing import Any, NamedTuple, Optional
+from typing import TYPE_CHECKING, Any, Mapping, NamedTuple, Optional
 
-from mergekit_ram.recipe_file import Stage
 from mergekit_ram.stats.data import RamStatistics
 from mergekit_ram.stats.schema import statistics_to_dict
+
+if TYPE_CHECKING:
+    from mergekit_ram.integration.recipes import Stage
 
 
 class ProbeSelection(NamedTuple):
@@ -25,14 +27,10 @@ class ProbeSelection(NamedTuple):
 def select_stages(recipe_path: str, stage_name: Optional[str] = None, intermediate_dir: str = "") -> ProbeSelection:
     """The mergekit-ram stages of a recipe file whose inputs exist (an earlier stage's under ``intermediate_dir``)."""
     from mergekit_ram.errors import RecipeError
-    from mergekit_ram.integration.recipes import check_method_name, read_stages
-    from mergekit_ram.parameters import METHOD_PARAMETERS, ParameterError
-    from mergekit_ram.recipe_file import read_text, stage_output
+    from mergekit_ram.integration.recipes import check_method_name, read_stages, stage_output
+    from mergekit_ram.parameters import METHOD_NAMES, ParameterError
 
-    text = read_text(recipe_path)
-    if text is None:
-        raise RecipeError(f"cannot read {recipe_path} as UTF-8 text")
-    stages = read_stages(recipe_path, text, intermediate_dir)
+    stages = read_stages(recipe_path, intermediate_dir)
     candidates = stages
     if stage_name is not None:
         candidates = [stage for stage in stages if stage.name == stage_name]
@@ -43,11 +41,11 @@ def select_stages(recipe_path: str, stage_name: Optional[str] = None, intermedia
             )
     for stage in candidates:
         check_method_name(stage.config.merge_method)
-    ram_stages = [stage for stage in candidates if stage.config.merge_method in METHOD_PARAMETERS]
+    ram_stages = [stage for stage in candidates if stage.config.merge_method in METHOD_NAMES]
     if not ram_stages:
         methods = ", ".join(dict.fromkeys(stage.config.merge_method for stage in candidates))
         raise ParameterError(
-            f"probe reads mergekit-ram recipes ({', '.join(METHOD_PARAMETERS)}); this one says merge_method: {methods} "
+            f"probe reads mergekit-ram recipes ({', '.join(METHOD_NAMES)}); this one says merge_method: {methods} "
             "(set merge_method: ram_plus to look at its task vectors)"
         )
     ready, not_probed = [], []
@@ -70,13 +68,29 @@ def select_stages(recipe_path: str, stage_name: Optional[str] = None, intermedia
     return ProbeSelection(tuple(ready), tuple(not_probed), stage_name is not None or len(stages) == 1)
 
 
-def probe_config(config: Any, options: Any, refresh: bool = False) -> RamStatistics:
-    """The statistics of a RAM MergeConfiguration's checks and pre-pass alone, after registering the methods."""
+def probe_options(arguments: Mapping[str, Any], quiet: bool) -> Any:
+    """mergekit's MergeOptions of the probe's options (the device checked, the threads set), the methods
+    registered."""
+    from mergekit_ram.device import check_device
     from mergekit_ram.integration import register
-    from mergekit_ram.integration.merge import probe_statistics
+    from mergekit_ram.integration.internals import internal
 
     register()
-    return probe_statistics(config, options, refresh)
+    options = internal("mergekit.options", "MergeOptions")(**arguments, quiet=quiet)
+    device = str(options.device or "cpu")
+    check_device(device, "--cuda" if options.cuda else f"--device {device}")
+    if options.num_threads is not None:
+        import torch
+
+        torch.set_num_threads(options.num_threads)
+    return options
+
+
+def probe_stages(selection: ProbeSelection, options: Any, refresh: bool) -> list[tuple[Stage, RamStatistics]]:
+    """Each selected stage's statistics: its checks and pre-pass alone."""
+    from mergekit_ram.integration.merge import probe_statistics
+
+    return [(stage, probe_statistics(stage.config, options, refresh)) for stage in selection.stages]
 
 
 def stage_plot_path(path: str, stage: Stage, selection: ProbeSelection) -> str:

@@ -39,9 +39,14 @@ def test_state_dicts_merge_like_mergekit_yaml(bf16_models: ModelSet, yaml_merge:
     assert [s.lambda_ for s in statistics.models] == [m["lambda"] for m in from_disk]
     assert [s.shared for s in statistics.models] == [m["shared"] for m in from_disk]
     assert statistics.source == ("pre-pass" if method == "ram_plus" else "merge")
-    # mergekit's own function: ram_plus counts the global rho over every group of the call
-    theirs = mergekit_merge_state_dicts(models, method, base="base")
+    # mergekit's own function merges one group at a time: ram as is; ram_plus with the lambdas pinned, and
+    # refused in one line without them (nothing counts the global rho there)
+    pins = {"lambda": {model: stats.lambda_ for model, stats in zip(bf16_models.agents, statistics.models)}}
+    theirs = mergekit_merge_state_dicts(models, method, base="base", parameters=pins if method == "ram_plus" else {})
     assert all(torch.equal(theirs[name], tensor) for name, tensor in expected.items())
+    if method == "ram_plus":
+        with pytest.raises(ParameterError, match=r"needs the global rho, .* mergekit_ram.merge_state_dicts, or pin"):
+            mergekit_merge_state_dicts(models, method, base="base")
 
 
 def test_soft_rule_and_out_dtype_round_once(bf16_models: ModelSet) -> None:
@@ -106,7 +111,7 @@ def test_module_parameters_keep_autograd_history() -> None:
     with torch.no_grad():
         modules["a"].weight[:2] += 0.5
         modules["b"].weight[1:3] -= 0.25
-    merged = mergekit_merge_state_dicts(modules, "ram_plus", base="base")
+    merged, _ = merge_state_dicts(modules, "ram_plus", base="base")
     assert merged["weight"].grad_fn is not None
     with torch.no_grad():
         plain, statistics = merge_state_dicts(modules, "ram_plus", base="base")
@@ -193,8 +198,8 @@ def test_mismatched_inputs_name_model_and_tensor(bf16_models: ModelSet) -> None:
 
 
 def test_a_pin_for_some_models(bf16_models: ModelSet) -> None:
-    """The documented pin of one model (the others' rho from the counts, as without the pin) through ours
-    and mergekit's own function alike."""
+    """The documented pin of one model (the others' rho from the counts, as without the pin); mergekit's own
+    function, which counts nothing, gives the same with every lambda pinned."""
     models = models_of(bf16_models)
     coder, *others = bf16_models.agents
     _, unpinned = merge_state_dicts(models, "ram_plus", base="base")
@@ -203,7 +208,8 @@ def test_a_pin_for_some_models(bf16_models: ModelSet) -> None:
         (1.1, "lambda"),
         *((m.lambda_, None) for m in unpinned.models[1:]),
     ]
-    theirs = mergekit_merge_state_dicts(models, "ram_plus", base="base", parameters={"lambda": {coder: 1.1}})
+    pins = {"lambda": {model: stats.lambda_ for model, stats in zip(bf16_models.agents, statistics.models)}}
+    theirs = mergekit_merge_state_dicts(models, "ram_plus", base="base", parameters=pins)
     assert all(torch.equal(theirs[name], tensor) for name, tensor in merged.items())
 
 
@@ -216,7 +222,8 @@ def test_strict_as_mergekit_has_it(bf16_models: ModelSet) -> None:
     with pytest.raises(ValueError, match=rf"^{others[0]}: tensors differ from the base's \(missing \['model.norm"):
         merge_state_dicts(pruned, "ram_plus", base="base")
     merged, statistics = merge_state_dicts(pruned, "ram_plus", base="base", strict=False)
-    theirs = mergekit_merge_state_dicts(pruned, "ram_plus", base="base", strict=False)
+    pins = {"lambda": {model: stats.lambda_ for model, stats in zip(bf16_models.agents, statistics.models)}}
+    theirs = mergekit_merge_state_dicts(pruned, "ram_plus", base="base", strict=False, parameters=pins)
     assert set(merged) == set(theirs) == set(models["base"]) - {"model.norm.weight"}
     assert all(torch.equal(theirs[name], tensor) for name, tensor in merged.items())
     assert "model.norm.weight" not in [tensor.name for tensor in statistics.tensors]

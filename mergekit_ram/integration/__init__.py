@@ -1,6 +1,5 @@
-"""The boundary: every use of mergekit's internals lives in this subpackage (``internals`` holds the table;
-docs/contributing.md lists the modules). Each patch is idempotent; ``mergekit_ram._autoload`` calls them as
-mergekit's modules finish importing, ``register()`` calls them all. Importing this package imports no mergekit.
+"""The boundary: everything that touches mergekit lives in this subpackage (docs/contributing.md lists its
+modules). Importing this package imports no mergekit.
 """
 
 from __future__ import annotations
@@ -11,14 +10,10 @@ __all__ = ["register"]
 
 
 def register() -> None:
-    """Register the methods with mergekit and hook its run_merge and scripts; idempotent."""
-    from mergekit_ram.integration.internals import check_internals
-    from mergekit_ram.integration.output import patch_run_merge
-    from mergekit_ram.integration.registry import register_methods
-    from mergekit_ram.integration.scripts import patch_scripts
+    """What the start-up hook does, for a process where it is off (``MERGEKIT_RAM_AUTOLOAD=0``): the methods
+    registered, ``run_merge`` and mergekit-pytorch's ``plan_flat_merge`` behind the seam; idempotent. A module
+    that imported ``run_merge`` by name before this call keeps mergekit's own: call it first."""
+    from mergekit_ram._autoload import hook
 
-    check_internals()
-    module = importlib.import_module
-    register_methods(module("mergekit.merge_methods"))
-    patch_run_merge(module("mergekit.merge"))
-    patch_scripts(module("mergekit.options"))
+    for name in ("mergekit.merge_methods", "mergekit.merge", "mergekit.scripts.merge_raw_pytorch"):
+        hook(importlib.import_module(name))

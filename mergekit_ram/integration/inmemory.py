@@ -1,22 +1,25 @@
-"""mergekit's ``merge_state_dicts`` for RAM methods, checked with the recipe's rules, plus the call's statistics.
+"""``mergekit_ram.merge_state_dicts``: mergekit's ``merge_state_dicts`` for the four methods, checked with the
+recipe's rules, counted over the whole call first where a lambda needs the global rho, with its statistics.
 
 merged, statistics = merge_state_dicts({"base": base, "coder": coder}, "ram_plus", base="base")
 """
 
 from __future__ import annotations
 
-import importlib
 from typing import Any, Hashable, Mapping, Optional, Sequence, Union
 
 import torch
+from mergekit.merge_methods import merge_state_dicts as mergekit_merge_state_dicts
 
-from mergekit_ram.integration.internals import check_internals, internal
-from mergekit_ram.integration.methods import RamMergeMethod
-from mergekit_ram.integration.registry import register_methods
-from mergekit_ram.parameters import METHOD_PARAMETERS, ParameterError, check_parameter
+from mergekit_ram.integration import register
+from mergekit_ram.integration.merge import count_tensors
+from mergekit_ram.integration.methods import Kernels, Session, declared
+from mergekit_ram.integration.recipes import check_parameter, per_model, whole_merge_defaults
+from mergekit_ram.integration.recipes import declared as declared_parameters
+from mergekit_ram.lambdas import Resolved, merge_rule
+from mergekit_ram.parameters import METHOD_NAMES, ParameterError
 from mergekit_ram.stats.data import RamStatistics
 
-mergekit_merge_state_dicts: Any = internal("mergekit.merge_methods", "merge_state_dicts")
 ModelLike = Union[Mapping[str, torch.Tensor], torch.nn.Module]
 
 
@@ -34,29 +37,85 @@ def merge_state_dicts(
 ) -> tuple[dict[str, torch.Tensor], RamStatistics]:
     """``base`` is required; per-model pins (``{"lambda": {"coder": 1.2}}``) may name some models only."""
     method = getattr(getattr(method, "spec", None), "name", method)
-    if method not in METHOD_PARAMETERS:
-        raise ParameterError(f"method must be one of {', '.join(METHOD_PARAMETERS)}; got {method!r}")
+    if method not in METHOD_NAMES:
+        raise ParameterError(f"method must be one of {', '.join(METHOD_NAMES)}; got {method!r}")
     named: dict[Hashable, ModelLike] = dict(models) if isinstance(models, Mapping) else dict(enumerate(models))
     if base is None or base not in named:
         raise ParameterError(f"{method}: `base` must name the base model among {list(named)}; got {base!r}")
+    register()  # also where the start-up hook is off
     finetunes = [key for key in named if key != base]
-    _check_parameters(method, parameters or {}, finetunes)
-    _check_inputs(named, base, strict)
-    check_internals()
-    register_methods(importlib.import_module("mergekit.merge_methods"))  # also where the start-up hook is off
-    received: list[RamStatistics] = []
+    supplied = _filled(method, dict(parameters or {}), finetunes)
+    _check_parameters(method, supplied, finetunes)
+    states = _check_inputs(named, base, strict)
+    merged_names = [name for name, tensor in states[base].items() if tensor.is_floating_point()]
+    merged_names = [name for name in merged_names if all(name in state for state in states.values())]
+    resolved = [
+        _resolved(method, name, index, len(merged_names), supplied, finetunes)
+        for index, name in enumerate(merged_names)
+    ]
+    rule = merge_rule(method, resolved, whole_merge_defaults(method))
+    session = Session(out_dtype=out_dtype, counting=not rule.needs_counts(map(str, finetunes)))
+    if not session.counting:
+        counts = [
+            count_tensors(
+                name,
+                (base, states[base][name]),
+                [(model, states[model][name]) for model in finetunes],
+                tensor.shared["epsilon"],
+                dtype,
+            )
+            for name, tensor in zip(merged_names, resolved)
+        ]
+        statistics = rule.statistics(counts, "pre-pass")
+        applied = rule.applied([str(model) for model in finetunes], statistics)
+        supplied["lambda"] = {model: applied[str(model)].lambda_ for model in finetunes}
     merged = mergekit_merge_state_dicts(
         models,
-        RamMergeMethod(method, statistics_sink=received.append),  # this call's own instance
-        parameters=parameters,
+        declared(Kernels(session))[method],  # this call's own methods, bound to its session
+        parameters=supplied,
         base=base,
         strict=strict,
         dtype=dtype,
         out_dtype=out_dtype,
         batch_options=batch_options,
     )
-    (statistics,) = received
+    if session.counting:
+        statistics = rule.statistics(session.counts, "merge")
     return merged, statistics
+
+
+def _filled(method: str, parameters: dict[str, Any], finetunes: Sequence[Hashable]) -> dict[str, Any]:
+    """A per-model mapping naming some models only: the others get the default (mergekit would refuse it)."""
+    for name, spec in declared_parameters(method).items():
+        value = parameters.get(name)
+        if per_model(spec) and isinstance(value, Mapping):
+            parameters[name] = {**dict.fromkeys(finetunes, spec.default), **value}
+    return parameters
+
+
+def _resolved(
+    method: str, name: str, index: int, count: int, parameters: Mapping[str, Any], finetunes: Sequence[Hashable]
+) -> Resolved:
+    """One tensor's values of the declared parameters (a ``PerGroupValues`` its value for this tensor)."""
+    shared: dict[str, Any] = {}
+    own: dict[str, dict[str, Any]] = {str(model): {} for model in finetunes}
+    for parameter, spec in declared_parameters(method).items():
+        value = parameters.get(parameter, spec.default)
+        per_group = getattr(value, "values", None)  # mergekit's PerGroupValues: it refuses a wrong count
+        if isinstance(per_group, tuple) and len(per_group) == count:
+            value = per_group[index]
+        if not per_model(spec):
+            shared[parameter] = spec.validate(value)
+            continue
+        for position, model in enumerate(finetunes):
+            if isinstance(value, Mapping):
+                found = value.get(model)
+            elif isinstance(value, Sequence) and not isinstance(value, str):
+                found = value[position]
+            else:
+                found = value
+            own[str(model)][parameter] = spec.validate(found)
+    return Resolved(name, shared, own)
 
 
 def _check_parameters(method: str, parameters: Mapping[str, Any], finetunes: Sequence[Hashable]) -> None:
@@ -75,8 +134,10 @@ def _check_parameters(method: str, parameters: Mapping[str, Any], finetunes: Seq
                 check_parameter(method, name, scalar, "merge_state_dicts arguments")
 
 
-def _check_inputs(models: Mapping[Hashable, ModelLike], base: Hashable, strict: bool) -> None:
-    """The same tensor names (``strict``) and shapes everywhere; identical non-floating buffers."""
+def _check_inputs(
+    models: Mapping[Hashable, ModelLike], base: Hashable, strict: bool
+) -> dict[Hashable, Mapping[str, torch.Tensor]]:
+    """The same tensor names (``strict``) and shapes everywhere; identical non-floating buffers. The state dicts."""
     states = {
         key: model.state_dict(keep_vars=True) if isinstance(model, torch.nn.Module) else model
         for key, model in models.items()
@@ -100,3 +161,4 @@ def _check_inputs(models: Mapping[Hashable, ModelLike], base: Hashable, strict: 
                 raise ValueError(f"{model}: tensor {name} is {other.dtype}; the base's is {tensor.dtype}")
             if not tensor.is_floating_point() and (other.dtype != tensor.dtype or not torch.equal(other, tensor)):
                 raise ValueError(f"{model}: non-floating tensor {name} differs from the base's; RAM cannot merge it")
+    return states

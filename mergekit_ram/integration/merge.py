@@ -1,13 +1,15 @@
 """One RAM merge around mergekit's planner: plan -> counts (cache or pre-pass) -> lambdas into the recipe.
 
 rho is a whole-model statistic and mergekit merges one tensor at a time, so the counts come first; when every
-lambda is known from the recipe, no pre-pass runs and the methods append each group's counts to a file.
+lambda is known from the recipe, no pre-pass runs and the methods count each group as they merge it, into the
+merge's ``Session``.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 import time
 from dataclasses import replace
@@ -20,7 +22,9 @@ from pydantic import BaseModel
 from mergekit_ram.cache import CacheSettings, opened
 from mergekit_ram.checks import HeaderCache, check_tensors
 from mergekit_ram.integration.internals import internal
-from mergekit_ram.integration.methods import COUNTS_TO, OUT_DTYPE, count_tensors, finite, read_counts
+from mergekit_ram.integration.methods import Session, non_finite_error
+from mergekit_ram.integration.recipes import check_config, whole_merge_defaults
+from mergekit_ram.kernel import NonFiniteInputError, count_overlaps
 from mergekit_ram.lambdas import Applied, MergeRule, Resolved, merge_rule
 from mergekit_ram.planned import PlannedTensor, TensorInput
 from mergekit_ram.stats.data import RamStatistics, TensorCounts
@@ -54,7 +58,8 @@ class Plan(NamedTuple):
             )
             for task in ours
         ]
-        return cls(ours, [planned_tensor(task) for task in ours], modules or {}, merge_rule(method, resolved))
+        rule = merge_rule(method, resolved, whole_merge_defaults(method))
+        return cls(ours, [planned_tensor(task) for task in ours], modules or {}, rule)
 
 
 def plan_merge(config: Any, options: Any) -> Plan:
@@ -165,39 +170,65 @@ def _counted_task(task: Any, planned: PlannedTensor, tensors: Mapping[Any, Any])
     return count_tensors(planned.name, base, finetunes, planned.epsilon, dtype)
 
 
+def count_tensors(
+    name: str,
+    base: tuple[Any, torch.Tensor],
+    finetunes: Sequence[tuple[Any, torch.Tensor]],
+    epsilon: float,
+    dtype: Optional[torch.dtype],
+) -> TensorCounts:
+    """One tensor's counts on the inputs cast to ``dtype`` (else their promoted dtype), as mergekit casts them."""
+    original = [tensor.dtype for _, tensor in (base, *finetunes)]
+    target = dtype or functools.reduce(torch.promote_types, original)
+    try:
+        counted = count_overlaps(base[1].to(target), [tensor.to(target) for _, tensor in finetunes], epsilon)
+    except NonFiniteInputError as error:
+        index = 0 if error.index is None else error.index + 1
+        model = (base, *finetunes)[index][0]
+        raise non_finite_error(model, name, target, original[index], error.value) from None
+    return TensorCounts(
+        name=name,
+        numel=base[1].numel(),
+        epsilon=epsilon,
+        models=tuple(str(model) for model, _ in finetunes),
+        histograms=counted.histograms or (),
+    )
+
+
 def prepare(
-    config: Any, plan: Plan, options: Any, headers: HeaderCache, cache: CacheSettings, counts_to: str
-) -> tuple[Any, Callable[[], RamStatistics]]:
-    """The checks, the pre-pass where a lambda needs the global rho; the recipe with the lambdas, the statistics."""
+    config: Any, plan: Plan, options: Any, headers: HeaderCache, cache: CacheSettings
+) -> tuple[Any, Session, Callable[[], RamStatistics]]:
+    """The checks, the pre-pass where a lambda needs the global rho: the recipe with the lambdas, the merge's
+    session (counting where nothing counted before), and its statistics once merged."""
     dtypes = check_tensors(plan.tensors, headers).dtypes
     finetunes = list(dict.fromkeys(model for tensor in plan.tensors for model in tensor.finetunes))
+    out_dtype = None if config.out_dtype is None else getattr(torch, str(config.out_dtype).removeprefix("torch."))
     if plan.rule.method == "ram":
         LOG.info("merge_method 'ram' is mergekit-ram's float32 RAM (it replaces mergekit's built-in 'ram')")
     if not plan.rule.needs_counts(finetunes):
-        hidden = {OUT_DTYPE: config.out_dtype, COUNTS_TO: counts_to}
-        return with_parameters(config, {}, hidden), functools.partial(merged_statistics, plan, dtypes, counts_to)
+        session = Session(out_dtype, counting=True)
+        return config, session, functools.partial(merged_statistics, plan, dtypes, session)
     counts = counted(plan, options, cache, headers)
     statistics = plan.rule.statistics(counts, "pre-pass", dtypes, plan.modules)
     log_statistics(statistics)
     applied = {
         model: value for model, value in plan.rule.applied(finetunes, statistics).items() if not plan.rule.pin(model)
     }
-    return with_parameters(config, applied, {OUT_DTYPE: config.out_dtype}), lambda: statistics
+    return with_lambdas(config, applied), Session(out_dtype), lambda: statistics
 
 
-def merged_statistics(plan: Plan, dtypes: dict[str, set[str]], counts_to: str) -> RamStatistics:
-    """The statistics of the counts the merge appended, in the plan's order."""
+def merged_statistics(plan: Plan, dtypes: dict[str, set[str]], session: Session) -> RamStatistics:
+    """The statistics of the counts the merge's methods took, in the plan's order."""
     order = {tensor.name: index for index, tensor in reversed(list(enumerate(plan.tensors)))}
-    counts = sorted(read_counts(counts_to), key=lambda found: order.get(found.name, len(order)))
+    counts = sorted(session.counts, key=lambda found: order.get(found.name, len(order)))
     statistics = plan.rule.statistics(counts, "merge", dtypes, plan.modules)
     log_statistics(statistics)
     return statistics
 
 
-def with_parameters(config: Any, applied: Mapping[str, Applied], hidden: Mapping[str, Any]) -> Any:
-    """A copy of the recipe with each model's ``lambda`` (and finite ``rho``), and ``hidden`` at the top level."""
-    shared = {**(config.parameters or {}), **{name: value for name, value in hidden.items() if value is not None}}
-    return _injected(config, applied).model_copy(update={"parameters": shared})
+def with_lambdas(config: Any, applied: Mapping[str, Applied]) -> Any:
+    """A copy of the recipe with each model's ``lambda`` (and finite ``rho``) in its ``parameters``."""
+    return _injected(config, applied)
 
 
 def _injected(node: Any, applied: Mapping[str, Applied]) -> Any:
@@ -211,7 +242,7 @@ def _injected(node: Any, applied: Mapping[str, Applied]) -> Any:
         entry: Any = node  # a model entry: ``model`` and ``parameters`` (fields the BaseModel type does not know)
         if "model" in fields and "parameters" in fields and str(entry.model) in applied:
             lam, rho = applied[str(entry.model)]
-            own = {"lambda": lam, **({"rho": rho} if finite(rho) is not None else {})}
+            own = {"lambda": lam, **({"rho": rho} if rho is not None and math.isfinite(rho) else {})}
             update["parameters"] = {**(entry.parameters or {}), **own}
         return node.model_copy(update=update) if update else node
     if isinstance(node, list):
@@ -223,8 +254,6 @@ def _injected(node: Any, applied: Mapping[str, Applied]) -> Any:
 
 def probe_statistics(config: Any, options: Any, refresh: bool = False) -> RamStatistics:
     """The probe: only the checks and the pre-pass; ``refresh`` recomputes counts the cache has."""
-    from mergekit_ram.integration.recipes import check_config
-
     headers = HeaderCache()
     cache = CacheSettings.from_environment()
     check_config(config, headers, allow_crimes=options.allow_crimes)

@@ -1,34 +1,38 @@
-"""The four methods as mergekit group methods; each fine-tune's lambda arrives as a per-model parameter
-(written into the recipe, or pinned). A direct call (``merge_state_dicts``) counts the whole model first
-where a lambda needs the global rho; a path that counts nothing refuses such a lambda.
+"""The four methods, declared as mergekit declares its own: ``merge_method`` on typed functions whose
+annotations carry each parameter's bounds (``parameters.py``), per-model values as ``PerNonBase``.
+
+They only merge: each fine-tune's lambda arrives as its per-model ``lambda`` (written into the recipe by the
+seam, or pinned). ``Kernels`` holds what one merge's seam gives them (``Session``: the output dtype, and
+where the counts of a merge without a pre-pass go); the registered ones have none (a direct call through
+mergekit's own API, which counts nothing and so refuses a lambda that needs the global rho).
 """
 
 from __future__ import annotations
 
-import functools
-import json
-import math
-import os
-from typing import Any, Callable, Mapping, Optional, Sequence
+from dataclasses import dataclass, field, replace
+from functools import partial
+from typing import Any, Callable, Optional
 
 import torch
+from mergekit.merge_methods import BasePolicy, InputContract, MergeMethod, PerNonBase, TensorGroup, merge_method
 
-from mergekit_ram.errors import InputError
-from mergekit_ram.integration.internals import internal
-from mergekit_ram.kernel import MergeOverflowError, MergeResult, NonFiniteInputError, count_overlaps, merge_tensors
-from mergekit_ram.lambdas import Resolved, merge_rule
-from mergekit_ram.parameters import METHOD_PARAMETERS, SHARED_RULES, ParameterError, ParameterInfo
+from mergekit_ram.errors import InputError, MergekitMovedError
+from mergekit_ram.kernel import MergeOverflowError, NonFiniteInputError, SharedRule, compute_dtype, merge_tensors
+from mergekit_ram.parameters import (
+    DENSITY,
+    EPSILON,
+    METHOD_NAMES,
+    LambdaPin,
+    NonNegative,
+    ParameterError,
+    RhoPin,
+    RuleName,
+    Scale,
+    Share,
+)
 from mergekit_ram.rescaling import Rescaling
 from mergekit_ram.stats.arithmetic import model_lambda
-from mergekit_ram.stats.data import PIN_KINDS, RamStatistics, TensorCounts
-from mergekit_ram.stats.schema import counts_from_dict, counts_to_dict
-
-GroupMergeMethod: Any = internal("mergekit.merge_methods.base", "GroupMergeMethod")
-MergeMethodSpec: Any = internal("mergekit.merge_methods.base", "MergeMethodSpec")
-InputContract: Any = internal("mergekit.merge_methods.base", "InputContract")
-ParameterSpec: Any = internal("mergekit.merge_methods.base", "ParameterSpec")
-#: mergekit's ``ParameterScope`` and ``BasePolicy`` are ``str`` enums: their values are enough.
-SHARED, NON_BASE = "shared", "non_base"
+from mergekit_ram.stats.data import Pin, TensorCounts
 
 REFERENCE_URL = "https://arxiv.org/abs/2601.13572"
 PRETTY_NAMES = {
@@ -37,129 +41,77 @@ PRETTY_NAMES = {
     "ram_ties": "Reinforced Agent Merging with a TIES shared region (mergekit-ram)",
     "ram_unique": "Reinforced Agent Merging, unique regions only (mergekit-ram)",
 }
-#: Written by the merge step, never by a recipe: the kernel's output dtype and the file counts are appended to.
-OUT_DTYPE = "mergekit_ram_out_dtype"
-COUNTS_TO = "mergekit_ram_counts_to"
-HIDDEN_PARAMETERS = (OUT_DTYPE, COUNTS_TO)
+#: Where several models changed an element: the mean of their updates, TIES, or the base's value.
+SHARED_RULES: dict[str, SharedRule] = {"ram": "mean", "ram_plus": "mean", "ram_ties": "ties", "ram_unique": "base"}
+#: Python cannot name an argument ``lambda``: a kernel's ``lambda_`` is the recipe's ``lambda``.
+RECIPE_NAMES = {"lambda_": "lambda"}
 
 
-class RamMergeMethod(GroupMergeMethod):
-    """One method on tensor groups; ``statistics_sink`` receives each direct call's statistics."""
+@dataclass
+class Session:
+    """What one merge's seam gives its methods for that merge: the output dtype the result is rounded to once,
+    and whether each merged group's counts go into ``counts`` (a merge without a pre-pass)."""
 
-    def __init__(self, name: str, statistics_sink: Optional[Callable[[RamStatistics], None]] = None):
-        self.statistics_sink = statistics_sink
-        hidden = [ParameterInfo(hidden, Optional[str], None, "") for hidden in HIDDEN_PARAMETERS]
-        self.spec = MergeMethodSpec(
-            name=name,
-            pretty_name=PRETTY_NAMES[name],
-            reference_url=REFERENCE_URL,
-            contract=InputContract(base="required"),
-            parameters=tuple(
-                ParameterSpec(
-                    name=info.name,
-                    value_type=info.value_type,
-                    scope=NON_BASE if info.per_model else SHARED,
-                    default=info.default,
-                )
-                for info in (*METHOD_PARAMETERS[name], *hidden)
-            ),
-        )
+    out_dtype: Optional[torch.dtype] = None
+    counting: bool = False
+    counts: list[TensorCounts] = field(default_factory=list)
 
-    def __call__(
+
+class Kernels:
+    """The four methods' functions; ``session`` None for the registered ones, ``refusal`` where mergekit is not
+    one the plugin supports (each refuses with it)."""
+
+    def __init__(self, session: Optional[Session] = None, refusal: Optional[str] = None) -> None:
+        self.session, self.refusal = session, refusal
+
+    def ram(self, group: TensorGroup, epsilon: NonNegative = EPSILON) -> torch.Tensor:
+        """The paper's RAM: lambda 1 for every model."""
+        return self.merge("ram", group, epsilon, None)
+
+    def ram_plus(
         self,
-        groups: Sequence[Any],
-        /,
-        *,
-        parameters: Optional[Mapping[str, Any]] = None,
-        dtype: Optional[torch.dtype] = None,
-        out_dtype: Optional[torch.dtype] = None,
-        batch_options: Any = None,
-    ) -> tuple[torch.Tensor, ...]:
-        """A direct call (the whole model): counted first where a lambda needs the global rho or the sink."""
-        groups = tuple(groups)
-        finetunes = list(dict.fromkeys(entry.id for group in groups for entry in group.non_base))
-        supplied = self._filled(dict(parameters or {}), finetunes)
-        for group in groups:
-            self.validate_inputs(
-                [entry.id for entry in group.entries],
-                group.base.id if group.base else None,
-                group_name=group.metadata.name,
-            )
-            group.validate_tensors()
-        resolved = [self._resolved(group, supplied, index, len(groups)) for index, group in enumerate(groups)]
-        rule = merge_rule(self.spec.name, resolved)
-        needs_counts = rule.needs_counts(str(model) for model in finetunes)
-        statistics = None
-        if needs_counts or self.statistics_sink is not None:
-            counts = [count_group(group, values.shared["epsilon"], dtype) for group, values in zip(groups, resolved)]
-            statistics = rule.statistics(counts, "pre-pass" if needs_counts else "merge")
-        if needs_counts:  # an infinite rho is left out: parameters are finite
-            applied = rule.applied([str(model) for model in finetunes], statistics)
-            supplied["lambda"] = {model: applied[str(model)].lambda_ for model in finetunes}
-            supplied["rho"] = {model: finite(applied[str(model)].rho) for model in finetunes}
-        supplied[OUT_DTYPE] = None if out_dtype is None else str(out_dtype).removeprefix("torch.")
-        merged = super().__call__(
-            groups, parameters=supplied, dtype=dtype, out_dtype=out_dtype, batch_options=batch_options
-        )
-        if self.statistics_sink is not None and statistics is not None:
-            self.statistics_sink(statistics)
-        return merged
+        group: TensorGroup,
+        epsilon: NonNegative = EPSILON,
+        r: NonNegative = Rescaling.r,
+        alpha: NonNegative = Rescaling.alpha,
+        rule: RuleName = Rescaling.rule,
+        rho: PerNonBase[RhoPin] = None,
+        lambda_: PerNonBase[LambdaPin] = None,
+    ) -> torch.Tensor:
+        """RAM+: unique updates scaled by lambda_t = 1 + r * clip(rho_t, 0, alpha) (or the soft rule)."""
+        lambdas = self.lambdas("ram_plus", group, Rescaling(r, alpha, rule), rho, lambda_)
+        return self.merge("ram_plus", group, epsilon, lambdas)
 
-    def _filled(self, parameters: dict[str, Any], models: Sequence[Any]) -> dict[str, Any]:
-        """A per-model mapping naming some models only: the others get the default (mergekit would refuse it)."""
-        for spec in self.spec.parameters:
-            value = parameters.get(spec.name)
-            if spec.scope == NON_BASE and isinstance(value, Mapping):
-                parameters[spec.name] = {**dict.fromkeys(models, spec.default), **value}
-        return parameters
+    def ram_ties(
+        self,
+        group: TensorGroup,
+        epsilon: NonNegative = EPSILON,
+        density: Share = DENSITY,
+        r: NonNegative = 0.0,
+        alpha: NonNegative = Rescaling.alpha,
+        rule: RuleName = Rescaling.rule,
+        rho: PerNonBase[RhoPin] = None,
+        lambda_: PerNonBase[LambdaPin] = None,
+    ) -> torch.Tensor:
+        """The authors' arm-ties: the shared region TIES-resolved at ``density``; no rescaling unless r > 0."""
+        lambdas = self.lambdas("ram_ties", group, Rescaling(r, alpha, rule), rho, lambda_)
+        return self.merge("ram_ties", group, epsilon, lambdas, density)
 
-    def _resolved(self, group: Any, parameters: Mapping[str, Any], index: int, count: int) -> Resolved:
-        """The group's values of the declared parameters, as plain data."""
-        shared: dict[str, Any] = {}
-        per_model: dict[str, dict[str, Any]] = {str(entry.id): {} for entry in group.non_base}
-        for spec in self.spec.parameters:
-            value = parameters.get(spec.name, spec.default)
-            per_group = getattr(value, "values", None)  # mergekit's PerGroupValues: mergekit refuses a wrong count
-            if isinstance(per_group, tuple) and len(per_group) == count:
-                value = per_group[index]
-            if spec.scope == SHARED:
-                shared[spec.name] = spec.validate(value)
-                continue
-            for position, entry in enumerate(group.non_base):
-                if isinstance(value, Mapping):
-                    own = value.get(entry.id)
-                elif isinstance(value, Sequence) and not isinstance(value, str):
-                    own = value[position]
-                else:
-                    own = value
-                per_model[str(entry.id)][spec.name] = spec.validate(own)
-        return Resolved(group.metadata.name or "", shared, per_model)
+    def ram_unique(
+        self, group: TensorGroup, epsilon: NonNegative = EPSILON, scale: PerNonBase[Scale] = 1.0
+    ) -> torch.Tensor:
+        """The unique regions alone, each model's scaled (the paper's Figure 3); shared positions keep the base."""
+        return self.merge("ram_unique", group, epsilon, [scale[entry.id] for entry in group.non_base])
 
-    def merge_group(self, group: Any, /, **parameters: Any) -> torch.Tensor:
-        """One group merged; its counts appended to ``COUNTS_TO`` when the merge step asks for them."""
-        counts_to = parameters.get(COUNTS_TO)
-        result = self.merge(group, parameters, self.lambdas(group, parameters), count=counts_to is not None)
-        if counts_to is not None:
-            counts = TensorCounts(
-                name=group.metadata.name or "",
-                numel=group.base.tensor.numel(),
-                epsilon=parameters["epsilon"],
-                models=tuple(str(entry.id) for entry in group.non_base),
-                histograms=result.histograms or (),
-            )
-            append_counts(counts_to, counts)
-        return result.merged
-
-    def lambdas(self, group: Any, parameters: Mapping[str, Any]) -> list[float]:
-        """Each fine-tune's lambda from its pin (scale, lambda or rho); one that needs the global rho is refused."""
-        rescaling = Rescaling(parameters["r"], parameters["alpha"], parameters["rule"]) if "r" in parameters else None
+    def lambdas(self, method: str, group: TensorGroup, rescaling: Rescaling, rho: Any, lambda_: Any) -> list[float]:
+        """Each fine-tune's lambda from its pin; one that needs the global rho is refused (nothing counted it)."""
         found = []
         for entry in group.non_base:
-            pins = [(kind, parameters[kind][entry.id]) for kind in PIN_KINDS if kind in parameters]
+            pins: list[tuple[Pin, Optional[float]]] = [("lambda", lambda_[entry.id]), ("rho", rho[entry.id])]
             pin = next(((kind, value) for kind, value in pins if value is not None), None)
-            if pin is None and rescaling is not None and rescaling.r != 0:
+            if pin is None and rescaling.r != 0:
                 raise ParameterError(
-                    f"{self.spec.name}: tensor {group.metadata.name}: the lambda of {entry.id} needs the global rho, "
+                    f"{method}: tensor {group.metadata.name}: the lambda of {entry.id} needs the global rho, "
                     "counted over the whole merge before it, which this way of calling mergekit does not count; "
                     "merge with mergekit-yaml, mergekit.merge.run_merge or mergekit_ram.merge_state_dicts, or pin "
                     "`lambda` or `rho` for every model, or set `r: 0`"
@@ -167,113 +119,74 @@ class RamMergeMethod(GroupMergeMethod):
             found.append(model_lambda(0.0, rescaling, pin))
         return found
 
-    def merge(self, group: Any, parameters: Mapping[str, Any], lambdas: list[float], *, count: bool) -> MergeResult:
+    def merge(
+        self, method: str, group: TensorGroup, epsilon: float, lambdas: Optional[list[float]], density: float = 1.0
+    ) -> torch.Tensor:
+        """One group merged in the arithmetic dtype and rounded once; counted where the session asks."""
+        if self.refusal is not None:
+            raise MergekitMovedError(self.refusal)
+        base, finetunes = group.base, group.non_base
+        assert base is not None  # the contract requires a base
+        session = self.session or Session()
         try:
-            return merge_tensors(
-                group.base.tensor,
-                [entry.tensor for entry in group.non_base],
-                parameters["epsilon"],
+            result = merge_tensors(
+                base.tensor,
+                [entry.tensor for entry in finetunes],
+                epsilon,
                 lambdas,
-                workers=torch.get_num_threads(),
-                count=count,
-                out_dtype=None if parameters.get(OUT_DTYPE) is None else getattr(torch, parameters[OUT_DTYPE]),
-                shared=SHARED_RULES[self.spec.name],
-                density=parameters.get("density", 1.0),
+                count=session.counting,
+                out_dtype=session.out_dtype,
+                shared=SHARED_RULES[method],
+                density=density,
             )
         except NonFiniteInputError as error:
-            entry = group.base if error.index is None else group.non_base[error.index]
+            entry = base if error.index is None else finetunes[error.index]
             dtype = entry.tensor.dtype
             raise non_finite_error(entry.id, group.metadata.name, dtype, dtype, error.value) from None
         except MergeOverflowError as error:
-            raise self._overflow_error(group, parameters, lambdas, error) from None
+            arithmetic = compute_dtype(base.tensor.dtype, *(entry.tensor.dtype for entry in finetunes))
+            raise overflow_error(method, group.metadata.name, error.dtype, arithmetic) from None
+        if session.counting:
+            session.counts.append(
+                TensorCounts(
+                    name=group.metadata.name or "",
+                    numel=base.tensor.numel(),
+                    epsilon=epsilon,
+                    models=tuple(str(entry.id) for entry in finetunes),
+                    histograms=result.histograms or (),
+                )
+            )
+        return result.merged
 
-    def _overflow_error(
-        self, group: Any, parameters: Mapping[str, Any], lambdas: list[float], error: MergeOverflowError
-    ) -> ParameterError:
-        """The tensor and the cause of an overflow (an update, a lambda, the sum, the output dtype), with its fix."""
-        name = group.metadata.name
-        dtype = str(error.dtype).removeprefix("torch.")
-        wider = "merge with `dtype: float64` (arithmetic is then float64)"
-        if error.cause == "update" and error.index is not None:
-            return ParameterError(
-                f"{self.spec.name}: tensor {name}: the update of {group.non_base[error.index].id} "
-                f"(its value minus the base's) overflows {dtype}; {wider}"
-            )
-        if error.cause == "lambda" and error.index is not None:
-            entry = group.non_base[error.index]
-            lam = lambdas[error.index]
-            pinned = "r" not in parameters or (
-                parameters["rho"].get(entry.id) is None and parameters["lambda"].get(entry.id) is not None
-            )
-            kind = "scale" if "scale" in parameters else "lambda"
-            setting = (
-                f"the pinned {kind} {lam!r} of {entry.id}"
-                if pinned
-                else f"lambda = 1 + r * clip(rho) = {lam!r} of {entry.id} (from r = {parameters['r']!r})"
-            )
-            return ParameterError(
-                f"{self.spec.name}: tensor {name}: {setting} times its update, added to the base, does not fit "
-                f"{dtype}; lower {kind if pinned else 'r'} (the paper's lambdas are about 1.2)"
-            )
-        if error.cause == "sum":
-            return ParameterError(
-                f"{self.spec.name}: tensor {name}: the merged update (the models' updates combined) overflows "
-                f"{dtype}; {wider}"
-            )
-        return ParameterError(
-            f"{self.spec.name}: tensor {name}: the merged values do not fit the output dtype {dtype} "
-            "(out_dtype); choose a wider out_dtype"
+
+def declared(kernels: Kernels) -> dict[str, MergeMethod]:
+    """The four methods of ``kernels``, by name: ``merge_method`` on each, the recipe's names for its arguments."""
+    methods = {}
+    for name in METHOD_NAMES:
+        kernel = getattr(kernels, name)
+        method = merge_method(
+            kernel,
+            name=name,
+            pretty_name=PRETTY_NAMES[name],
+            reference_url=REFERENCE_URL,
+            contract=InputContract(base=BasePolicy.REQUIRED),
         )
+        named = tuple(replace(spec, name=RECIPE_NAMES.get(spec.name, spec.name)) for spec in method.spec.parameters)
+        methods[name] = type(method)(replace(method.spec, parameters=named), partial(_with_python_names, kernel))
+    return methods
 
 
-def count_group(group: Any, epsilon: float, dtype: Optional[torch.dtype]) -> TensorCounts:
-    finetunes = [(entry.id, entry.tensor) for entry in group.non_base]
-    return count_tensors(group.metadata.name or "", (group.base.id, group.base.tensor), finetunes, epsilon, dtype)
+def _with_python_names(kernel: Callable[..., torch.Tensor], group: TensorGroup, /, **values: Any) -> torch.Tensor:
+    python = {recipe: name for name, recipe in RECIPE_NAMES.items()}
+    return kernel(group, **{python.get(name, name): value for name, value in values.items()})
 
 
-def count_tensors(
-    name: str,
-    base: tuple[Any, torch.Tensor],
-    finetunes: Sequence[tuple[Any, torch.Tensor]],
-    epsilon: float,
-    dtype: Optional[torch.dtype],
-) -> TensorCounts:
-    """One tensor's counts on the inputs cast to ``dtype`` (else their promoted dtype), as mergekit casts them."""
-    original = [tensor.dtype for _, tensor in (base, *finetunes)]
-    target = dtype or functools.reduce(torch.promote_types, original)
-    try:
-        counted = count_overlaps(
-            base[1].to(target), [tensor.to(target) for _, tensor in finetunes], epsilon, workers=torch.get_num_threads()
-        )
-    except NonFiniteInputError as error:
-        index = 0 if error.index is None else error.index + 1
-        model = (base, *finetunes)[index][0]
-        raise non_finite_error(model, name, target, original[index], error.value) from None
-    return TensorCounts(
-        name=name,
-        numel=base[1].numel(),
-        epsilon=epsilon,
-        models=tuple(str(model) for model, _ in finetunes),
-        histograms=counted.histograms or (),
-    )
-
-
-def append_counts(path: str, counts: TensorCounts) -> None:
-    """One line of JSON per group, in one unbuffered append (threads may share the file)."""
-    with open(path, "ab", buffering=0, opener=lambda file, flags: os.open(file, flags, 0o600)) as handle:
-        handle.write((json.dumps(counts_to_dict(counts)) + "\n").encode())
-
-
-def finite(value: Optional[float]) -> Optional[float]:
-    """``value`` where it is a finite number (an infinite rho is not handed to a method), else None."""
-    return value if value is not None and math.isfinite(value) else None
-
-
-def read_counts(path: str) -> list[TensorCounts]:
-    if not os.path.exists(path):
-        return []
-    with open(path, encoding="utf-8") as handle:
-        return [counts_from_dict(json.loads(line)) for line in handle if line.strip()]
+def kernels_of(method: Any) -> Optional[Kernels]:
+    """The ``Kernels`` behind a method ``declared`` made; None for anyone else's."""
+    implementation = getattr(method, "implementation", None)
+    kernel = implementation.args[0] if isinstance(implementation, partial) and implementation.args else None
+    owner = getattr(kernel, "__self__", None)
+    return owner if isinstance(owner, Kernels) else None
 
 
 def non_finite_error(
@@ -292,4 +205,15 @@ def non_finite_error(
     return InputError(f"{model}: tensor {name} contains NaN or Inf")
 
 
-METHODS = {name: RamMergeMethod(name) for name in METHOD_PARAMETERS}
+def overflow_error(method: str, name: Optional[str], dtype: torch.dtype, arithmetic: torch.dtype) -> ParameterError:
+    """Finite inputs, a merged value that does not fit ``dtype``: a wider arithmetic, or a wider output dtype."""
+    where = str(dtype).removeprefix("torch.")
+    if dtype != arithmetic:
+        return ParameterError(
+            f"{method}: tensor {name}: the merged values do not fit the output dtype {where} (out_dtype); "
+            "choose a wider out_dtype"
+        )
+    return ParameterError(
+        f"{method}: tensor {name}: the merged values overflow {where} (an update, lambda times an update, or "
+        "their sum); merge with `dtype: float64` (arithmetic is then float64), or lower r or the pinned lambdas"
+    )

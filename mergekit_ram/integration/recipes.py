@@ -1,4 +1,5 @@
-"""Checks of RAM recipes over mergekit's recipe classes, mergekit-multi's stages, models as ``ModelIdentity``.
+"""Checks of RAM recipes over mergekit's parsed recipe classes (keys given the recipe's text, parameters against
+the registered methods' declarations, models as ``ModelIdentity``), and mergekit-multi's stages for the probe.
 
 mergekit's pydantic classes drop what they do not know, so a misspelled key would merge with the defaults.
 """
@@ -7,29 +8,27 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
 import yaml
-from pydantic import BaseModel
+from mergekit.merge_methods import get, registered_methods
+from pydantic import BaseModel, ValidationError
 
 from mergekit_ram.checks import BaseFit, HeaderCache, check_models, close_method
 from mergekit_ram.errors import RecipeError
 from mergekit_ram.integration.internals import internal
-from mergekit_ram.integration.registry import declared_by_other_methods, is_ours
+from mergekit_ram.integration.registration import declared_by_other_methods
 from mergekit_ram.parameters import (
-    METHOD_PARAMETERS,
+    METHOD_NAMES,
     ParameterError,
     check_lambda_range,
-    check_parameter,
+    check_value,
     close_match,
-    declared_names,
-    parameter_info,
 )
 from mergekit_ram.planned import ModelIdentity
-from mergekit_ram.recipe_file import Stage, read_documents, validate
 
 LOG = logging.getLogger(__name__)
-MergeConfiguration: Any = internal("mergekit.config", "MergeConfiguration")
 #: Recipe classes whose keys are checked; others are leaves.
 _RECIPE_MODULES = ("mergekit.config", "mergekit.scripts.merge_raw_pytorch")
 _LAMBDA_SCOPE = " (lambda_t = 1 + r * clip(rho_t, 0, alpha) is global: one r, one alpha, one rule per merge)"
@@ -83,8 +82,39 @@ def vocabulary_axes(architecture: str) -> dict[str, int]:
 def check_method_name(method: str) -> None:
     """A misspelling of one of this plugin's methods, with the right name (mergekit's error is a traceback)."""
     hint = close_method(method)
-    if hint is not None and method not in internal("mergekit.merge_methods.registry", "_METHODS"):
+    if hint is not None and method not in {other.spec.name for other in registered_methods()}:
         raise RecipeError(f"unknown merge method {method!r} (did you mean {hint!r}?)")
+
+
+def declared(method: str) -> dict[str, Any]:
+    """The registered method's parameters by name (mergekit's ``ParameterSpec``: type with bounds, default)."""
+    return {spec.name: spec for spec in get(method).spec.parameters}
+
+
+def per_model(spec: Any) -> bool:
+    return str(getattr(spec.scope, "value", spec.scope)) != "shared"
+
+
+def whole_merge_defaults(method: str) -> dict[str, Any]:
+    """The defaults of the parameters that are one value for the whole merge (r, alpha, rule, density)."""
+    return {name: spec.default for name, spec in declared(method).items() if not per_model(spec) and name != "epsilon"}
+
+
+def parameter_spec(method: str, name: str, where: str = "parameters") -> Any:
+    """The declaration of ``name`` for ``method``, or a ParameterError listing the valid names (and a near miss)."""
+    specs = declared(method)
+    if name not in specs:
+        hint = close_match(name, specs)
+        suggestion = f" (did you mean {hint!r}?)" if hint else ""
+        raise ParameterError(
+            f"{method}: unknown parameter {name!r} in {where}{suggestion}; valid names: {', '.join(sorted(specs))}"
+        )
+    return specs[name]
+
+
+def check_parameter(method: str, name: str, value: Any, where: str = "parameters") -> Any:
+    """``value`` validated as the method declares ``name``, or one line naming it and where it was set."""
+    return check_value(method, name, parameter_spec(method, name, where).value_type, value, where)
 
 
 def model_identity(model: Any) -> ModelIdentity:
@@ -142,15 +172,15 @@ def _joined(where: str, name: str) -> str:
 
 def check_recipe(method: str, config: BaseModel) -> None:
     """Every parameter known, in a block where it applies, valid; another method's parameter is only warned about."""
-    declared, others = declared_names(method), declared_by_other_methods(method)
+    names, others = list(declared(method)), declared_by_other_methods(method)
     ignored: dict[str, list[str]] = {}
     values: dict[str, list[tuple[Any, str]]] = {}
-    for where, name, setting, per_model in _parameter_settings(config):
-        if name not in declared and name in others and close_match(name, declared) is None:
+    for where, name, setting, in_model_block in _parameter_settings(config):
+        if name not in names and name in others and close_match(name, names) is None:
             ignored.setdefault(name, []).append(where)
             continue
-        info = parameter_info(method, name, where)  # an unknown name is refused even with no value
-        if per_model and not info.per_model:
+        spec = parameter_spec(method, name, where)  # an unknown name is refused even with no value
+        if in_model_block and not per_model(spec):
             raise ParameterError(
                 f"{method}: parameter {name!r} in {where} is set for one model, but {name} applies to the whole "
                 f"merge and mergekit would ignore it there: move it to the top-level `parameters:`"
@@ -159,7 +189,7 @@ def check_recipe(method: str, config: BaseModel) -> None:
         for scalar in _scalars(setting):
             values.setdefault(name, []).append((check_parameter(method, name, scalar, where), where))
     for name, places in ignored.items():
-        users = [other for other in METHOD_PARAMETERS if name in declared_names(other)]
+        users = [other for other in METHOD_NAMES if name in declared(other)]
         hint = f"; set merge_method: {' or '.join(users)} to use it" if users else ""
         owners = sorted(set(others[name]))
         listing = ", ".join(owners[:4]) + (f" and {len(owners) - 4} more" if len(owners) > 4 else "")
@@ -172,8 +202,8 @@ def check_recipe(method: str, config: BaseModel) -> None:
             method,
             hint,
         )
-    if "r" in declared:
-        found = {name: [(parameter_info(method, name).default, "the defaults")] for name in ("r", "alpha", "rule")}
+    if "r" in names:
+        found = {name: [(declared(method)[name].default, "the defaults")] for name in ("r", "alpha", "rule")}
         found.update(values)
         r, where = max(found["r"])
         check_lambda_range(
@@ -200,15 +230,6 @@ def _scalars(setting: Any) -> Iterator[Any]:
         yield setting
 
 
-def check_stage_keys(path: str, text: str) -> None:
-    """Unknown keys of each RAM stage of a mergekit-multi file."""
-    for document in read_documents(path, text):
-        method = document.get("merge_method") if isinstance(document, dict) else None
-        if isinstance(method, str) and is_ours(method):
-            stage = {key: value for key, value in document.items() if key != "name"}
-            check_recipe_keys(method, stage, MergeConfiguration)
-
-
 def check_recipe_keys(method: str, raw: Any, schema: type[BaseModel]) -> None:
     """Refuse keys of ``raw`` that ``schema`` drops (``paramaters:``); an invalid recipe is mergekit's to report."""
     try:
@@ -217,9 +238,12 @@ def check_recipe_keys(method: str, raw: Any, schema: type[BaseModel]) -> None:
         return
     for where, key, valid in _unknown_keys(raw, validated, ""):
         place = f"in `{where}`" if where else "at the top level of the recipe"
-        if key in declared_names(method) and "parameters" in valid:
-            per_model = parameter_info(method, key).per_model and where
-            target = f"`{where}.parameters:`" if per_model else "the top-level `parameters:`"
+        if key in declared(method) and "parameters" in valid:
+            target = (
+                f"`{where}.parameters:`"
+                if per_model(declared(method)[key]) and where
+                else "the top-level `parameters:`"
+            )
             fix = f": {key!r} is a parameter of {method}; set it under {target}"
         else:
             hint = close_match(key, valid)
@@ -247,11 +271,26 @@ def _unknown_keys(raw: Any, validated: Any, where: str) -> Iterator[tuple[str, s
             yield from _unknown_keys(value, item, f"{where}[{index}]")
 
 
-def read_stages(path: str, text: str, intermediate_dir: str = "") -> list[Stage]:
-    """The stages as mergekit-multi reads them; a model named like a stage becomes a dependency."""
+@dataclass(frozen=True)
+class Stage:
+    """One document of a recipe file; ``depends_on``: the earlier stages whose output it merges."""
+
+    name: Optional[str]
+    config: Any  # mergekit.config.MergeConfiguration, model paths of earlier stages resolved
+    depends_on: tuple[str, ...] = ()
+
+    @property
+    def label(self) -> str:
+        return self.name if self.name is not None else "(unnamed final stage)"
+
+
+def read_stages(path: str, intermediate_dir: str = "") -> list[Stage]:
+    """A recipe file's stages as mergekit-multi reads them (one stage for a plain recipe); a model named like a
+    stage becomes a dependency. YAML and schema errors are one line naming the file and the place."""
+    recipe_class = internal("mergekit.config", "MergeConfiguration")
     patched_config = internal("mergekit.scripts.multimerge", "patched_config")
     stages: dict[Optional[str], Any] = {}
-    for index, document in enumerate(read_documents(path, text)):
+    for index, document in enumerate(_documents(path)):
         where = f", document {index + 1}"
         if not isinstance(document, dict):
             raise RecipeError(f"{path}{where}: a recipe is a mapping of keys (merge_method, models, ...)")
@@ -263,9 +302,40 @@ def read_stages(path: str, text: str, intermediate_dir: str = "") -> list[Stage]
                 + (f"a second stage named {name!r}" if name is not None else "a second stage without a name")
                 + "; each stage needs its own name (at most one may have none: the final merge)"
             )
-        stages[name] = validate(path, document, MergeConfiguration, where)
+        try:
+            stages[name] = recipe_class.model_validate(document)
+        except ValidationError as error:
+            problems = error.errors(include_url=False)
+            shown = [
+                f"{'.'.join(map(str, problem['loc'])) or 'the document'}: {problem['msg']}" for problem in problems[:3]
+            ]
+            more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+            raise RecipeError(f"{path}{where}: not a valid mergekit recipe: {'; '.join(shown)}{more}") from None
     result = []
     for name, config in stages.items():
         patched, used = patched_config(config, set(stages), intermediate_dir)
         result.append(Stage(name=name, config=patched, depends_on=tuple(sorted(used))))
     return result
+
+
+def _documents(path: str) -> list[Any]:
+    """The non-empty YAML documents of a recipe file."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            documents = list(yaml.safe_load_all(handle))
+    except (OSError, UnicodeDecodeError) as error:
+        raise RecipeError(f"cannot read {path} as UTF-8 text ({error})") from None
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        detail = ", ".join(part for part in (getattr(error, "context", None), getattr(error, "problem", None)) if part)
+        raise RecipeError(f"{path}: invalid YAML{at}: {detail or error}") from None
+    except (ValueError, RecursionError) as error:  # a value yaml cannot convert (a date 2020-13-45), or too deep
+        raise RecipeError(f"{path}: invalid YAML: a value cannot be read ({type(error).__name__}: {error})") from None
+    return [document for document in documents if document is not None]
+
+
+def stage_output(intermediate_dir: str, name: str) -> Optional[str]:
+    """The finished output of an earlier stage under ``intermediate_dir``, if it is there."""
+    path = os.path.join(intermediate_dir, name)
+    return path if intermediate_dir and os.path.exists(os.path.join(path, "config.json")) else None

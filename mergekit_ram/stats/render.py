@@ -8,7 +8,6 @@ import math
 import os
 from typing import Mapping, NamedTuple, Sequence
 
-from mergekit_ram.parameters import METHOD_PARAMETERS
 from mergekit_ram.stats.arithmetic import by_merged_module, by_module
 from mergekit_ram.stats.data import ModelStatistics, OverlapCounts, RamStatistics
 from mergekit_ram.stats.schema import STATISTICS_FILE
@@ -70,8 +69,8 @@ def display_names(statistics: RamStatistics) -> dict[str, str]:
 
 
 def factor_name(statistics: RamStatistics) -> str:
-    """The recipe's name of each model's factor: ``scale`` where the method declares one (``ram_unique``)."""
-    return "scale" if any(info.name == "scale" for info in METHOD_PARAMETERS.get(statistics.method, ())) else "lambda"
+    """The recipe's name of each model's factor: ``ram_unique``'s ``scale``, else ``lambda``."""
+    return "scale" if statistics.method == "ram_unique" else "lambda"
 
 
 def figures(counts: OverlapCounts) -> tuple[str, str, str, str]:

@@ -7,7 +7,7 @@ import json
 import math
 from typing import Any, Mapping, Optional, Union
 
-from mergekit_ram.parameters import METHOD_PARAMETERS, check_parameter
+from mergekit_ram.parameters import METHOD_NAMES, rescaling_of
 from mergekit_ram.rescaling import Rescaling
 from mergekit_ram.stats.arithmetic import by_merged_module, by_module
 from mergekit_ram.stats.data import ModelStatistics, OverlapCounts, RamStatistics, TensorCounts
@@ -148,10 +148,6 @@ def _rescaling(method: str, parameters: Mapping[str, Any]) -> Optional[Rescaling
     """The file's r, alpha and rule (absent for ``ram``), checked against the parameter table."""
     if "r" not in parameters:
         return None
-    if method not in METHOD_PARAMETERS:
-        raise ValueError(
-            f"{STATISTICS_FILE}: unknown method {method!r}; expected one of {', '.join(METHOD_PARAMETERS)}"
-        )
-    return Rescaling(
-        *(check_parameter(method, name, parameters[name], STATISTICS_FILE) for name in ("r", "alpha", "rule"))
-    )
+    if method not in METHOD_NAMES:
+        raise ValueError(f"{STATISTICS_FILE}: unknown method {method!r}; expected one of {', '.join(METHOD_NAMES)}")
+    return rescaling_of(method, parameters["r"], parameters["alpha"], parameters["rule"], STATISTICS_FILE)
