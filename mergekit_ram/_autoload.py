@@ -1,10 +1,11 @@
 """The start-up hook (imported at interpreter start by ``mergekit_ram_autoload.pth``; standard library only).
 
-A ``sys.meta_path`` finder watches three mergekit modules and acts the moment each has finished executing:
-``mergekit.merge_methods`` registers the four methods, ``mergekit.merge`` gets the seam around ``run_merge``
-and ``mergekit.scripts.merge_raw_pytorch`` around ``plan_flat_merge`` (thin wrappers here, so that a module
-importing ``run_merge`` by name later gets the seam; the plugin itself loads only when one is called). A hook
-that fails never breaks mergekit's import: one warning line. ``MERGEKIT_RAM_AUTOLOAD=0`` switches it off
+A ``sys.meta_path`` finder watches three mergekit modules and acts once each has finished executing:
+``mergekit.merge`` gets the seam around ``run_merge`` and ``mergekit.scripts.merge_raw_pytorch`` around
+``plan_flat_merge`` at once (thin wrappers here, so that a module importing ``run_merge`` by name later gets
+the seam; the plugin itself loads only when one is called); ``mergekit.merge_methods`` registers the four
+methods as soon as no module of the boundary is half-executed (the registration imports them; importing one
+of them may be what imported mergekit). A hook that fails never breaks mergekit's import: one warning line. ``MERGEKIT_RAM_AUTOLOAD=0`` switches it off
 (then ``mergekit_ram.register()``). In mergekit's merging scripts, Ctrl-C before the merge is one line.
 """
 
@@ -19,6 +20,7 @@ HOOKS = {
     "mergekit.scripts.merge_raw_pytorch": "plan_flat_merge",
 }
 MERGE_SCRIPTS = ("mergekit-yaml", "mergekit-multi", "mergekit-pytorch")
+BOUNDARY = "mergekit_ram.integration."
 
 
 def enabled():
@@ -50,14 +52,20 @@ def hook(module):
 
         register_methods()
     else:
-        setattr(module, attribute, seam(attribute, getattr(module, attribute)))
+        from mergekit_ram.integration.internals import internal  # checks it is where and as expected
+
+        setattr(module, attribute, seam(attribute, internal(module.__name__, attribute)))
 
 
 class MergekitFinder:
-    """Wraps the real loader's ``exec_module`` of the modules in ``HOOKS``."""
+    """Wraps the real loader's ``exec_module`` of the modules in ``HOOKS`` and of the boundary's."""
+
+    def __init__(self):
+        self.executing = 0  # boundary modules executing right now
+        self.pending = []  # hooked modules waiting for them, in the order mergekit imported them
 
     def find_spec(self, fullname, path=None, target=None):
-        if fullname not in HOOKS:
+        if fullname not in HOOKS and not fullname.startswith(BOUNDARY):
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
@@ -73,21 +81,35 @@ class MergekitFinder:
         exec_module = loader.exec_module
 
         def exec_and_hook(module):
-            exec_module(module)
+            boundary = fullname.startswith(BOUNDARY)
+            self.executing += boundary
             try:
-                hook(module)
-            except Exception as error:  # never break mergekit's own import
-                import logging
-
-                logging.getLogger("mergekit_ram").warning(
-                    "mergekit-ram could not hook %s (%r); set %s=0 to run mergekit without it",
-                    fullname,
-                    error,
-                    ENVIRONMENT_VARIABLE,
-                )
+                exec_module(module)
+            finally:
+                self.executing -= boundary
+            if HOOKS.get(fullname):
+                self.run(module)
+            elif fullname in HOOKS:
+                self.pending.append(module)
+            while self.pending and not self.executing:
+                self.run(self.pending.pop(0))
 
         loader.exec_module = exec_and_hook
         return spec
+
+    @staticmethod
+    def run(module):
+        try:
+            hook(module)
+        except Exception as error:  # never break mergekit's own import
+            import logging
+
+            logging.getLogger("mergekit_ram").warning(
+                "mergekit-ram could not hook %s (%r); set %s=0 to run mergekit without it",
+                module.__name__,
+                error,
+                ENVIRONMENT_VARIABLE,
+            )
 
 
 if enabled() and not any(isinstance(finder, MergekitFinder) for finder in sys.meta_path):

@@ -71,14 +71,13 @@ def select_stages(recipe_path: str, stage_name: Optional[str] = None, intermedia
 def probe_options(arguments: Mapping[str, Any], quiet: bool) -> Any:
     """mergekit's MergeOptions of the probe's options (the device checked, the threads set), the methods
     registered."""
-    from mergekit_ram.device import check_device
     from mergekit_ram.integration import register
     from mergekit_ram.integration.internals import internal
+    from mergekit_ram.integration.merge import check_setting
 
     register()
     options = internal("mergekit.options", "MergeOptions")(**arguments, quiet=quiet)
-    device = str(options.device or "cpu")
-    check_device(device, "--cuda" if options.cuda else f"--device {device}")
+    check_setting(options)
     if options.num_threads is not None:
         import torch
 
@@ -88,9 +87,16 @@ def probe_options(arguments: Mapping[str, Any], quiet: bool) -> Any:
 
 def probe_stages(selection: ProbeSelection, options: Any, refresh: bool) -> list[tuple[Stage, RamStatistics]]:
     """Each selected stage's statistics: its checks and pre-pass alone."""
+    return [(stage, probe_config(stage.config, options, refresh)) for stage in selection.stages]
+
+
+def probe_config(config: Any, options: Any, refresh: bool = False) -> RamStatistics:
+    """The statistics of a RAM MergeConfiguration's checks and pre-pass alone, the methods registered."""
+    from mergekit_ram.integration import register
     from mergekit_ram.integration.merge import probe_statistics
 
-    return [(stage, probe_statistics(stage.config, options, refresh)) for stage in selection.stages]
+    register()
+    return probe_statistics(config, options, refresh)
 
 
 def stage_plot_path(path: str, stage: Stage, selection: ProbeSelection) -> str:

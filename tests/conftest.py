@@ -2,28 +2,23 @@
 
 from __future__ import annotations
 
-import atexit
 import contextlib
-import errno
 import fcntl
 import functools
 import glob
-import hashlib
-import importlib.metadata
+import importlib
+import io
 import json
-import locale
+import logging
 import os
 import re
-import shutil
-import signal
-import socket
+import resource
 import subprocess
 import sys
-import tempfile
-import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional, TypeVar
+from typing import Any, Callable, Iterator, Optional, TypeVar
 
 import pytest
 import torch
@@ -32,7 +27,6 @@ from safetensors.torch import load_file
 
 from mergekit_ram import cache
 from mergekit_ram.synthetic import PAPER_AGENTS, PAPER_OVERLAP, Agents, build_agents, tiny_config
-from tests.warm_interpreter import lower_limits
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 # The pre-pass cache is tested on its own (test_statistics.py); elsewhere every pre-pass really runs.
@@ -46,219 +40,78 @@ def script(name: str) -> str:
     return os.path.join(os.path.dirname(sys.executable), name)
 
 
-#: What a forked run takes on after the fork: variables read only once the script runs, and the fault
-#: hook's (``tests/faults``, installed again in each forked run). The xdist worker's name, so that the
-#: workers of a test run share their warm interpreters.
-FORK_VARIABLES = frozenset(
-    {
-        "PYTEST_CURRENT_TEST",
-        "PYTEST_XDIST_WORKER",
-        cache.MODE_VARIABLE,
-        cache.DIRECTORY_VARIABLE,
-        cache.SHARED_VARIABLE,
-        "MERGEKIT_RAM_TEST_FAULT",
-        "MERGEKIT_RAM_TEST_COUNT",
-        "MERGEKIT_RAM_TEST_RELEASE",
-    }
-)
-#: Set to 1 to start every run afresh (``run_python``).
-COLD_VARIABLE = "MERGEKIT_RAM_TEST_COLD"
-WARM_SERVER = os.path.join(os.path.dirname(__file__), "warm_interpreter.py")
-#: What ``mergekit-ram``'s commands import once they run (inside the command), by command.
-MERGE_SCRIPTS = ("mergekit.scripts.run_yaml", "mergekit.scripts.multimerge", "mergekit.scripts.merge_raw_pytorch")
-COMMAND_IMPORTS = {
-    "yaml": MERGE_SCRIPTS,
-    "multi": MERGE_SCRIPTS,
-    "pytorch": MERGE_SCRIPTS,
-    "probe": ("mergekit_ram.probe", "mergekit_ram.integration.scripts", "mergekit_ram.integration.recipes"),
-    "check": ("torch", "mergekit_ram.sharing"),
+#: The console scripts the tests run in this process: name -> the module whose ``main`` is its click command.
+SCRIPTS = {
+    "mergekit-yaml": "mergekit.scripts.run_yaml",
+    "mergekit-multi": "mergekit.scripts.multimerge",
+    "mergekit-pytorch": "mergekit.scripts.merge_raw_pytorch",
+    "mergekit-ram": "mergekit_ram.cli",
 }
-
-
-#: The folder of this test run's warm interpreters, made by the pytest process that starts the xdist workers
-#: (``pytest_configure``), so that the workers share them; removed once the run ends.
-WARM_FOLDER_VARIABLE = "MERGEKIT_RAM_TEST_WARM_FOLDER"
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    if not hasattr(config, "workerinput"):  # not an xdist worker: before any worker starts
-        os.environ[WARM_FOLDER_VARIABLE] = tempfile.mkdtemp(prefix="warm-")
-
-
-def pytest_unconfigure(config: pytest.Config) -> None:
-    if not hasattr(config, "workerinput"):
-        shutil.rmtree(os.environ.pop(WARM_FOLDER_VARIABLE), ignore_errors=True)
-
-
-@functools.cache
-def launcher_folder() -> str:
-    """Where the warm interpreters are started from: the test run's, or outside pytest this process's own."""
-    if WARM_FOLDER_VARIABLE in os.environ:
-        return os.environ[WARM_FOLDER_VARIABLE]
-    folder = tempfile.mkdtemp(prefix="warm-")
-    atexit.register(shutil.rmtree, folder, True)
-    return folder
-
-
-class WarmInterpreter:
-    """A ``tests/warm_interpreter.py`` server: started as ``argv``, with ``environment``, ``preload`` imported,
-    listening on an abstract socket name that every worker of the test run connects to. The worker that
-    started it keeps it running (``keepalive``); a worker finding none listening (never started, or gone
-    with its starter) starts one."""
-
-    def __init__(
-        self, argv: tuple[str, ...], preload: tuple[str, ...], environment: tuple[tuple[str, str], ...]
-    ) -> None:
-        self.argv, self.preload, self.environment = argv, preload, environment
-        key = hashlib.sha256(repr((launcher_folder(), argv, preload, environment)).encode()).hexdigest()
-        self.address = f"\0mergekit-ram-warm-{key}"  # Linux's abstract namespace: gone with the server
-        self.keepalive: Optional[socket.socket] = None
-        self.process: Optional[subprocess.Popen] = None  # held: a dropped Popen warns of a running child
-
-    def connect(self) -> socket.socket:
-        """A connection to the server, started first where none listens."""
-        with open(os.path.join(launcher_folder(), "start.lock"), "w", encoding="utf-8") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            connection = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-            try:
-                connection.connect(self.address)
-            except ConnectionRefusedError:
-                connection.connect(self.start())
-            return connection
-
-    def start(self) -> str:
-        """The server started, listening on ``address`` (taken over from one still ending)."""
-        launcher = os.path.join(launcher_folder(), self.argv[0])  # argv[0] named as the real script's
-        with contextlib.suppress(FileExistsError):
-            os.symlink(WARM_SERVER, launcher)
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        for _ in range(200):
-            try:
-                listener.bind(self.address)
-                break
-            except OSError as error:  # EADDRINUSE: a server told to end has not yet ended
-                if error.errno != errno.EADDRINUSE:
-                    raise
-                time.sleep(0.05)
-        else:
-            raise AssertionError(f"the warm interpreter for {self.argv[0]} before this one does not end")
-        listener.listen(64)
-        self.keepalive, theirs = socket.socketpair()
-        descriptors = (listener.fileno(), theirs.fileno())
-        variables = {
-            "MERGEKIT_RAM_TEST_WARM": ",".join(map(str, descriptors)),
-            "MERGEKIT_RAM_TEST_PRELOAD": ",".join(self.preload),
-        }
-        self.process = subprocess.Popen(
-            [sys.executable, launcher, *self.argv[1:]],
-            env={**dict(self.environment), **variables},
-            pass_fds=descriptors,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-        )
-        listener.close()
-        theirs.close()
-        return self.address
-
-    def run(
-        self, command: list[str], environment: dict[str, str], timeout: Optional[float], limits: dict[int, int]
-    ) -> Optional[subprocess.CompletedProcess]:
-        """``command`` (a script and its arguments) forked from the server, under the soft resource
-        ``limits``; None where it answers that a fresh start is needed, or does not answer. Safe from
-        several threads at once."""
-        request = {"script": command[0], "args": command[1:], "env": environment, "cwd": os.getcwd(), "limits": limits}
-        for _ in range(3):  # a server ending (its starter's ``keepalive`` closed) drops requests unanswered
-            reply, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-            with reply, open(os.devnull, "rb") as stdin, tempfile.TemporaryFile() as out:
-                with tempfile.TemporaryFile() as err:
-                    with theirs, self.connect() as connection:
-                        descriptors = [handle.fileno() for handle in (stdin, out, err, theirs)]
-                        socket.send_fds(connection, [json.dumps(request).encode()], descriptors)
-                    pid = reply.recv(64)
-                    if pid == b"cold":
-                        return None
-                    if not pid:
-                        time.sleep(0.1)
-                        continue
-                    reply.settimeout(timeout)
-                    try:
-                        status = reply.recv(64)
-                    except TimeoutError:
-                        os.kill(int(pid), signal.SIGKILL)  # as subprocess.run does at its timeout
-                        raise subprocess.TimeoutExpired(command, timeout or 0) from None
-                    return subprocess.CompletedProcess(command, int(status), text(out), text(err))
-        return None  # a server that keeps dropping requests: a fresh start (``test_a_warm_run_is_a_fresh_run``)
-
-
-def text(handle: Any) -> str:
-    """A captured stream as ``subprocess.run(text=True)`` returns it."""
-    handle.seek(0)
-    data = handle.read().decode(locale.getpreferredencoding(False))
-    return data.replace("\r\n", "\n").replace("\r", "\n")
-
-
-@functools.lru_cache(maxsize=10)  # about 420 MB each, per xdist worker
-def warm_interpreter(
-    argv: tuple[str, ...], preload: tuple[str, ...], environment: tuple[tuple[str, str], ...]
-) -> WarmInterpreter:
-    return WarmInterpreter(argv, preload, environment)
-
-
-def warm_run(
-    command: list[str],
-    environment: dict[str, str],
-    timeout: Optional[float] = None,
-    limits: Optional[dict[int, int]] = None,
-) -> Optional[subprocess.CompletedProcess]:
-    """``command`` (a console script's path or a Python script's, and its arguments) forked from a warm
-    interpreter started with ``environment`` (``FORK_VARIABLES`` aside); None where a fresh start is needed."""
-    name, first = os.path.basename(command[0]), tuple(command[1:2])
-    if command[0] == script(name):
-        (entry,) = importlib.metadata.entry_points(group="console_scripts", name=name)
-        imports = COMMAND_IMPORTS.get(first[0], ()) if name == "mergekit-ram" and first else ()
-        argv = (name, *first) if imports else (name,)  # as the start-up hook reads it
-        preload = (entry.module, *imports)
-    else:  # a Python script: the modules it imports from this repository
-        with open(command[0], encoding="utf-8") as handle:
-            source = handle.read()
-        argv, preload = (name,), tuple(re.findall(r"^(?:from|import) (mergekit_ram[\w.]*)", source, re.MULTILINE))
-    start = tuple(sorted((key, value) for key, value in environment.items() if key not in FORK_VARIABLES))
-    return warm_interpreter(argv, preload, start).run(command, environment, timeout, limits or {})
-
-
-def run_python(
-    command: list[str],
-    environment: dict[str, str],
-    timeout: Optional[float] = None,
-    limits: Optional[dict[int, int]] = None,
-) -> subprocess.CompletedProcess:
-    """``command`` (a console script or a ``.py`` file, and its arguments) in a process of its own, as
-    ``subprocess.run(capture_output=True, text=True)`` runs it.
-
-    Forked from a warm interpreter that has done its imports (``tests/warm_interpreter.py``), one per
-    script and start-up environment (``environment`` but ``FORK_VARIABLES``), which saves a console
-    script 5.5 s of CPU. A run whose fault is during the imports starts afresh, as does every run under
-    ``MERGEKIT_RAM_TEST_COLD=1``. Tests of what happens while a script starts (entry points, Ctrl-C)
-    start their processes themselves. ``limits``: soft resource limits of the run (``resource``), set
-    once the imports are done (afresh: as it starts)."""
-    cold = "1" in (environment.get(COLD_VARIABLE), os.environ.get(COLD_VARIABLE))
-    if not cold and not environment.get("MERGEKIT_RAM_TEST_FAULT", "").startswith("import:"):
-        completed = warm_run(command, environment, timeout, limits)
-        if completed is not None:
-            return completed
-    started = [sys.executable, *command] if command[0].endswith(".py") else command
-    lower = functools.partial(lower_limits, limits) if limits else None
-    return subprocess.run(started, env=environment, capture_output=True, text=True, timeout=timeout, preexec_fn=lower)
 
 
 def run_script(
     name: str, *args: str, env: Optional[dict[str, str]] = None, check: bool = True
 ) -> subprocess.CompletedProcess:
-    """The real console script ``name`` run on ``args`` in a process of its own (``run_python``)."""
-    completed = run_python([script(name), *args], {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
+    """The console script ``name`` run on ``args`` in this process as its entry point runs it: its click
+    command through click's ``CliRunner`` (the ``Error:`` lines, the exit status), ``env`` set meanwhile, and in
+    its stderr what a fresh process would print there: the log records its logging shows (WARNING and up, INFO
+    under ``-v``) and the traceback of an error nothing caught. What happens while a script starts (the start-up
+    hook, signals) is tested in processes of their own (``run_process``)."""
+    import click.testing
+
+    command = importlib.import_module(SCRIPTS[name]).main
+    fresh_loaders()
+    records = io.StringIO()
+    handler = logging.StreamHandler(records)
+    handler.setFormatter(logging.Formatter(logging.BASIC_FORMAT))
+    root = logging.getLogger()
+    level, threads = root.level, torch.get_num_threads()
+    verbose = any(re.fullmatch(r"-v+|--verbose", argument) for argument in args)
+    root.setLevel(logging.INFO if verbose else logging.WARNING)
+    root.addHandler(handler)
+    try:
+        result = click.testing.CliRunner().invoke(command, list(args), env=env, prog_name=name)
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(level)
+        torch.set_num_threads(threads)  # mergekit's -j sets this process's
+    stderr = result.stderr + records.getvalue()
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        stderr += "".join(traceback.format_exception(result.exception))
+    completed = subprocess.CompletedProcess([name, *args], result.exit_code, result.stdout, stderr)
     if check and completed.returncode != 0:
         raise AssertionError(f"{name} {' '.join(args)} failed ({completed.returncode}):\n{completed.stderr[-6000:]}")
     return completed
+
+
+def fresh_loaders() -> None:
+    """mergekit's loaders forgotten, as in a new process: mergekit keeps every model's index and open files in
+    one class-level table for the life of the process."""
+    from mergekit.io.tasks import LoaderCache
+
+    LoaderCache().flush_all()
+    LoaderCache.loaders.clear()
+
+
+def lower_limits(limits: dict[int, int]) -> None:
+    """Each soft resource limit of ``limits`` (a ``resource.RLIMIT_*`` number) set."""
+    for which, soft in limits.items():
+        resource.setrlimit(which, (soft, resource.getrlimit(which)[1]))
+
+
+def run_process(
+    command: list[str],
+    environment: Optional[dict[str, str]] = None,
+    timeout: Optional[float] = None,
+    limits: Optional[dict[int, int]] = None,
+) -> subprocess.CompletedProcess:
+    """``command`` (a console script's path or a ``.py`` file, and its arguments) in a new interpreter, as
+    ``subprocess.run(capture_output=True, text=True)`` runs it: only for what a process of its own is the subject
+    of (start-up, signals, crash states, resource limits), in tests marked ``process``."""
+    started = [sys.executable, *command] if command[0].endswith(".py") else command
+    lower = functools.partial(lower_limits, limits) if limits else None
+    environment = {**os.environ, "HF_HUB_OFFLINE": "1", **(environment or {})}
+    return subprocess.run(started, env=environment, capture_output=True, text=True, timeout=timeout, preexec_fn=lower)
 
 
 def merge_in_process(recipe: dict[str, Any] | str, out: str, **options: Any) -> None:
@@ -278,6 +131,7 @@ def merge_in_process(recipe: dict[str, Any] | str, out: str, **options: Any) -> 
             source = handle.read()
         recipe = yaml.safe_load(source)
     config = MergeConfiguration.model_validate(recipe)
+    fresh_loaders()
     run_merge(config, out, options=MergeOptions(quiet=True, **options), config_source=source)
 
 
@@ -430,17 +284,41 @@ def upstream_ram_recipe(models: ModelSet) -> dict[str, Any]:
     return recipe
 
 
-def merge_once(root: Path, name: str, recipe: dict[str, Any], env: Optional[dict[str, str]] = None) -> Merged:
-    """``recipe`` merged by the real mergekit-yaml into ``root/name``, once per test run: what the
-    shared merges below hold."""
+def merge_once(root: Path, name: str, recipe: dict[str, Any], alone: bool = False) -> Merged:
+    """``recipe`` merged by the real mergekit-yaml into ``root/name``, once per test run (``alone``: as mergekit
+    alone merges it): what the shared merges below hold."""
 
     def merge(folder: str) -> Merged:
         os.makedirs(folder)
         path = write_recipe(os.path.join(folder, "recipe.yml"), recipe)
-        completed = run_script("mergekit-yaml", path, os.path.join(folder, "out"), env=env)
+        with mergekit_alone() if alone else contextlib.nullcontext():
+            completed = run_script("mergekit-yaml", path, os.path.join(folder, "out"))
         return Merged(out=os.path.join(folder, "out"), recipe=path, stderr=completed.stderr)
 
     return built_once(root, name, merge)
+
+
+@contextlib.contextmanager
+def mergekit_alone() -> Iterator[None]:
+    """mergekit as it runs without the plugin (``MERGEKIT_RAM_AUTOLOAD=0``), in this process meanwhile: the
+    seams' originals in every module that holds them, the registry without the four methods and with the
+    built-in ``ram``."""
+    from mergekit.merge_methods import ram_merge
+    from mergekit.merge_methods.registry import _METHODS
+
+    from mergekit_ram.parameters import METHOD_NAMES
+
+    with pytest.MonkeyPatch.context() as patch:
+        for module, name in [(SCRIPTS[script], "run_merge") for script in ("mergekit-yaml", "mergekit-multi")] + [
+            ("mergekit.merge", "run_merge"),
+            ("mergekit.scripts.merge_raw_pytorch", "plan_flat_merge"),
+        ]:
+            seam = getattr(importlib.import_module(module), name)
+            patch.setattr(f"{module}.{name}", getattr(seam, "__wrapped__", seam))
+        for method in METHOD_NAMES:
+            patch.delitem(_METHODS, method, raising=False)
+        patch.setitem(_METHODS, "ram", ram_merge)
+        yield
 
 
 # Shared merges: each runs once per test run (for all xdist workers), the first time a test asks
@@ -469,4 +347,4 @@ def ram_merge(bf16_models: ModelSet, run_root: Path) -> Merged:
 @pytest.fixture(scope="session")
 def builtin_ram_merge(bf16_models: ModelSet, run_root: Path) -> Merged:
     """mergekit 0.1.5's built-in ``ram`` (MERGEKIT_RAM_AUTOLOAD=0) on the bfloat16 models (``recipe("ram")``)."""
-    return merge_once(run_root, "builtin-ram", bf16_models.recipe("ram"), env={"MERGEKIT_RAM_AUTOLOAD": "0"})
+    return merge_once(run_root, "builtin-ram", bf16_models.recipe("ram"), alone=True)

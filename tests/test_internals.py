@@ -1,27 +1,31 @@
-"""The mergekit boundary's one table (``integration/internals.py``): it matches the installed mergekit,
-a moved internal fails naming the mergekit version, and the plugin uses nothing outside it."""
+"""The mergekit boundary's one table (``integration/internals.py``): it matches the installed mergekit, a moved
+internal fails naming the mergekit version, a mergekit outside the supported range makes the methods refuse,
+and the plugin uses nothing of mergekit outside the table and the public method API."""
 
 from __future__ import annotations
 
 import ast
 import importlib.metadata
 import inspect
-import os
-import re
 from pathlib import Path
 
-import mergekit
 import mergekit.merge
+import mergekit.merge_methods
 import mergekit.scripts.multimerge
 import pytest
+import torch
+from mergekit.merge_methods import merge_tensors
 
-from mergekit_ram.integration.internals import INTERNALS, MergekitMovedError, check_internals, internal, mergekit_found
+from mergekit_ram._autoload import HOOKS
+from mergekit_ram.errors import MergekitMovedError
+from mergekit_ram.integration import internals
+from mergekit_ram.integration.internals import INTERNALS, internal, version_refusal
+from mergekit_ram.integration.methods import Kernels, declared
 
 PACKAGE = Path(__file__).resolve().parents[1] / "mergekit_ram"
 
 
 def test_every_entry_resolves_with_the_parameters_the_plugin_expects() -> None:
-    check_internals()
     for entry in INTERNALS:
         value = internal(entry.module, entry.name)
         assert value is not None, entry
@@ -32,13 +36,12 @@ def test_every_entry_resolves_with_the_parameters_the_plugin_expects() -> None:
 def test_a_moved_internal_fails_naming_the_version(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delattr(mergekit.scripts.multimerge, "patched_config")
     with pytest.raises(MergekitMovedError) as moved:
-        check_internals()
+        internal("mergekit.scripts.multimerge", "patched_config")
     version = importlib.metadata.version("mergekit")  # mergekit has no __version__
-    assert mergekit_found() == f"mergekit {version} ({os.path.dirname(mergekit.__file__)})"
     # where the version found is the one tested (a source build?), pip must replace it all the same
     force = " --force-reinstall --no-deps" if version == "0.1.5" else ""
-    assert str(moved.value) == (
-        f"mergekit-ram cannot find mergekit.scripts.multimerge.patched_config in {mergekit_found()}; "
+    assert moved.value.format_message() == (
+        f"mergekit-ram cannot find mergekit.scripts.multimerge.patched_config in mergekit {version}; "
         "it supports mergekit>=0.1.5,<0.2 where that is unchanged (tested: 0.1.5): "
         f'pip install{force} "mergekit==0.1.5"'
     )
@@ -53,53 +56,73 @@ def test_a_resigned_internal_fails_naming_the_parameters(monkeypatch: pytest.Mon
         internal("mergekit.merge", "_model_out_config")
 
 
-def _calls(tree: ast.AST) -> list[tuple[str, str, int]]:
-    """(module, name, line) of every ``internal(...)`` and ``wrap(...)`` call with literal arguments;
-    calls whose first two arguments are not string literals are returned with empty names."""
+@pytest.mark.parametrize(
+    ("version", "refused"), [("0.1.5", False), ("0.1.9.dev2", False), ("0.2.0", True), ("0.1.4", True), ("x", True)]
+)
+def test_a_mergekit_outside_the_range_makes_the_methods_refuse(
+    monkeypatch: pytest.MonkeyPatch, version: str, refused: bool
+) -> None:
+    """One short line with the pip command, and the four methods refuse to merge with it."""
+    monkeypatch.setattr(internals, "mergekit_version", lambda: version)
+    refusal = version_refusal()
+    assert (refusal is not None) == refused
+    if refusal is None:
+        return
+    assert refusal == f'mergekit-ram supports mergekit>=0.1.5,<0.2, not {version}: pip install "mergekit==0.1.5"'
+    assert len(refusal) < 100  # one terminal line
+    tensors = [torch.zeros(3), torch.ones(3)]
+    for name, method in declared(Kernels(refusal=refusal)).items():
+        with pytest.raises(MergekitMovedError, match=f"^{refusal}$"):
+            declares_r = any(parameter.name == "r" for parameter in method.spec.parameters)
+            merge_tensors(tensors, method, base_index=0, parameters={"r": 0} if declares_r else None)
+
+
+def _mergekit_names(tree: ast.AST) -> list[tuple[str, str, int]]:
+    """(module, names, line) of every import of mergekit, and (module, name, line) of every ``internal(...)``
+    call (``("", "", line)`` where its arguments are not string literals)."""
     found = []
     for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("internal", "wrap"):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "mergekit":
+            found += [(f"import {node.module}", alias.name, node.lineno) for alias in node.names]
+        elif isinstance(node, ast.Import):
+            found += [("import", alias.name, node.lineno) for alias in node.names if alias.name.startswith("mergekit")]
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "internal":
             literal = [a.value for a in node.args[:2] if isinstance(a, ast.Constant) and isinstance(a.value, str)]
             found.append((*(literal if len(literal) == 2 else ("", "")), node.lineno))
     return found
 
 
-def test_the_plugin_uses_only_what_the_table_names() -> None:
-    """No module imports mergekit itself; every ``internal``/``wrap`` call names a table entry."""
+def test_the_plugin_uses_only_the_public_method_api_and_the_table() -> None:
+    """Only the boundary imports mergekit, and only the public names of ``mergekit.merge_methods``; every
+    ``internal`` call names a table entry, and every entry is used."""
     table = {(entry.module, entry.name) for entry in INTERNALS}
-    unlisted, imports, used = [], [], set()
+    public = set(mergekit.merge_methods.__all__)
+    outside, private, unlisted, used = [], [], [], set()
     for path in sorted(PACKAGE.rglob("*.py")):
-        tree = ast.parse(path.read_text(encoding="utf-8"))
-        for node in ast.walk(tree):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
-            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                names = [node.module]
-            imports += [f"{path.name}: {name}" for name in names if name.split(".")[0] == "mergekit"]
-        if path.name == "internals.py":
-            continue
-        for module, name, line in _calls(tree):
-            if (module, name) in table:
-                used.add((module, name))
-                used.add((module, name.rpartition(".")[0]))  # wrap reaches a method's class, a command
-            else:
-                unlisted.append(f"{path.relative_to(PACKAGE)}:{line} {module}.{name}")
-    assert imports == []
-    assert unlisted == []
-    assert table - used == set(), sorted(table - used)  # every entry is used
+        place = path.relative_to(PACKAGE).as_posix()
+        for module, name, line in _mergekit_names(ast.parse(path.read_text(encoding="utf-8"))):
+            if module.startswith("import"):
+                if not place.startswith("integration/"):
+                    outside.append(f"{place}:{line}")
+                if module != "import mergekit.merge_methods" or name not in public:
+                    private.append(f"{place}:{line} {module} {name}")
+            elif place == "_autoload.py":  # the start-up hook reaches the seams' originals: HOOKS
+                used.update((module, attribute) for module, attribute in HOOKS.items() if attribute)
+            elif place != "integration/internals.py":
+                (used.add((module, name)) if (module, name) in table else unlisted.append(f"{place}:{line}"))
+    assert outside == [] and private == [] and unlisted == []
+    assert table - used == set(), sorted(table - used)
 
 
 def test_the_touch_points_stay_few() -> None:
-    """Few names of mergekit in the table (issue 29 asks for 20; 22 today) and at most 3 wraps: each is a
-    place where a new mergekit release can break the plugin. No private mergekit method is overridden."""
-    wraps = [
-        node
-        for path in sorted(PACKAGE.rglob("*.py"))
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "wrap"
-    ]
-    assert len(INTERNALS) <= 22
-    assert len(wraps) <= 3
-    from mergekit_ram.integration.methods import RamMergeMethod
-
-    private = [name for name, value in vars(RamMergeMethod).items() if callable(value) and re.match(r"_[^_]", name)]
-    assert [name for name in private if any(hasattr(base, name) for base in RamMergeMethod.__mro__[1:])] == []
+    """At most 15 mergekit names beyond the public method API, and no class of mergekit's subclassed (so no
+    private method of mergekit's is overridden): each is a place where a new mergekit release can break the
+    plugin. The places that replace something of mergekit's are counted by ../shared/tools/weight."""
+    assert len(INTERNALS) <= 15
+    subclasses = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ClassDef):
+                bases = [ast.unparse(base) for base in node.bases]
+                subclasses += [f"{path.name}:{node.name}({base})" for base in bases if "Merge" in base or "Task" in base]
+    assert subclasses == []

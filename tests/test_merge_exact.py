@@ -26,6 +26,7 @@ from tests.conftest import (
     load_statistics,
     load_weights,
     merge_in_process,
+    mergekit_alone,
     run_script,
     write_recipe,
 )
@@ -179,8 +180,8 @@ def test_plugin_ram_matches_builtin_ram_in_float32(bf16_models: ModelSet, builti
     ours = str(tmp_path / "ours")
     builtin = str(tmp_path / "builtin")
     merge_in_process(recipe32, ours)
-    off = {"MERGEKIT_RAM_AUTOLOAD": "0"}
-    run_script("mergekit-yaml", write_recipe(str(tmp_path / "r32b.yml"), recipe32), builtin, env=off)
+    with mergekit_alone():
+        run_script("mergekit-yaml", write_recipe(str(tmp_path / "r32b.yml"), recipe32), builtin)
     assert not os.path.exists(os.path.join(builtin, "ram_statistics.json"))  # really the built-in
     ours_w, builtin_w = load_weights(ours), load_weights(builtin)
     for name, tensor in builtin_w.items():

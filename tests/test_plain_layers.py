@@ -26,13 +26,15 @@ from mergekit_ram.checks import (
     close_method,
     planned_numel,
 )
-from mergekit_ram.errors import DeviceError, InputError, RecipeError
+from mergekit_ram.errors import DeviceError, InputError
 from mergekit_ram.lambdas import Applied, Resolved, merge_rule
-from mergekit_ram.parameters import METHOD_PARAMETERS, ParameterError
+from mergekit_ram.parameters import ParameterError
 from mergekit_ram.planned import ModelIdentity, PlannedTensor, TensorInput
-from mergekit_ram.recipe_file import declared_methods, read_documents
 from mergekit_ram.stats.data import TensorCounts
 from mergekit_ram.stats.schema import counts_to_dict
+
+#: ram_plus's whole-merge parameters and their defaults, as the registered method declares them.
+RAM_PLUS = {"r": 0.1, "alpha": 2.0, "rule": "clip"}
 
 
 def parameters(name: str, r: float = 0.1, alpha: float = 2.0, rule: str = "clip", **pins: tuple) -> Resolved:
@@ -44,30 +46,30 @@ def parameters(name: str, r: float = 0.1, alpha: float = 2.0, rule: str = "clip"
 
 
 def test_one_rescaling_per_merge_turns_rho_into_lambda() -> None:
-    rule = merge_rule("ram_plus", [parameters("w1", a=(None, None)), parameters("w2", a=(None, None))])
+    rule = merge_rule("ram_plus", [parameters("w1", a=(None, None)), parameters("w2", a=(None, None))], RAM_PLUS)
     assert rule.rescaling is not None and (rule.rescaling.r, rule.rescaling.alpha) == (0.1, 2.0)
     assert rule.needs_counts(["a"])
     counts = TensorCounts(name="w1", numel=100, epsilon=1e-5, models=("a",), histograms=((20,),))
     assert rule.applied(["a"], rule.statistics([counts], "pre-pass")) == {"a": Applied(1.0, 0.0)}
     refused = r"parameter 'r' must be one value for the whole merge .* 0.1 for w1 and 0.2 for w2"
     with pytest.raises(ParameterError, match=refused):
-        merge_rule("ram_plus", [parameters("w1"), parameters("w2", r=0.2)])
+        merge_rule("ram_plus", [parameters("w1"), parameters("w2", r=0.2)], RAM_PLUS)
 
 
 def test_pins_and_r_zero_need_no_counts() -> None:
-    pinned = merge_rule("ram_plus", [parameters("w", a=(None, 1.3), b=(3.0, None))])
+    pinned = merge_rule("ram_plus", [parameters("w", a=(None, 1.3), b=(3.0, None))], RAM_PLUS)
     assert not pinned.needs_counts(["a", "b"])
     assert pinned.applied(["a", "b"], None) == {"a": Applied(1.3, None), "b": Applied(1.2, 3.0)}
-    zero = merge_rule("ram_plus", [parameters("w", r=0.0, a=(None, None))])
+    zero = merge_rule("ram_plus", [parameters("w", r=0.0, a=(None, None))], RAM_PLUS)
     assert not zero.needs_counts(["a"]) and zero.applied(["a"], None) == {"a": Applied(1.0, None)}
-    ram = merge_rule("ram", [parameters("w")])
+    ram = merge_rule("ram", [parameters("w")], {})
     assert ram.rescaling is None and ram.applied(["a"], None) == {"a": Applied(1.0, None)}
     with pytest.raises(ParameterError, match="the pinned lambda of a must be one value for the whole merge"):
-        merge_rule("ram_plus", [parameters("w1", a=(None, 1.3)), parameters("w2", a=(None, None))])
+        merge_rule("ram_plus", [parameters("w1", a=(None, 1.3)), parameters("w2", a=(None, None))], RAM_PLUS)
 
 
 def test_reported_lambda_is_the_applied_lambda() -> None:
-    rule = merge_rule("ram_plus", [parameters("w", a=(None, None), b=(None, 1.5))])
+    rule = merge_rule("ram_plus", [parameters("w", a=(None, None), b=(None, 1.5))], RAM_PLUS)
     counts = TensorCounts(name="w", numel=10, epsilon=1e-5, models=("a", "b"), histograms=((2, 3), (1, 3)))
     statistics = rule.statistics([counts], "pre-pass")
     applied = rule.applied(["a", "b"], statistics)
@@ -265,34 +267,6 @@ def test_cache_key_follows_the_file_each_input_is_read_from(tmp_path) -> None:
     assert len(keys) == 4
 
 
-def test_a_recipe_says_its_method_even_where_its_yaml_breaks_later() -> None:
-    """Whether a file is a RAM recipe comes from its parsed ``merge_method``: comments, nested keys and
-    other documents' lists do not count; a syntax error after the method does not hide it."""
-    assert declared_methods("merge_method: ram_plus\nbase_model: [x\nmodels: 3\n") == ["ram_plus"]
-    assert declared_methods("# merge_method: ram\nmerge_method: linear\nmodels: [{merge_method: ram}]\n") == ["linear"]
-    stages = 'name: a\nmerge_method: ram\n---\n{"merge_method": ram_pluss}\n---\n- merge_method: ram\n'
-    assert declared_methods(stages) == ["ram", "ram_pluss"]
-    assert declared_methods("merge_method:\n\tram_plus\n") == []  # nothing readable: mergekit's own error
-
-
-def test_the_method_is_read_as_mergekit_loads_the_file() -> None:
-    """Merge keys and aliases count; a file the loader cannot read (a syntax error, a bad value, nesting too
-    deep) is read as far as it is valid YAML, as spelt."""
-    assert declared_methods("<<: {merge_method: ram_plus}\n") == ["ram_plus"]
-    assert declared_methods("name: &m ram\nmerge_method: *m\n") == ["ram"]
-    assert declared_methods("d: &d {merge_method: ram_ties}\n<<: *d\n---\n<<: {merge_method: linear}\n") == [
-        "ram_ties",
-        "linear",
-    ]
-    assert declared_methods("merge_method: ram_plus\nx: " + "[" * 20_000 + "]" * 20_000) == ["ram_plus"]
-    assert declared_methods("merge_method: ram\nx: 2020-13-45\n") == ["ram"]
-    assert declared_methods("merge_method: ram\nx: !!int abc\n<<: {merge_method: ram_plus}\n") == ["ram"]
-    with pytest.raises(
-        RecipeError, match=r"^r\.yml: invalid YAML: a value cannot be read \(month must be in 1\.\.12\)$"
-    ):
-        read_documents("r.yml", "merge_method: ram\nx: 2020-13-45\n")
-
-
 @pytest.mark.parametrize(
     ("name", "meant"),
     [
@@ -307,12 +281,10 @@ def test_a_misspelt_method_name_is_recognised(name: str, meant: str) -> None:
     assert close_method(name) == meant
 
 
-def test_method_names_come_from_the_parameter_table(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_names_far_from_ours_have_no_suggestion() -> None:
     """Names far from every method of ours, or ours exactly, have no suggestion (mergekit's own methods
-    near ours, ``ties``, ``ramplus_tl``, are never refused: tests/test_cli.py); a method added to the
-    table is suggested at once."""
+    near ours, ``ties``, ``ramplus_tl``, are never refused: tests/test_cli.py)."""
     assert [close_method(name) for name in ("ram", "ram_plus", "ram_unique", "linear", "slerp")] == [None] * 5
-    monkeypatch.setitem(METHOD_PARAMETERS, "ram_unique", ())
     assert close_method("ram_uniqe") == "ram_unique"
 
 

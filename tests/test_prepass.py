@@ -57,20 +57,20 @@ def vocab_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 def spy_on_kernel(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     """Record reference counts of every group the kernel merges (the merge step, not the pre-pass's counts)."""
     received: dict[str, Any] = {}
-    original = methods.RamMergeMethod.merge
+    original = methods.Kernels.merge
 
-    def spy(self: methods.RamMergeMethod, group, parameters: dict[str, Any], *args: Any, **kwargs: Any):
+    def spy(self: methods.Kernels, method: str, group, epsilon: float, *args: Any, **kwargs: Any):
         finetunes = [entry.tensor for entry in group.non_base]
-        counts = reference.counts(group.base.tensor, finetunes, parameters["epsilon"])
+        counts = reference.counts(group.base.tensor, finetunes, epsilon)
         received[group.metadata.name] = {
             "models": [str(entry.id) for entry in group.non_base],
             "histograms": counts.histograms,
-            "epsilon": parameters["epsilon"],
+            "epsilon": epsilon,
             "dtype": group.base.tensor.dtype,
         }
-        return original(self, group, parameters, *args, **kwargs)
+        return original(self, method, group, epsilon, *args, **kwargs)
 
-    monkeypatch.setattr(methods.RamMergeMethod, "merge", spy)
+    monkeypatch.setattr(methods.Kernels, "merge", spy)
     return received
 
 
@@ -161,7 +161,7 @@ def test_lambdas_reach_every_place_a_model_appears() -> None:
     mergekit names the model (LoRA and revision included); a pinned model and the base are left as they are."""
     from mergekit.config import MergeConfiguration
 
-    from mergekit_ram.integration.merge import with_parameters
+    from mergekit_ram.integration.merge import with_lambdas
     from mergekit_ram.lambdas import Applied
 
     lora, revision, pinned = "/m/a+/m/adapter", "/m/b@v2", "/m/c"
@@ -184,7 +184,7 @@ def test_lambdas_reach_every_place_a_model_appears() -> None:
     }
     for kind, recipe in recipes.items():
         config = MergeConfiguration.model_validate({"merge_method": "ram_plus", "base_model": "/m/base", **recipe})
-        injected = with_parameters(config, applied, {"mergekit_ram_out_dtype": None})
+        injected = with_lambdas(config, applied)
         found = [(str(node.model), node.parameters) for node in _model_nodes(injected)]
         assert {model for model, _ in found} >= {lora, revision}, kind
         for model, parameters in found:

@@ -21,7 +21,9 @@ from pydantic import BaseModel
 
 from mergekit_ram.cache import CacheSettings, opened
 from mergekit_ram.checks import HeaderCache, check_tensors
-from mergekit_ram.integration.internals import internal
+from mergekit_ram.device import check_device
+from mergekit_ram.errors import MergekitMovedError
+from mergekit_ram.integration.internals import internal, version_refusal
 from mergekit_ram.integration.methods import Session, non_finite_error
 from mergekit_ram.integration.recipes import check_config, whole_merge_defaults
 from mergekit_ram.kernel import NonFiniteInputError, count_overlaps
@@ -60,6 +62,16 @@ class Plan(NamedTuple):
         ]
         rule = merge_rule(method, resolved, whole_merge_defaults(method))
         return cls(ours, [planned_tensor(task) for task in ours], modules or {}, rule)
+
+
+def check_setting(options: Any) -> None:
+    """The installed mergekit is one the methods support, and the CUDA device asked for exists."""
+    refusal = version_refusal()
+    if refusal is not None:
+        raise MergekitMovedError(refusal)
+    device = str(options.device or "cpu")
+    flag = "--gpu-rich" if getattr(options, "gpu_rich", False) else "--cuda" if options.cuda else f"--device {device}"
+    check_device(device, flag)
 
 
 def plan_merge(config: Any, options: Any) -> Plan:

@@ -21,11 +21,9 @@ from huggingface_hub import constants as hub_constants
 from mergekit_ram import interrupts, staging
 from mergekit_ram.cache import CacheSettings
 from mergekit_ram.checks import HeaderCache
-from mergekit_ram.device import check_device
 from mergekit_ram.errors import InputError, MergekitMovedError, RamError, reported
 from mergekit_ram.files import write_atomically
-from mergekit_ram.integration.internals import version_refusal
-from mergekit_ram.integration.merge import Plan, executor, plan_merge, prepare
+from mergekit_ram.integration.merge import Plan, check_setting, executor, plan_merge, prepare
 from mergekit_ram.integration.recipes import check_config, check_method_name, recipe_nodes
 from mergekit_ram.integration.registration import bound, ours
 from mergekit_ram.interrupts import MergeInterrupted
@@ -108,7 +106,7 @@ def run_merge(
         return original(merge_config, out_path, options=options, config_source=config_source)
     transaction = Transaction(out_path)
     with _reported(transaction):
-        _check_setting(options)
+        check_setting(options)
         refuse_input_folder(out_path, _model_folders(merge_config, options))
         headers, cache = HeaderCache(), CacheSettings.from_environment()
         check_config(merge_config, headers, config_source, allow_crimes=options.allow_crimes)
@@ -145,7 +143,7 @@ def plan_flat_merge(
     files = [entry.model for entry in config.models] + ([config.base_model] if config.base_model else [])
     transaction = Transaction(out_path)
     with _reported(transaction):
-        _check_setting(options)
+        check_setting(options)
         folders = [InputFolder(file, os.path.dirname(os.path.abspath(file)), False) for file in files]
         folders += [InputFolder(file, os.path.dirname(os.path.realpath(file)), False) for file in files]
         folders += [InputFolder(file, file) for file in files if os.path.isdir(file)]
@@ -163,15 +161,6 @@ def plan_flat_merge(
         if not options.quiet:
             report_summary(out_path, finished)
     return []
-
-
-def _check_setting(options: Any) -> None:
-    """The installed mergekit is one the methods support, and the CUDA device asked for exists."""
-    refusal = version_refusal()
-    if refusal is not None:
-        raise MergekitMovedError(refusal)
-    device = str(options.device or "cpu")
-    check_device(device, "--gpu-rich" if options.gpu_rich else "--cuda" if options.cuda else f"--device {device}")
 
 
 @contextlib.contextmanager
