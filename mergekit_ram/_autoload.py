@@ -5,8 +5,9 @@ A ``sys.meta_path`` finder watches three mergekit modules and acts once each has
 ``plan_flat_merge`` at once (thin wrappers here, so that a module importing ``run_merge`` by name later gets
 the seam; the plugin itself loads only when one is called); ``mergekit.merge_methods`` registers the four
 methods as soon as no module of the boundary is half-executed (the registration imports them; importing one
-of them may be what imported mergekit). A hook that fails never breaks mergekit's import: one warning line. ``MERGEKIT_RAM_AUTOLOAD=0`` switches it off
-(then ``mergekit_ram.register()``). In mergekit's merging scripts, Ctrl-C before the merge is one line.
+of them may be what imported mergekit). A hook that fails never breaks mergekit's import: one warning line.
+``MERGEKIT_RAM_AUTOLOAD=0`` switches it off (then ``mergekit_ram.register()``). In mergekit's merging scripts,
+Ctrl-C before the merge is one line.
 """
 
 import os

@@ -250,7 +250,9 @@ def probe(
             raise
         if verbose:
             logging.getLogger(__name__).error("traceback of the error reported below", exc_info=error)
-        raise found from None
+        if found is error:
+            raise
+        raise found from error
     if as_json:
         click.echo(json.dumps(probe_report_json(selection, reports, by_module), indent=2))
         return

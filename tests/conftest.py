@@ -7,7 +7,6 @@ import fcntl
 import functools
 import glob
 import importlib
-import io
 import json
 import logging
 import os
@@ -25,7 +24,6 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from mergekit_ram import cache
 from mergekit_ram.synthetic import PAPER_AGENTS, PAPER_OVERLAP, Agents, build_agents, tiny_config
 
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -61,8 +59,7 @@ def run_script(
 
     command = importlib.import_module(SCRIPTS[name]).main
     fresh_loaders()
-    records = io.StringIO()
-    handler = logging.StreamHandler(records)
+    handler = ScriptStderr()
     handler.setFormatter(logging.Formatter(logging.BASIC_FORMAT))
     root = logging.getLogger()
     level, threads = root.level, torch.get_num_threads()
@@ -75,13 +72,26 @@ def run_script(
         root.removeHandler(handler)
         root.setLevel(level)
         torch.set_num_threads(threads)  # mergekit's -j sets this process's
-    stderr = result.stderr + records.getvalue()
+    stderr = result.stderr
     if result.exception is not None and not isinstance(result.exception, SystemExit):
         stderr += "".join(traceback.format_exception(result.exception))
     completed = subprocess.CompletedProcess([name, *args], result.exit_code, result.stdout, stderr)
     if check and completed.returncode != 0:
         raise AssertionError(f"{name} {' '.join(args)} failed ({completed.returncode}):\n{completed.stderr[-6000:]}")
     return completed
+
+
+class ScriptStderr(logging.StreamHandler):
+    """Log records written to the standard error of the moment: CliRunner's while a script runs, in order with
+    what the script prints there."""
+
+    @property  # type: ignore[override]
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value: Any) -> None:
+        pass
 
 
 def fresh_loaders() -> None:

@@ -1,7 +1,7 @@
-"""What a command-line user sees: one-line errors (the traceback under -v), mergekit's own
-output for other methods, the probe on multi-document recipes, --plot and --cuda checked
-first, --version. Every check of what a user sees runs the real console scripts in subprocesses;
-what only sets a scene (a filled cache) or reads a recipe file runs in this process."""
+"""What a command-line user sees: one-line errors (the traceback under -v), mergekit's own output for other
+methods and for what mergekit does before it merges (reading the recipe file), the probe on multi-document
+recipes, --plot and --cuda checked first, --version. The real console scripts' click commands run in this
+process (``run_script``: what the console script prints, its exit status)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import json
 import os
 import pathlib
 import shutil
+import sys
 import subprocess
 import typing
 
@@ -24,12 +25,11 @@ from safetensors.torch import load_file, save_file
 from mergekit_ram import checks, cli, errors
 from mergekit_ram.errors import RecipeError
 from mergekit_ram.probe import probe_config, select_stages
-from tests.conftest import ModelSet, command_refusal, run_script, write_recipe
+from tests.conftest import ModelSet, command_refusal, mergekit_alone, run_script, write_recipe
 from tests.test_docs import package_modules
 from tests.test_statistics import independent_figures
 
 ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
-OFF = {"MERGEKIT_RAM_AUTOLOAD": "0"}
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message for a machine without CUDA")
 
 #: Exceptions raised in the package that are not RamError, and why they never reach a command user.
@@ -48,8 +48,9 @@ INTERNAL_RAISES = {
     "KeyboardInterrupt": "signals.py: SIGINT inside the output transaction, as Python's own handler raises it",
     "SystemExit": "signals.py: the exit status after a signal, as its default action would give; interrupts.py: "
     "130 after Ctrl-C",
-    "transaction.interrupted": "integration/output.py: Ctrl-C in a RAM merge as MergeInterrupted (a "
-    "KeyboardInterrupt), which the console scripts show as one line (tests/test_interrupts.py)",
+    "transaction.interrupted": "integration/seam.py: Ctrl-C in a RAM merge as MergeInterrupted, a RamError the "
+    "console scripts show as one line, exit status 130 (tests/test_interrupts.py)",
+    "found": "errors.reported's RamError (or ResourceError) for an error, re-raised by the seam and the probe",
     "TypeError": "integration/inmemory.py: a wrong Python call shape (unexpected keyword arguments); "
     "integration/methods.py: mergekit's own check of in-memory groups",
     "UnreadableFile": "files.py: caught by its callers, which name the file (checks.py in an InputError, cache.py "
@@ -70,7 +71,7 @@ def one_line_error(completed: subprocess.CompletedProcess) -> str:
 def with_traceback(completed: subprocess.CompletedProcess) -> str:
     """Under -v: the logged traceback, then the same one line."""
     assert completed.returncode == 1
-    assert "mergekit-ram: traceback of the error reported below" in completed.stderr
+    assert "traceback of the error reported below" in completed.stderr
     assert "Traceback (most recent call last)" in completed.stderr
     lines = completed.stderr.strip().splitlines()
     assert lines[-1].startswith("Error: ")
@@ -102,9 +103,8 @@ def test_every_error_a_user_can_meet_is_a_ram_error() -> None:
             for node in ast.walk(tree)
             if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call)
         }
-    from mergekit_ram.errors import InputError
-    from mergekit_ram.integration import guard, internals, methods
-    from mergekit_ram.integration.internals import MergekitMovedError
+    from mergekit_ram.errors import InputError, MergekitMovedError
+    from mergekit_ram.integration import internals, methods
     from mergekit_ram.parameters import ParameterError
     from mergekit_ram.staging import OutputBusyError, OutputFolderError
 
@@ -114,10 +114,9 @@ def test_every_error_a_user_can_meet_is_a_ram_error() -> None:
     # ``raise make_error(...)``: functions that build an error; their return annotation must be a RamError
     factories = {
         "non_finite_error": methods.non_finite_error,
-        "self._overflow_error": methods.RamMergeMethod._overflow_error,
+        "overflow_error": methods.overflow_error,
         "shape_error": checks.shape_error,
         "_moved": internals._moved,
-        "not_active": guard.not_active,
     }
     for name, factory in factories.items():
         classes[name] = typing.get_type_hints(factory)["return"]
@@ -139,7 +138,7 @@ def test_plugin_errors_are_one_line_in_every_script(bf16_models: ModelSet, tmp_p
     multi = write_recipe(str(tmp_path / "multi.yml"), missing)
     completed = run_script("mergekit-multi", multi, "-I", str(tmp_path / "stages" / "nested"), check=False)
     assert one_line_error(completed) == f"model path {tmp_path / 'no-such-agent'} does not exist"
-    assert not os.path.exists(tmp_path / "stages")  # mergekit-multi made it (and its parent): removed again
+    assert not os.path.exists(tmp_path / "stages" / "nested" / "agents")  # -I itself is mergekit-multi's
 
     # NaN in an input, found by the pre-pass of mergekit-pytorch; under -v the traceback comes first.
     broken = shutil.copytree(bf16_models.agents[1], str(tmp_path / "nan-agent"))
@@ -157,56 +156,41 @@ def test_plugin_errors_are_one_line_in_every_script(bf16_models: ModelSet, tmp_p
     assert with_traceback(completed) == f"{nan_file}: tensor model.layers.0.mlp.up_proj.weight contains NaN or Inf"
     assert "raise non_finite_error(" in completed.stderr  # the plugin's own frame, shown under -v
 
-    # An environment setting, through the fallback runner with the start-up hook off.
+    # An environment setting, through the fallback runner (which registers the plugin itself).
     recipe = write_recipe(str(tmp_path / "r.yml"), bf16_models.recipe("ram_plus"))
-    bad_cache = {**OFF, "MERGEKIT_RAM_CACHE": "sometimes"}
+    bad_cache = {"MERGEKIT_RAM_CACHE": "sometimes"}
     completed = run_script("mergekit-ram", "yaml", recipe, str(tmp_path / "o4"), env=bad_cache, check=False)
     assert one_line_error(completed) == "MERGEKIT_RAM_CACHE must be on, off or refresh; got 'sometimes'"
     assert not any(os.path.exists(tmp_path / out) for out in ("o1", "o3", "o4"))
 
 
-def test_yaml_errors_of_ram_recipes_are_one_line(bf16_models: ModelSet, tmp_path) -> None:
+def test_reading_the_recipe_file_is_mergekits_and_the_probe_is_one_line(bf16_models: ModelSet, tmp_path) -> None:
+    """What mergekit's scripts do before they merge (open the file, parse its YAML, validate it) they report as
+    mergekit alone does; the probe, the plugin's own command, in one line naming the file and the place."""
     syntax = tmp_path / "syntax.yml"
     syntax.write_text(f"merge_method: ram_plus\nbase_model: [{bf16_models.base}\nmodels: 3\n", encoding="utf-8")
-    message = one_line_error(run_script("mergekit-yaml", str(syntax), str(tmp_path / "o"), check=False))
-    assert message.startswith(f"{syntax}: invalid YAML at line 3, column 7: ")
-
-    two = tmp_path / "two.yml"
-    two.write_text(yaml.safe_dump_all([bf16_models.recipe("ram_plus")] * 2), encoding="utf-8")
-    message = one_line_error(run_script("mergekit-pytorch", str(two), str(tmp_path / "o"), check=False))
-    assert message == (
-        f"{two} holds 2 YAML documents; mergekit-pytorch reads one recipe "
-        "(a file of named stages separated by '---' is for mergekit-multi)"
-    )
-
-    invalid = write_recipe(str(tmp_path / "invalid.yml"), {"name": "agents", "merge_method": "ram", "models": 3})
-    message = one_line_error(run_script("mergekit-multi", invalid, "-I", str(tmp_path / "stages"), check=False))
-    assert message == f"{invalid}, document 1: not a valid mergekit recipe: models: Input should be a valid list"
-
+    missing = str(tmp_path / "no-such-recipe.yml")
+    for arguments in ([str(syntax), str(tmp_path / "o")], [missing, str(tmp_path / "o")]):
+        with_plugin = run_script("mergekit-yaml", *arguments, check=False)
+        with mergekit_alone():
+            alone = run_script("mergekit-yaml", *arguments, check=False)
+        assert (with_plugin.returncode, with_plugin.stderr) == (alone.returncode, alone.stderr) != (0, "")
     message = one_line_error(run_script("mergekit-ram", "probe", str(syntax), check=False))
     assert message.startswith(f"{syntax}: invalid YAML at line 3, column 7: ")
+    invalid = write_recipe(str(tmp_path / "invalid.yml"), {"name": "agents", "merge_method": "ram", "models": 3})
+    message = one_line_error(run_script("mergekit-ram", "probe", invalid, check=False))
+    assert message == f"{invalid}, document 1: not a valid mergekit recipe: models: Input should be a valid list"
+    deep = tmp_path / "deep.yml"
+    deep.write_text("merge_method: ram\nx: " + "[" * 20_000 + "]" * 20_000 + "\n", encoding="utf-8")
+    assert one_line_error(run_script("mergekit-ram", "probe", str(deep), check=False)).startswith(
+        f"{deep}: invalid YAML: a value cannot be read (RecursionError"
+    )
+    completed = run_script("mergekit-ram", "probe", missing, check=False)
+    assert (completed.returncode, completed.stderr.splitlines()[-1]) == (
+        2,
+        f"Error: Invalid value for 'RECIPE': File '{missing}' does not exist.",
+    )
     assert not os.path.exists(tmp_path / "o")
-
-
-def test_a_missing_recipe_file_is_one_line_in_every_script(tmp_path) -> None:
-    """mergekit-yaml (whose open() of the file would raise a traceback): the plugin's line; mergekit-multi,
-    mergekit-pytorch and the probe: click's check of the argument, its one error line (exit status 2)."""
-    missing = str(tmp_path / "no-such-recipe.yml")
-    yaml_run = run_script("mergekit-yaml", missing, str(tmp_path / "out"), check=False)
-    assert one_line_error(yaml_run) == f"recipe file {missing} does not exist"
-    for command, argument in (
-        (["mergekit-multi", missing, "--out-path", str(tmp_path / "out")], "CONFIG_FILE"),
-        (["mergekit-pytorch", missing, str(tmp_path / "out")], "CONFIG_PATH"),
-        (["mergekit-ram", "probe", missing], "RECIPE"),
-    ):
-        completed = run_script(*command, check=False)
-        assert completed.returncode == 2 and "Traceback" not in completed.stderr, completed.stderr
-        what = "File" if argument == "RECIPE" else "Path"
-        assert (
-            completed.stderr.splitlines()[-1]
-            == f"Error: Invalid value for '{argument}': {what} '{missing}' does not exist."
-        )
-    assert not os.path.exists(tmp_path / "out")
 
 
 def test_a_misspelt_method_is_one_line_naming_the_method(bf16_models: ModelSet, tmp_path) -> None:
@@ -229,7 +213,7 @@ def test_a_misspelt_method_is_one_line_naming_the_method(bf16_models: ModelSet, 
     other = write_recipe(str(tmp_path / "other.yml"), bf16_models.recipe("frankenmerge"))
     with pytest.raises(RuntimeError, match="^Unimplemented merge method frankenmerge$"):
         run_yaml.main.main(args=[other, str(tmp_path / "o")], standalone_mode=False)
-    assert not os.path.exists(tmp_path / "stages")
+    assert not os.path.exists(tmp_path / "stages" / "agents")
 
 
 @pytest.mark.parametrize(
@@ -237,7 +221,7 @@ def test_a_misspelt_method_is_one_line_naming_the_method(bf16_models: ModelSet, 
     ["yaml syntax", pytest.param("cuda", marks=NO_CUDA)],
 )
 def test_other_methods_keep_mergekit_output(bf16_models: ModelSet, tmp_path, case: str) -> None:
-    """A linear recipe's failure prints what mergekit alone prints (MERGEKIT_RAM_AUTOLOAD=0)."""
+    """A linear recipe's failure prints what mergekit alone prints."""
     linear = {**bf16_models.recipe("linear"), "parameters": {"weight": 0.5}}
     if case == "yaml syntax":
         recipe = tmp_path / "linear.yml"
@@ -246,7 +230,8 @@ def test_other_methods_keep_mergekit_output(bf16_models: ModelSet, tmp_path, cas
     else:
         arguments = [write_recipe(str(tmp_path / "linear.yml"), linear), str(tmp_path / "out"), "--cuda", "--quiet"]
     with_plugin = run_script("mergekit-yaml", *arguments, check=False)
-    without = run_script("mergekit-yaml", *arguments, env=OFF, check=False)
+    with mergekit_alone():
+        without = run_script("mergekit-yaml", *arguments, check=False)
     assert with_plugin.returncode == without.returncode != 0
     assert "Traceback (most recent call last)" in with_plugin.stderr
     assert not with_plugin.stderr.strip().splitlines()[-1].startswith("Error:")
@@ -280,56 +265,12 @@ def test_cuda_without_a_device_is_one_line(bf16_models: ModelSet, tmp_path, monk
     assert not os.path.exists(tmp_path / "o")
 
 
-DEEP = "[" * 20_000 + "]" * 20_000
 #: How a recipe may ask for ram_plus: as spelt, or through a YAML merge key, inline or from an anchor (an alias).
 METHOD_SPELLINGS = {
     "plain": "merge_method: ram_plus\n",
     "merge key": "<<: {merge_method: ram_plus}\n",
     "anchor": ".defaults: &defaults\n  merge_method: ram_plus\n<<: *defaults\n",
 }
-
-
-def spelt_recipe(models: ModelSet, folder: str, command: str, spelling: str, extra: str = "") -> str:
-    """A ram_plus recipe file for ``command`` (model files for mergekit-pytorch, a named stage for
-    mergekit-multi) whose method is given as ``METHOD_SPELLINGS[spelling]``, ending with ``extra``."""
-    recipe = models.recipe("ram_plus")
-    del recipe["merge_method"]
-    if command == "mergekit-pytorch":
-        recipe = {
-            "base_model": os.path.join(models.base, "model.safetensors"),
-            "models": [{"model": os.path.join(path, "model.safetensors")} for path in models.agents],
-        }
-    if command == "mergekit-multi":
-        recipe = {"name": "agents", **recipe}
-    path = os.path.join(folder, "recipe.yml")
-    with open(path, "w", encoding="utf-8") as handle:
-        handle.write(METHOD_SPELLINGS[spelling] + yaml.safe_dump(recipe, sort_keys=False) + extra)
-    return path
-
-
-def run_command(command: str, recipe: str, folder: str, *options: str) -> subprocess.CompletedProcess:
-    """``command`` on ``recipe`` with an output folder (-I for mergekit-multi; none for the probe)."""
-    name, *first = command.split()
-    outputs = {"mergekit-multi": ["-I", os.path.join(folder, "stages")], "mergekit-ram probe": []}
-    output = outputs.get(command, [os.path.join(folder, "out")])
-    return run_script(name, *first, recipe, *output, *options, check=False)
-
-
-COMMANDS = ["mergekit-yaml", "mergekit-multi", "mergekit-pytorch", "mergekit-ram probe"]
-
-
-@pytest.mark.parametrize("command", COMMANDS)
-def test_a_recipe_nested_too_deep_is_one_line(bf16_models: ModelSet, tmp_path, command: str) -> None:
-    """20,000 nested brackets in a ram_plus recipe: one line naming the file and the place, found from the
-    parser's events before yaml's recursive loader (a 2,993-line RecursionError) or the validation runs."""
-    recipe = spelt_recipe(bf16_models, str(tmp_path), command, "plain", extra=f"x: {DEEP}\n")
-    with open(recipe, encoding="utf-8") as handle:
-        line = handle.read().count("\n")  # the last line; its 64th bracket opens the 65th level
-    assert one_line_error(run_command(command, recipe, str(tmp_path))) == (
-        f"{recipe}: lists or mappings nested more than 64 levels deep at line {line}, column 67; "
-        "a recipe needs about ten: check the brackets or the indentation there"
-    )
-    assert os.listdir(tmp_path) == ["recipe.yml"]
 
 
 @NO_CUDA
@@ -346,25 +287,34 @@ def test_a_recipe_nested_too_deep_is_one_line(bf16_models: ModelSet, tmp_path, c
 def test_a_method_given_through_a_merge_key_is_ours(
     bf16_models: ModelSet, tmp_path, command: str, spelling: str
 ) -> None:
-    """``merge_method`` through a YAML merge key (``<<:``, inline or ``*defaults``), as mergekit's loader reads
-    it: the one-line --cuda refusal the plain spelling gets, not mergekit's 59-line traceback."""
-    recipe = spelt_recipe(bf16_models, str(tmp_path), command, spelling)
-    message = one_line_error(run_command(command, recipe, str(tmp_path), "--cuda"))
+    """``merge_method`` through a YAML merge key (``<<:``, inline or ``*defaults``): the seam sees the recipe as
+    mergekit parsed it, so the one-line --cuda refusal the plain spelling gets, not mergekit's traceback."""
+    recipe = bf16_models.recipe("ram_plus")
+    del recipe["merge_method"]
+    if command == "mergekit-pytorch":
+        recipe = {
+            "base_model": os.path.join(bf16_models.base, "model.safetensors"),
+            "models": [{"model": os.path.join(path, "model.safetensors")} for path in bf16_models.agents],
+        }
+    if command == "mergekit-multi":
+        recipe = {"name": "agents", **recipe}
+    path = tmp_path / "recipe.yml"
+    path.write_text(METHOD_SPELLINGS[spelling] + yaml.safe_dump(recipe, sort_keys=False), encoding="utf-8")
+    name, *first = command.split()
+    output = {"mergekit-multi": ["-I", str(tmp_path / "stages")], "mergekit-ram probe": []}
+    arguments = [*first, str(path), *output.get(command, [str(tmp_path / "out")]), "--cuda"]
+    message = one_line_error(run_script(name, *arguments, check=False))
     assert message.startswith("--cuda was given but no CUDA device is available")
-    assert os.listdir(tmp_path) == ["recipe.yml"]
+    assert set(os.listdir(tmp_path)) <= {"recipe.yml", "stages"} and not os.path.exists(tmp_path / "stages/agents")
 
 
-def test_probe_plot_extra_is_checked_first(tmp_path) -> None:
-    """Without matplotlib: one line naming the install, before the (missing) models are read."""
-    hidden = tmp_path / "hide"
-    hidden.mkdir()
-    (hidden / "matplotlib.py").write_text("raise ImportError('hidden by the test')\n", encoding="utf-8")
+def test_probe_plot_extra_is_checked_first(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without matplotlib: one line naming the install, before the recipe is read."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as where it is not installed: its import fails
     recipe = write_recipe(
         str(tmp_path / "r.yml"), {"merge_method": "ram_plus", "base_model": "/nonexistent/base", "models": []}
     )
-    completed = run_script(
-        "mergekit-ram", "probe", recipe, "--plot", str(tmp_path / "f.png"), env={"PYTHONPATH": str(hidden)}, check=False
-    )
+    completed = run_script("mergekit-ram", "probe", recipe, "--plot", str(tmp_path / "f.png"), check=False)
     assert one_line_error(completed) == (
         "--plot needs matplotlib, which is not installed here: pip install matplotlib "
         "(what the extra 'mergekit-ram[plot]' installs)"

@@ -33,7 +33,7 @@ except ImportError:  # Python 3.10
 
 from mergekit_ram import __version__
 from mergekit_ram.integration.internals import TESTED_MERGEKIT
-from mergekit_ram.parameters import METHOD_PARAMETERS
+from mergekit_ram.parameters import METHOD_NAMES
 from mergekit_ram.rescaling import RULES
 from mergekit_ram.stats.schema import SCHEMA_VERSION, write_ratio
 
@@ -426,7 +426,7 @@ def readme_parameters(text: str) -> dict[str, tuple[set[str], bool, dict[str, st
         if not row.startswith("| `") or len(cells) != 5:
             continue
         name, methods, default = cells[0].strip("`"), cells[1], cells[2]
-        declared = set(METHOD_PARAMETERS) if methods.startswith("all four") else set(re.findall(r"`(ram\w*)`", methods))
+        declared = set(METHOD_NAMES) if methods.startswith("all four") else set(re.findall(r"`(ram\w*)`", methods))
         values = {method: default.split(";")[0].strip().strip("`") for method in declared}
         values.update(re.findall(r"`(ram\w*)`: `([^`]+)`", default))
         found[name] = (declared, "per model" in methods, values)
@@ -435,15 +435,17 @@ def readme_parameters(text: str) -> dict[str, tuple[set[str], bool, dict[str, st
 
 def test_readme_parameters_are_the_codes() -> None:
     """Each parameter row names exactly the methods that declare it, whether it is set per model, and
-    each method's default as ``parameters.py`` has it (``none`` for a pin)."""
+    each method's default as the registered method declares it (``none`` for a pin)."""
+    from mergekit_ram.integration.recipes import declared, per_model
+
     with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as handle:
         table = readme_parameters(handle.read())
     code: dict[str, tuple[set[str], bool, dict[str, str]]] = {}
-    for method, infos in METHOD_PARAMETERS.items():
-        for info in infos:
-            methods, per_model, defaults = code.setdefault(info.name, (set(), info.per_model, {}))
+    for method in METHOD_NAMES:
+        for name, spec in declared(method).items():
+            methods, _, defaults = code.setdefault(name, (set(), per_model(spec), {}))
             methods.add(method)
-            defaults[method] = "none" if info.default is None else str(info.default)
+            defaults[method] = "none" if spec.default is None else str(spec.default)
     assert set(table) == set(code), "README.md's parameters table and parameters.py name different parameters"
     for name, (methods, per_model, defaults) in code.items():
         documented_methods, documented_per_model, documented = table[name]

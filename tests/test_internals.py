@@ -124,5 +124,7 @@ def test_the_touch_points_stay_few() -> None:
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.ClassDef):
                 bases = [ast.unparse(base) for base in node.bases]
-                subclasses += [f"{path.name}:{node.name}({base})" for base in bases if "Merge" in base or "Task" in base]
+                subclasses += [
+                    f"{path.name}:{node.name}({base})" for base in bases if "Merge" in base or "Task" in base
+                ]
     assert subclasses == []

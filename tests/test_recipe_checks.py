@@ -7,7 +7,6 @@ the key or model and the fix.
 from __future__ import annotations
 
 import os
-import re
 from typing import Any
 
 import pytest
@@ -20,9 +19,9 @@ from mergekit.scripts.multimerge import load_config
 from mergekit.scripts.run_yaml import main as mergekit_yaml
 
 from mergekit_ram.errors import InputError
-from mergekit_ram.integration.recipes import check_stage_keys, read_stages
-from mergekit_ram.integration.registry import BUILTIN_RAM_VARIABLE, register_methods
-from mergekit_ram.parameters import RecipeError
+from mergekit_ram.integration.recipes import read_stages
+from mergekit_ram.integration.registration import BUILTIN_RAM_VARIABLE, ours, register_methods
+from mergekit_ram.parameters import METHOD_NAMES, RecipeError
 from mergekit_ram.published import with_card_metadata, with_sorted_model_list
 from tests import reference
 from tests.conftest import (
@@ -89,18 +88,14 @@ def test_other_methods_keep_mergekits_leniency(bf16_models: ModelSet) -> None:
     assert configs[None].merge_method == "ties"
 
 
-def test_mergekit_multi_stages_are_checked(bf16_models: ModelSet) -> None:
-    """mergekit-multi validates each stage and drops unknown keys before run_merge sees the recipe: the console
-    script checks each stage's keys first (``check_stage_keys``)."""
+def test_mergekit_multi_stages_depend_on_earlier_ones(bf16_models: ModelSet, tmp_path) -> None:
+    """The probe reads a mergekit-multi file as mergekit-multi does: a model named like a stage is its output.
+    (mergekit-multi validates each stage and drops unknown keys before run_merge sees it: they are mergekit's.)"""
     first = {"name": "stage-one", **bf16_models.recipe("ram_plus")}
-    second = {**bf16_models.recipe("ram"), "epsilon": 1e-3}
-    second["models"] = [{"model": "stage-one"}]
-    source = yaml.safe_dump_all([first, second], sort_keys=False)
-    with pytest.raises(RecipeError, match="ram recipe: unknown key 'epsilon' at the top level of the recipe"):
-        check_stage_keys("multi.yml", source)
-    second["parameters"] = {"epsilon": second.pop("epsilon")}
-    check_stage_keys("multi.yml", yaml.safe_dump_all([first, second], sort_keys=False))
-    stages = read_stages("multi.yml", yaml.safe_dump_all([first, second], sort_keys=False), "/tmp/unused")
+    second = {**bf16_models.recipe("ram"), "models": [{"model": "stage-one"}]}
+    path = tmp_path / "multi.yml"
+    path.write_text(yaml.safe_dump_all([first, second], sort_keys=False), encoding="utf-8")
+    stages = read_stages(str(path), "/tmp/unused")
     assert [stage.depends_on for stage in stages] == [(), ("stage-one",)]
 
 
@@ -110,25 +105,6 @@ def test_mergekit_yaml_refuses_a_misspelled_key(bf16_models: ModelSet, tmp_path)
     assert command_refusal(mergekit_yaml, recipe, str(tmp_path / "out")).startswith(
         "ram_plus recipe: unknown key 'paramaters' at the top level of "
         "the recipe, which mergekit would ignore (did you mean 'parameters'?)"
-    )
-    assert not os.path.exists(str(tmp_path / "out"))
-
-
-def test_mergekit_pytorch_recipes_are_checked(bf16_models: ModelSet, tmp_path) -> None:
-    """mergekit-pytorch's own recipe class (models are files), through its real command, in-process."""
-    from mergekit.scripts.merge_raw_pytorch import main
-
-    files = [os.path.join(path, "model.safetensors") for path in [bf16_models.base, *bf16_models.agents]]
-    recipe = {
-        "merge_method": "ram",
-        "base_model": files[0],
-        "models": [{"model": file, "parameter": {"epsilon": 0}} for file in files[1:]],
-    }
-    path = write_recipe(str(tmp_path / "r.yml"), recipe)
-    # the command shows the RecipeError as click's one line
-    assert re.search(
-        r"unknown key 'parameter' in `models\[0\]`.*\(did you mean 'parameters'\?\)",
-        command_refusal(main, path, str(tmp_path / "out")),
     )
     assert not os.path.exists(str(tmp_path / "out"))
 
@@ -197,35 +173,35 @@ def test_mergekit_yaml_refuses_a_symlinked_duplicate(bf16_models: ModelSet, tmp_
 # MERGEKIT_RAM_BUILTIN_RAM -----------------------------------------------------------
 
 
-def test_the_switch_keeps_mergekits_builtin_ram(monkeypatch) -> None:
-    import mergekit.merge_methods as merge_methods
-    from mergekit.merge_methods.ram import ram_merge as builtin
+def test_the_switch_keeps_mergekits_builtin_ram(monkeypatch, caplog) -> None:
+    """Registered with the switch set (as at start-up): the built-in ``ram`` stays, ``ram_plus`` is ours; one
+    warning says so. Without it, ours replaces the built-in."""
+    import mergekit.merge_methods.registry as registry
+    from mergekit.merge_methods import get, ram_merge
 
-    from mergekit_ram.integration.methods import METHODS
-
-    RAM, RAM_PLUS = METHODS["ram"], METHODS["ram_plus"]
-    assert merge_methods.get("ram") is RAM
-    monkeypatch.setenv(BUILTIN_RAM_VARIABLE, "1")
-    try:
-        register_methods(merge_methods)
-        assert merge_methods.get("ram") is builtin
-        assert merge_methods.get("ram_plus") is RAM_PLUS
-    finally:
-        monkeypatch.delenv(BUILTIN_RAM_VARIABLE)
-        register_methods(merge_methods)
-    assert merge_methods.get("ram") is RAM
+    for switch in ("1", ""):
+        table = {name: method for name, method in registry._METHODS.items() if name not in METHOD_NAMES}
+        monkeypatch.setattr(registry, "_METHODS", {**table, "ram": ram_merge})  # mergekit's, before registration
+        monkeypatch.setenv(BUILTIN_RAM_VARIABLE, switch)
+        caplog.clear()
+        register_methods()
+        assert (get("ram") is ram_merge) == (switch == "1")
+        assert ours("ram_plus") is not None and (ours("ram") is None) == (switch == "1")
+        warned = "MERGEKIT_RAM_BUILTIN_RAM=1: keeping mergekit's built-in 'ram' (arithmetic in the checkpoint dtype"
+        assert (warned in caplog.text) == (switch == "1")
 
 
 def test_the_switch_runs_the_builtin_and_ours_is_exact(
     bf16_models: ModelSet, upstream_ram_merge: Merged, tmp_path
 ) -> None:
     """Same recipe, same bf16 models: the built-in's bf16 arithmetic differs; ours equals the float32 reference."""
+    from mergekit.merge_methods import ram_merge
+    from mergekit.merge_methods.registry import _METHODS
+
     out = str(tmp_path / "builtin")
-    completed = run_script("mergekit-yaml", upstream_ram_merge.recipe, out, env={BUILTIN_RAM_VARIABLE: "1"})
-    assert (
-        "mergekit-ram: MERGEKIT_RAM_BUILTIN_RAM=1: keeping mergekit's built-in 'ram' (arithmetic in the checkpoint "
-        "dtype, no ram_statistics.json); 'ram_plus' is mergekit-ram's"
-    ) in completed.stderr
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(_METHODS, "ram", ram_merge)  # as the switch registers
+        completed = run_script("mergekit-yaml", upstream_ram_merge.recipe, out)
     assert "ignores parameter 'weight'" not in completed.stderr  # mergekit's own path, unchecked
     assert not os.path.exists(os.path.join(out, "ram_statistics.json"))
     assert "mergekit-ram" not in open(os.path.join(out, "README.md"), encoding="utf-8").read()

@@ -23,7 +23,7 @@ from mergekit.options import MergeOptions
 from mergekit.scripts.multimerge import load_config, make_tasks
 
 from mergekit_ram.integration.recipes import check_recipe
-from mergekit_ram.parameters import METHOD_PARAMETERS as RAM_METHODS
+from mergekit_ram.parameters import METHOD_NAMES as RAM_METHODS
 from mergekit_ram.parameters import ParameterError
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -304,7 +304,9 @@ def read_stages(path: str, intermediate_dir: str = "") -> list[Stage]:
             )
         try:
             stages[name] = recipe_class.model_validate(document)
-        except ValidationError as error:
+        except (RuntimeError, ValueError) as error:  # mergekit's validators raise RuntimeError too
+            if not isinstance(error, ValidationError):
+                raise RecipeError(f"{path}{where}: not a valid mergekit recipe: {error}") from None
             problems = error.errors(include_url=False)
             shown = [
                 f"{'.'.join(map(str, problem['loc'])) or 'the document'}: {problem['msg']}" for problem in problems[:3]

@@ -12,6 +12,7 @@ script prints them as one line; Ctrl-C is one line saying what the output folder
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, NamedTuple, Optional
@@ -21,7 +22,7 @@ from huggingface_hub import constants as hub_constants
 from mergekit_ram import interrupts, staging
 from mergekit_ram.cache import CacheSettings
 from mergekit_ram.checks import HeaderCache
-from mergekit_ram.errors import InputError, MergekitMovedError, RamError, reported
+from mergekit_ram.errors import InputError, MergekitMovedError, reported
 from mergekit_ram.files import write_atomically
 from mergekit_ram.integration.merge import Plan, check_setting, executor, plan_merge, prepare
 from mergekit_ram.integration.recipes import check_config, check_method_name, recipe_nodes
@@ -30,6 +31,8 @@ from mergekit_ram.interrupts import MergeInterrupted
 from mergekit_ram.published import append_card_section, report_summary
 from mergekit_ram.stats.data import RamStatistics
 from mergekit_ram.stats.schema import STATISTICS_FILE, statistics_to_json
+
+LOG = logging.getLogger(__name__)
 
 
 class InputFolder(NamedTuple):
@@ -172,11 +175,12 @@ def _reported(transaction: Transaction) -> Iterator[None]:
         yield
     except KeyboardInterrupt:
         raise transaction.interrupted() from None
-    except RamError:
-        raise
     except Exception as error:
         found = reported(error, "merging")
         if found is None:
+            raise
+        LOG.info("traceback of the error reported below", exc_info=error)  # shown under -v
+        if found is error:
             raise
         raise found from error
     if console:
