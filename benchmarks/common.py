@@ -44,6 +44,14 @@ THREAD_ENV_PREFIXES = ("OMP_", "GOMP_", "KMP_", "MKL_")
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 
 
+def console_script(name: str) -> str:
+    """The path of an installed console script, next to this interpreter first."""
+    found = shutil.which(name, path=os.path.dirname(sys.executable)) or shutil.which(name)
+    if found is None:
+        raise SystemExit(f"{name} is not installed in this environment: pip install mergekit")
+    return found
+
+
 def child_env(plugin: Optional[Path] = None, extra: Optional[Mapping[str, str]] = None) -> dict[str, str]:
     """The environment of every measured child: offline, plugin from ``plugin``, no pre-pass cache.
 

@@ -27,6 +27,7 @@ import yaml
 from benchmarks.common import (
     CACHE_DIR,
     child_env,
+    console_script,
     cpu_s,
     fmt_bytes,
     fmt_count,
@@ -41,7 +42,6 @@ from benchmarks.common import (
 )
 from benchmarks.models import SIZES, ensure_models
 from benchmarks.records import RESULTS_DIR, read_json, save_result
-from mergekit_ram.cli import console_script
 from mergekit_ram.stats.render import markdown_table
 
 LOG = logging.getLogger(__name__)

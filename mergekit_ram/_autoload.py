@@ -68,8 +68,8 @@ class MergekitFinder:
     def find_spec(self, fullname, path=None, target=None):
         if fullname not in HOOKS and not fullname.startswith(BOUNDARY):
             return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
+        for finder in sys.meta_path:  # another copy of this class (a second import of this module) is skipped too
+            if type(finder).__name__ == type(self).__name__ or not hasattr(finder, "find_spec"):
                 continue
             spec = finder.find_spec(fullname, path, target)
             if spec is not None:
@@ -113,7 +113,7 @@ class MergekitFinder:
             )
 
 
-if enabled() and not any(isinstance(finder, MergekitFinder) for finder in sys.meta_path):
+if enabled() and not any(type(finder).__name__ == MergekitFinder.__name__ for finder in sys.meta_path):
     sys.meta_path.insert(0, MergekitFinder())
 if enabled() and os.path.basename(getattr(sys, "argv", [""])[0] or "") in MERGE_SCRIPTS:
     from mergekit_ram import interrupts

@@ -8,9 +8,6 @@ import contextlib
 import json
 import logging
 import os
-import shutil
-import subprocess
-import sys
 import time
 from typing import Any, Iterator
 
@@ -53,7 +50,7 @@ def main() -> None:
 
 
 def _passthrough(kind: str) -> click.Command:
-    module_name, script = MERGEKIT_SCRIPTS[kind]
+    script = MERGEKIT_SCRIPTS[kind][1]
 
     @click.command(
         kind,
@@ -64,20 +61,24 @@ def _passthrough(kind: str) -> click.Command:
     )
     @click.pass_context
     def command(context: click.Context) -> None:
-        import importlib
-
-        from mergekit_ram.integration import register
-
-        with needs_mergekit(f"mergekit-ram {kind}"):
-            register()
-            script = importlib.import_module(module_name)
-        script.main.main(args=list(context.args), prog_name=f"mergekit-ram {kind}")
+        mergekit_command(kind, f"mergekit-ram {kind}").main(args=list(context.args), prog_name=f"mergekit-ram {kind}")
 
     return command
 
 
 for _kind in MERGEKIT_SCRIPTS:
     main.add_command(_passthrough(_kind))
+
+
+def mergekit_command(kind: str, command: str) -> click.Command:
+    """mergekit's console script ``kind`` (``MERGEKIT_SCRIPTS``) as its click command, the plugin registered."""
+    import importlib
+
+    from mergekit_ram.integration import register
+
+    with needs_mergekit(command):
+        register()
+        return importlib.import_module(MERGEKIT_SCRIPTS[kind][0]).main
 
 
 @contextlib.contextmanager
@@ -95,17 +96,6 @@ def needs_mergekit(command: str) -> Iterator[None]:
         raise MissingExtraError(
             f'{command} needs mergekit, which is not installed here: pip install "mergekit{SUPPORTED_MERGEKIT}"'
         ) from None
-
-
-def console_script(name: str) -> str:
-    """The path of an installed console script, next to this interpreter first."""
-    found = shutil.which(name, path=os.path.dirname(sys.executable)) or shutil.which(name)
-    if found is None:
-        raise click.ClickException(
-            f"{name} is not installed; install mergekit into this environment (pip install mergekit), "
-            "or install mergekit-ram from a clone or wheel as the README says"
-        )
-    return found
 
 
 @main.command()
@@ -148,11 +138,11 @@ def demo(out_dir: str, architecture: str, seed: int) -> None:
     with open(recipe_path, "w", encoding="utf-8") as handle:
         yaml.safe_dump(recipe, handle, sort_keys=False)
     merged_path = os.path.join(out_dir, "merged")
-    command = [console_script("mergekit-yaml"), recipe_path, merged_path, "--quiet"]
-    click.echo("Merging: " + " ".join(command))
-    completed = subprocess.run(command, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True)
-    if completed.returncode != 0:
-        raise click.ClickException(f"mergekit-yaml failed:\n{completed.stderr[-4000:]}")
+    arguments = [recipe_path, merged_path, "--quiet"]
+    click.echo("Merging: mergekit-yaml " + " ".join(arguments))
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the models are local: nothing to ask the Hub
+    mergekit_yaml = mergekit_command("yaml", "mergekit-ram demo")  # mergekit-yaml's own command, run here
+    mergekit_yaml.main(args=arguments, prog_name="mergekit-yaml", standalone_mode=False)
 
     with open(os.path.join(merged_path, STATISTICS_FILE), encoding="utf-8") as handle:
         statistics = statistics_from_dict(json.load(handle))

@@ -8,7 +8,7 @@ import errno
 import logging
 import os
 import re
-from typing import Optional
+from typing import IO, Any, Optional
 
 import click
 
@@ -48,6 +48,15 @@ class MissingExtraError(RamError, ImportError):
 
 class MergekitMovedError(RamError, RuntimeError):
     """The installed mergekit is not one the plugin supports, or an internal it uses has moved."""
+
+
+class MergeInterrupted(RamError):
+    """Ctrl-C during a RAM merge; the message says what the output folder holds (shown without ``Error:``)."""
+
+    exit_code = 130  # 128 + SIGINT, as a shell reports a command that Ctrl-C ended
+
+    def show(self, file: Optional[IO[Any]] = None) -> None:
+        click.echo(self.format_message(), err=True, file=file)
 
 
 class ResourceError(RamError, OSError):

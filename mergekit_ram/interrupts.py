@@ -1,9 +1,10 @@
 """Ctrl-C in a command that runs a merge: one line saying what the output folder holds, exit status 130.
+Standard library only: the start-up hook imports it.
 
 In mergekit's console scripts the start-up hook (``_autoload``) installs ``quiet_start``: until a RAM merge
 begins, Ctrl-C ends the process at once with one line (nothing is written yet; mergekit's slow imports would
 end in a traceback). Inside the merge (``merge_started``), Ctrl-C raises ``KeyboardInterrupt`` again, which the
-seam turns into ``MergeInterrupted``; after it (``merge_ended``), Ctrl-C ends the process with the line that
+seam turns into ``errors.MergeInterrupted``; after it (``merge_ended``), Ctrl-C ends the process with the line that
 says the folder holds the complete new merge. Elsewhere (the Python API) SIGINT is left as it is.
 """
 
@@ -12,24 +13,11 @@ from __future__ import annotations
 import os
 import signal
 from types import FrameType
-from typing import IO, Any, Optional
-
-import click
-
-from mergekit_ram.errors import RamError
+from typing import Optional
 
 #: 128 + SIGINT: the status a shell reports for a command that Ctrl-C ended.
 EXIT_STATUS = 128 + signal.SIGINT
 BEFORE_START = "Interrupted before the merge started: the output folder is untouched"
-
-
-class MergeInterrupted(RamError):
-    """Ctrl-C during a RAM merge; the message says what the output folder holds (shown without ``Error:``)."""
-
-    exit_code = EXIT_STATUS
-
-    def show(self, file: Optional[IO[Any]] = None) -> None:
-        click.echo(self.format_message(), err=True, file=file)
 
 
 class _QuietExit:
@@ -57,7 +45,7 @@ def merge_started() -> bool:
     return False
 
 
-def merge_ended(interrupted: MergeInterrupted) -> None:
-    """After a console script's merge: Ctrl-C ends it with ``interrupted``'s line (what the folder holds)."""
+def merge_ended(message: str) -> None:
+    """After a console script's merge: Ctrl-C ends it with ``message`` (what the folder holds)."""
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-        signal.signal(signal.SIGINT, _QuietExit(interrupted.format_message()))
+        signal.signal(signal.SIGINT, _QuietExit(message))

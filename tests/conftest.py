@@ -85,7 +85,7 @@ class ScriptStderr(logging.StreamHandler):
     """Log records written to the standard error of the moment: CliRunner's while a script runs, in order with
     what the script prints there."""
 
-    @property  # type: ignore[override]
+    @property
     def stream(self) -> Any:
         return sys.stderr
 

@@ -10,8 +10,8 @@ import json
 import os
 import pathlib
 import shutil
-import sys
 import subprocess
+import sys
 import typing
 
 import pytest

@@ -14,13 +14,12 @@ from typing import Callable
 
 import pytest
 import torch
-from mergekit.merge_methods import registry
+from mergekit.merge_methods import get, registry
 from mergekit.merge_methods.api import merge_tensors
 from mergekit.merge_methods.base import TensorGroup
 from mergekit.merge_methods.ram import ram_merge as builtin_ram
 from mergekit.merge_methods.ram import ramplus_tl_merge as builtin_ramplus_tl
 
-from mergekit_ram.integration.methods import METHODS
 from mergekit_ram.kernel import CHUNK_ELEMENTS
 from mergekit_ram.kernel import merge_tensors as ram_merge_tensors
 from mergekit_ram.rescaling import Rescaling
@@ -32,6 +31,7 @@ from tests.conftest import (
     ModelSet,
     load_weights,
     merge_in_process,
+    mergekit_alone,
     run_script,
     write_recipe,
 )
@@ -39,7 +39,6 @@ from tests.test_kernel import designed_group, peak_scratch_bytes
 
 EPSILON = 1e-5
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir)
-OFF = {"MERGEKIT_RAM_AUTOLOAD": "0"}
 # Elements of the bfloat16 models' merge (19,616 in all) that mergekit's own methods write differently
 # from the exact result; fixed seeds make them constants, measured once with torch 2.13.0 (CPU) by
 # counting ``merged != exact`` over every tensor in the tests below.
@@ -140,7 +139,7 @@ def test_ramplus_tl_rho_is_per_tensor_and_ours_is_global(local_vs_global, tmp_pa
 def test_default_alpha_caps_ramplus_tl_lambda_at_1_02() -> None:
     defaults = {spec.name: spec.default for spec in registry.get("ramplus_tl").spec.parameters}
     assert defaults == {"r": 0.1, "alpha": 0.2, "epsilon": 1e-5}
-    ours = {spec.name: spec.default for spec in METHODS["ram_plus"].spec.parameters}
+    ours = {spec.name: spec.default for spec in get("ram_plus").spec.parameters}
     assert (ours["r"], ours["alpha"], ours["epsilon"]) == (0.1, 2.0, 1e-5)
 
     # Model 0: 1 unique and 9 shared elements (rho 9); its unique update is scaled by 1 + 0.1 * 0.2.
@@ -188,7 +187,8 @@ def test_builtin_ram_is_exact_only_with_dtype_float32(
     }
     fp32 = str(tmp_path / "fp32")
     recipe = bf16_models.recipe("ram", dtype="float32", out_dtype="bfloat16")
-    run_script("mergekit-yaml", write_recipe(str(tmp_path / "fp32.yml"), recipe), fp32, env=OFF)
+    with mergekit_alone():
+        run_script("mergekit-yaml", write_recipe(str(tmp_path / "fp32.yml"), recipe), fp32)
     wrong = {}
     for name, out in (("bf16", builtin_ram_merge.out), ("fp32", fp32)):  # bf16: the shared merge of recipe("ram")
         assert not os.path.exists(os.path.join(out, "ram_statistics.json"))  # really the built-in

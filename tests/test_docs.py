@@ -447,9 +447,9 @@ def test_readme_parameters_are_the_codes() -> None:
             methods.add(method)
             defaults[method] = "none" if spec.default is None else str(spec.default)
     assert set(table) == set(code), "README.md's parameters table and parameters.py name different parameters"
-    for name, (methods, per_model, defaults) in code.items():
+    for name, (methods, one_per_model, defaults) in code.items():
         documented_methods, documented_per_model, documented = table[name]
-        assert (documented_methods, documented_per_model) == (methods, per_model), name
+        assert (documented_methods, documented_per_model) == (methods, one_per_model), name
         for method, default in defaults.items():
             written = documented[method]
             same = written == default if default in ("none", *RULES) else float(written) == float(default)

@@ -71,7 +71,7 @@ def test_a_mergekit_outside_the_range_makes_the_methods_refuse(
     assert refusal == f'mergekit-ram supports mergekit>=0.1.5,<0.2, not {version}: pip install "mergekit==0.1.5"'
     assert len(refusal) < 100  # one terminal line
     tensors = [torch.zeros(3), torch.ones(3)]
-    for name, method in declared(Kernels(refusal=refusal)).items():
+    for method in declared(Kernels(refusal=refusal)).values():
         with pytest.raises(MergekitMovedError, match=f"^{refusal}$"):
             declares_r = any(parameter.name == "r" for parameter in method.spec.parameters)
             merge_tensors(tensors, method, base_index=0, parameters={"r": 0} if declares_r else None)

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "mergekit_ram"
 BOUNDARY = PACKAGE / "integration"
@@ -48,7 +50,7 @@ def test_only_the_boundary_imports_mergekit() -> None:
         for path in plain_modules()
     }
     assert {path: modules for path, modules in offenders.items() if modules} == {}
-    assert "mergekit_ram.integration.internals" in imported_modules(BOUNDARY / "methods.py")  # the scan sees imports
+    assert "mergekit.merge_methods" in imported_modules(BOUNDARY / "methods.py")  # the scan sees imports
 
 
 def _without_mergekit(code: str) -> subprocess.CompletedProcess:
@@ -58,6 +60,7 @@ def _without_mergekit(code: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.process
 def test_every_plain_module_imports_without_mergekit() -> None:
     names = [
         ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__") for path in plain_modules()
@@ -90,31 +93,31 @@ def test_the_layers_below_the_top_never_reach_the_boundary() -> None:
     assert "mergekit_ram.integration.merge" in imported_modules(ROOT / TOP[-1])  # the scan sees deferred imports
 
 
-#: Importing a boundary module before mergekit makes mergekit's import happen half-way through
-#: it; the start-up hook must still register the methods and apply every patch (it waits).
+#: Importing a boundary module before mergekit makes mergekit's import happen half-way through it; the
+#: start-up hook must still register the methods (it waits for the boundary) and put the seams in place.
 IMPORT_FIRST = (
     "mergekit_ram.integration.methods",
-    "mergekit_ram.integration.registry",
-    "mergekit_ram.integration.scripts",
+    "mergekit_ram.integration.registration",
+    "mergekit_ram.integration.seam",
+    "mergekit.scripts.run_yaml",
 )
 
 CHECK_PATCHES = """
 import mergekit.merge, mergekit.plan, mergekit.scripts.run_yaml, mergekit.scripts.multimerge
-import mergekit.scripts.merge_raw_pytorch, mergekit.merge_methods, mergekit.options
-from mergekit.merge_methods import registry
-from mergekit_ram.integration.methods import METHODS
-patched = [mergekit.merge.run_merge, mergekit.options.PrettyPrintHelp.invoke]
+import mergekit.scripts.merge_raw_pytorch, mergekit.merge_methods
+from mergekit_ram.integration.registration import ours
+seams = [mergekit.merge.run_merge, mergekit.scripts.merge_raw_pytorch.plan_flat_merge]
 print(
-    all(registry._METHODS[name] is method for name, method in METHODS.items()),
-    all(getattr(function, "__mergekit_ram_wrapped__", False) for function in patched),
-    not hasattr(mergekit.plan.MergePlanner.plan_to_disk, "__mergekit_ram_wrapped__"),  # the planner as it is
+    all(ours(name) is not None for name in ("ram", "ram_plus", "ram_ties", "ram_unique")),
+    all(getattr(function, "__mergekit_ram_seam__", False) for function in seams),
     mergekit.scripts.run_yaml.run_merge is mergekit.merge.run_merge,
     mergekit.scripts.multimerge.run_merge is mergekit.merge.run_merge,
 )
 """
 
 
-def test_any_import_order_registers_and_patches() -> None:
+@pytest.mark.process
+def test_any_import_order_registers_and_puts_the_seams_in_place() -> None:
     environment = {**os.environ, "PYTHONPATH": str(ROOT)}
     environment.pop("MERGEKIT_RAM_AUTOLOAD", None)
     runs = {
@@ -130,5 +133,5 @@ def test_any_import_order_registers_and_patches() -> None:
     }
     results = {first: run.communicate() for first, run in runs.items()}
     assert {first: out.strip() for first, (out, _) in results.items()} == {
-        first: "True True True True True" for first in IMPORT_FIRST
+        first: "True True True True" for first in IMPORT_FIRST
     }, {first: err[-2000:] for first, (_, err) in results.items()}

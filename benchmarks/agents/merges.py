@@ -34,9 +34,8 @@ from typing import Any, Mapping, Optional
 import yaml
 
 from benchmarks.agents.tasks import TASKS
-from benchmarks.common import ratio_or_none, run_measured
+from benchmarks.common import console_script, ratio_or_none, run_measured
 from benchmarks.records import read_json
-from mergekit_ram.cli import console_script
 from mergekit_ram.stats.arithmetic import module_of
 
 LOG = logging.getLogger(__name__)

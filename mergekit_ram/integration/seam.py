@@ -22,12 +22,11 @@ from huggingface_hub import constants as hub_constants
 from mergekit_ram import interrupts, staging
 from mergekit_ram.cache import CacheSettings
 from mergekit_ram.checks import HeaderCache
-from mergekit_ram.errors import InputError, MergekitMovedError, reported
+from mergekit_ram.errors import InputError, MergeInterrupted, MergekitMovedError, reported
 from mergekit_ram.files import write_atomically
 from mergekit_ram.integration.merge import Plan, check_setting, executor, plan_merge, prepare
 from mergekit_ram.integration.recipes import check_config, check_method_name, recipe_nodes
 from mergekit_ram.integration.registration import bound, ours
-from mergekit_ram.interrupts import MergeInterrupted
 from mergekit_ram.published import append_card_section, report_summary
 from mergekit_ram.stats.data import RamStatistics
 from mergekit_ram.stats.schema import STATISTICS_FILE, statistics_to_json
@@ -184,7 +183,7 @@ def _reported(transaction: Transaction) -> Iterator[None]:
             raise
         raise found from error
     if console:
-        interrupts.merge_ended(transaction.interrupted())
+        interrupts.merge_ended(transaction.interrupted().format_message())
 
 
 def finish(staged: str, statistics: RamStatistics, card: bool) -> RamStatistics:
