@@ -115,7 +115,15 @@ class MergekitFinder:
 
 if enabled() and not any(type(finder).__name__ == MergekitFinder.__name__ for finder in sys.meta_path):
     sys.meta_path.insert(0, MergekitFinder())
-if enabled() and os.path.basename(getattr(sys, "argv", [""])[0] or "") in MERGE_SCRIPTS:
+
+
+def runs_a_merge(argv):
+    """mergekit's merging scripts, and mergekit-ram's runners of them (which register the plugin themselves)."""
+    command = os.path.basename(argv[0]) if argv else ""
+    return command in MERGE_SCRIPTS or (command == "mergekit-ram" and argv[1:2] in (["yaml"], ["multi"], ["pytorch"]))
+
+
+if runs_a_merge(getattr(sys, "argv", [])) and (enabled() or os.path.basename(sys.argv[0]) == "mergekit-ram"):
     from mergekit_ram import interrupts
 
     interrupts.quiet_start()

@@ -1,5 +1,5 @@
 """Ctrl-C in a command that runs a merge: one line saying what the output folder holds, exit status 130.
-Standard library only: the start-up hook imports it.
+Standard library only (not even typing): the start-up hook imports it in mergekit's merging scripts.
 
 In mergekit's console scripts the start-up hook (``_autoload``) installs ``quiet_start``: until a RAM merge
 begins, Ctrl-C ends the process at once with one line (nothing is written yet; mergekit's slow imports would
@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import signal
 from types import FrameType
-from typing import Optional
 
 #: 128 + SIGINT: the status a shell reports for a command that Ctrl-C ended.
 EXIT_STATUS = 128 + signal.SIGINT
@@ -26,7 +25,7 @@ class _QuietExit:
     def __init__(self, message: str) -> None:
         self.message = message
 
-    def __call__(self, _number: int, _frame: Optional[FrameType]) -> None:
+    def __call__(self, _number: int, _frame: FrameType | None) -> None:
         os.write(2, (self.message + "\n").encode())
         os._exit(EXIT_STATUS)
 

@@ -105,6 +105,7 @@ def run_merge(
     """mergekit's ``run_merge``; a RAM merge checked, counted and staged around it (the module's sequence)."""
     if ours(merge_config.merge_method) is None:
         check_method_name(merge_config.merge_method)
+        interrupts.merge_started()  # mergekit writes into OUT itself: its own Ctrl-C
         return original(merge_config, out_path, options=options, config_source=config_source)
     transaction = Transaction(out_path)
     with _reported(transaction):
@@ -141,6 +142,7 @@ def plan_flat_merge(
     then executes the empty plan returned)."""
     if ours(config.merge_method) is None:
         check_method_name(config.merge_method)
+        interrupts.merge_started()  # mergekit writes into OUT itself: its own Ctrl-C
         return list(original(config, out_path, tensor_union, tensor_intersection, options))
     files = [entry.model for entry in config.models] + ([config.base_model] if config.base_model else [])
     transaction = Transaction(out_path)

@@ -12,7 +12,8 @@
   enumerates them);
 - ``kernel:prepass`` / ``kernel:merge``: the RAM kernel counting (``count_overlaps``, the pre-pass)
   or merging (``merge_tensors``) a tensor;
-- ``import:MODULE``: the module MODULE starting to import (a Ctrl-C during mergekit's imports).
+- ``import:MODULE``: the module MODULE starting to import (a Ctrl-C during mergekit's imports);
+- ``stderr:TEXT``: a write of TEXT to the standard error; ACTION runs after it (a Ctrl-C once a line is shown).
 
 ACTION: a signal's name (``SIGINT``, ``SIGHUP``, ``SIGKILL``, ...: sent to this process), ``ENOSPC``
 (raise ``OSError(ENOSPC)`` instead, as a full disk does), or ``wait`` (block until the file named by
@@ -80,17 +81,35 @@ def _install(where, what, target, action):
     elif where == "kernel":
         import mergekit.merge_methods  # noqa: F401 - first, as in a real run, so the plugin registers
 
+        import mergekit_ram.integration.merge as merge
         import mergekit_ram.integration.methods as methods
 
-        name = {"prepass": "count_overlaps", "merge": "merge_tensors"}[what]
-        original_kernel = getattr(methods, name)
+        caller, name = {"prepass": (merge, "count_overlaps"), "merge": (methods, "merge_tensors")}[what]
+        original_kernel = getattr(caller, name)
 
         def fault_kernel(*args, **kwargs):
             if hit():
                 _act(action)
             return original_kernel(*args, **kwargs)
 
-        setattr(methods, name, fault_kernel)
+        setattr(caller, name, fault_kernel)
+    elif where == "stderr":
+
+        class Faulting:
+            def __init__(self, stream):
+                self._stream = stream
+
+            def write(self, text):
+                written = self._stream.write(text)
+                if what in text and hit():
+                    self._stream.flush()
+                    _act(action)
+                return written
+
+            def __getattr__(self, name):
+                return getattr(self._stream, name)
+
+        sys.stderr = Faulting(sys.stderr)
     elif where == "import":
 
         class Importing:
@@ -140,8 +159,7 @@ if os.environ.get("MERGEKIT_RAM_TEST_SIGNALS") == "default":
 
 
 def install_faults():
-    """The fault or the count that the environment names: at start-up, and again in each run forked from a
-    warm interpreter (tests/warm_interpreter.py), whose start-up had none."""
+    """The fault or the count that the environment names, at start-up."""
     spec = os.environ.get("MERGEKIT_RAM_TEST_FAULT")
     if spec:
         where, what, target, action = spec.split(":")
