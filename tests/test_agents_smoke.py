@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
@@ -16,7 +17,7 @@ from benchmarks.agents.evaluate import EvalConfig, eval_sets
 from benchmarks.agents.model import ModelSize, completion_text, greedy_correct, new_model, sample, save_model
 from benchmarks.agents.run import main
 from benchmarks.agents.tasks import TASKS, Problem, sample_problems, split_of
-from tests.conftest import run_python
+from tests.conftest import run_script
 
 
 def test_saved_tokenizer_gives_the_training_ids():
@@ -50,11 +51,12 @@ def test_teacher_forced_check_is_greedy_decoding():
 def run_forked(
     argv: Sequence[str], *, env: Mapping[str, str], log_path: Path, data_limit_bytes: Optional[int] = None
 ) -> dict[str, Any]:
-    """``benchmarks.common.run_measured`` for the smoke run, which measures nothing: the real ``mergekit-yaml``
-    through ``run_python`` (forked from a warm interpreter), its output in ``log_path``."""
+    """``benchmarks.common.run_measured`` for the smoke run, which measures nothing: the real ``mergekit-yaml``'s
+    command in this process (``run_script``), its output in ``log_path``."""
     assert data_limit_bytes is None
     started = time.perf_counter()
-    completed = run_python(list(argv), dict(env))
+    changed = {key: value for key, value in env.items() if os.environ.get(key) != value}
+    completed = run_script(os.path.basename(argv[0]), *argv[1:], env=changed, check=False)
     log_path.write_text(completed.stdout + completed.stderr, encoding="utf-8")
     return {"returncode": completed.returncode, "wall_s": time.perf_counter() - started, "log_tail": completed.stderr}
 

@@ -1,7 +1,7 @@
 """The machine's resources running out in a RAM merge (too many open files, a file size limit, a full disk,
 no memory): mergekit's own cause once, in one line with its fix (``errors.resource_message``), and the output
-folder as it was. The limits are lowered for the real mergekit-yaml only, once it has imported mergekit (a run
-forked from a warm interpreter, ``run_python``), so that each limit tried costs a merge, not a start."""
+folder as it was. The limits are lowered for the real mergekit-yaml only, in a new interpreter each
+(``run_process``): the limits are the subject."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import pytest
 
 from mergekit_ram.errors import RESOURCE_FAILURES, resource_message
-from tests.conftest import ModelSet, run_python, script, write_recipe
+from tests.conftest import ModelSet, run_process, script, write_recipe
 from tests.test_cli import one_line_error
 
 USER_FILES = {"notes.txt": b"the user's own file\n"}
@@ -33,6 +33,7 @@ class LimitedRun:
 def limited_run(models: ModelSet, root: str, which: int, limits: range) -> LimitedRun:
     """mergekit-yaml with the resource ``which`` lowered to each of ``limits`` in turn, until mergekit gets as
     far as merging (its loader warms up, or it succeeds): below that it fails earlier."""
+    os.makedirs(root, exist_ok=True)
     recipe = write_recipe(os.path.join(root, "r.yml"), models.recipe("ram_plus"))
     out = os.path.join(root, "out")
     for limit in limits:
@@ -41,8 +42,7 @@ def limited_run(models: ModelSet, root: str, which: int, limits: range) -> Limit
             with open(os.path.join(out, name), "wb") as handle:
                 handle.write(data)
 
-        environment = {**os.environ, "HF_HUB_OFFLINE": "1"}
-        completed = run_python([script("mergekit-yaml"), recipe, out], environment, limits={which: limit})
+        completed = run_process([script("mergekit-yaml"), recipe, out], limits={which: limit})
         if completed.returncode == 0 or "Warmup loader cache" in completed.stderr:
             return LimitedRun(completed, limit, out)
     raise AssertionError(f"mergekit-yaml did not start under any of the limits {limits}")
@@ -56,31 +56,20 @@ def assert_as_it_was(out: str) -> None:
             assert handle.read() == data
 
 
-@pytest.fixture(scope="module")
-def too_many_open_files(bf16_models: ModelSet, tmp_path_factory: pytest.TempPathFactory) -> LimitedRun:
-    """The lowest ``ulimit -n`` at which mergekit gets as far as merging (9 here, as when the limit is set before
-    the imports; 6 to 8 stop earlier, each with its own one line). The merge then fails on EMFILE."""
-    return limited_run(bf16_models, str(tmp_path_factory.mktemp("nofile")), resource.RLIMIT_NOFILE, range(4, 16))
-
-
-def test_too_many_open_files_is_one_line(too_many_open_files: LimitedRun) -> None:
-    """mergekit's own failure (safetensors cannot open a model), not the clean-up's that followed it."""
-    message = one_line_error(too_many_open_files.completed)
+@pytest.mark.process
+def test_a_limit_run_into_is_one_line_and_leaves_the_folder_as_it_was(bf16_models: ModelSet, tmp_path) -> None:
+    """Too many open files: mergekit's own failure (safetensors cannot open a model), not the clean-up's that
+    followed it. ``ulimit -f`` below the weights' size (about 39 KB): mergekit's write fails with EFBIG, as a full
+    disk gives ENOSPC. Each in one line naming it; the folder holds the user's file alone."""
+    run = limited_run(bf16_models, str(tmp_path / "nofile"), resource.RLIMIT_NOFILE, range(4, 16))
+    message = one_line_error(run.completed)
     assert re.fullmatch(
         r"too many open files \(errno EMFILE\) while merging "
         r"\(unable to open file <\S+\.safetensors> in read-only mode\): raise the limit \(ulimit -n\)",
         message,
     ), message
-
-
-def test_too_many_open_files_leaves_the_folder_as_it_was(too_many_open_files: LimitedRun) -> None:
-    assert_as_it_was(too_many_open_files.out)
-
-
-def test_a_file_size_limit_is_one_line_and_leaves_the_folder_as_it_was(bf16_models: ModelSet, tmp_path) -> None:
-    """``ulimit -f`` below the weights' size (about 39 KB): mergekit's write fails with EFBIG, as a full disk gives
-    ENOSPC; one line naming it, and the folder holds the user's file alone."""
-    run = limited_run(bf16_models, str(tmp_path), resource.RLIMIT_FSIZE, range(20_000, 20_001))
+    assert_as_it_was(run.out)
+    run = limited_run(bf16_models, str(tmp_path / "fsize"), resource.RLIMIT_FSIZE, range(20_000, 20_001))
     message = one_line_error(run.completed)
     assert message == (
         "file too large (errno EFBIG) while merging (Error while serializing: I/O error): raise the file size limit "
