@@ -117,7 +117,7 @@ def _check_size(root: yaml.Node, what: str) -> None:
             if sizes[id(node)] > MAX_NODES:
                 raise UnreadableYaml(
                     f"{what} expands to more than {MAX_NODES:,} values through its aliases (*name) near line "
-                    f"{node.start_mark.line + 1}: write the values out, without aliases"
+                    f"{node.start_mark.line + 1}"
                 )
             continue
         if id(node) in open_nodes:

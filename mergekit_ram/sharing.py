@@ -165,7 +165,7 @@ def readings(card: FolderFile, recipe: FolderFile, statistics: FolderFile) -> Re
             parsed_card = read_card(card.text)
         except bounded_yaml.UnreadableYaml as error:
             findings.append(
-                Finding("card", f"{error}: write it as plain YAML, without aliases (mergekit's), or merge again")
+                Finding("card", f"{error}: write it as plain YAML without aliases, as mergekit does, or merge again")
             )
     if recipe.text is not None:
         try:
@@ -523,5 +523,6 @@ def local_paths(read: Readings, local: list[str]) -> list[Finding]:
     paths = sorted({path for name in files for path in named[name]})
     if not files:
         return []
-    message = f"{', '.join(files)} name local folders ({', '.join(paths)}): {HUB_ID_FIX.format(path=paths[0])}"
+    named_by = files[0] + " names" if len(files) == 1 else f"{', '.join(files[:-1])} and {files[-1]} name"
+    message = f"{named_by} local folders ({', '.join(paths)}): {HUB_ID_FIX.format(path=paths[0])}"
     return [Finding("local_paths", message)]
