@@ -50,8 +50,8 @@ _RECIPE_BLOCK = re.compile(
     r"(^The following YAML configuration was used to produce this model:\n\n```yaml\n)(.*?)(^```$)",
     re.MULTILINE | re.DOTALL,
 )
-#: Around a path mentioned in text: what may come before and after it (a path ends before ``.`` only at a line's end).
-_BEFORE, _AFTER = r"(?<![^\s(\[|`'\"])", r"(?=[\s)\]|`'\",]|$)"
+#: Around a path mentioned in text: what may come before and after it (not ``.``: "as a base.").
+_BEFORE, _AFTER = r"(?<![^\s(\[|`'\"])", r"(?=[\s)\]|`'\",:;]|$)"
 _SHOWN = 5  # local models named in one message at most
 
 
@@ -138,37 +138,46 @@ def hub_path(hub_id: str) -> str:
 
 
 class Reference(NamedTuple):
-    """A model reference in a recipe: the scalar node, and whether it is a whole reference or one path."""
+    """A model reference in a recipe: its key and its scalar node."""
 
+    key: str
     node: yaml.ScalarNode
-    whole: bool
+
+    @property
+    def whole(self) -> bool:
+        """A whole reference (``path@revision+lora@revision``), else one path."""
+        return self.key in REFERENCE_KEYS
 
     @property
     def paths(self) -> list[str]:
         return reference_paths(self.node.value, self.whole)
 
 
+def _is_reference(key: yaml.Node, value: yaml.Node) -> bool:
+    if not (_is_text(key) and _is_text(value) and key.value in REFERENCE_KEYS | PATH_KEYS):
+        return False
+    return not (key.value in ("source", "tokenizer_source") and value.value in SOURCE_WORDS)
+
+
 def recipe_references(documents: list[yaml.Node]) -> list[Reference]:
-    """Every model reference of the recipe's documents, at any depth, each node once (aliases)."""
-    found, seen, stack = [], set(), list(reversed(documents))
+    """Every model reference of the recipe's documents, at any depth, in the text's order; a node that aliases
+    name twice, once."""
+    found: dict[int, Reference] = {}
+    seen, stack = set(), list(documents)
     while stack:
         node = stack.pop()
         if id(node) in seen:
             continue
         seen.add(id(node))
         if isinstance(node, yaml.SequenceNode):
-            stack.extend(reversed(node.value))
+            stack.extend(node.value)
         elif isinstance(node, yaml.MappingNode):
-            for key, value in reversed(node.value):
-                if _is_text(value) and _is_text(key) and key.value in REFERENCE_KEYS | PATH_KEYS:
-                    if id(value) not in seen and not (
-                        key.value in ("source", "tokenizer_source") and value.value in SOURCE_WORDS
-                    ):
-                        seen.add(id(value))
-                        found.append(Reference(value, key.value in REFERENCE_KEYS))
+            for key, value in node.value:
+                if _is_reference(key, value):
+                    found.setdefault(id(value), Reference(key.value, value))
                 else:
                     stack.append(value)
-    return sorted(found, key=lambda reference: reference.node.start_mark.index)
+    return sorted(found.values(), key=lambda reference: reference.node.start_mark.index)
 
 
 def _is_text(node: yaml.Node) -> bool:
@@ -188,6 +197,11 @@ def renamed_recipe(text: str, renames: dict[str, str]) -> str:
         properties = re.match(r"(?:[&!]\S*\s+)*", raw)
         assert properties is not None
         new = renamed_reference(reference.node.value, renames, reference.whole)
+        if reference.key == "path" and "@" in new:
+            raise MergedFolderError(
+                f"{RECIPE} names {reference.node.value} as a path beside its revision: give its Hub id without "
+                f"@revision, and write the revision into the recipe's revision field"
+            )
         pieces += [text[done:start], properties[0], _scalar(new, reference.node.style)]
         done = end
     spliced = "".join(pieces) + text[done:]
