@@ -410,7 +410,7 @@ def strict_json(text: str) -> Any:
 
 
 def _no_constant(name: str) -> None:
-    raise ValueError(f"{name} is not a JSON number")
+    raise ValueError(name)
 
 
 def readable_statistics(data: Any) -> bool:

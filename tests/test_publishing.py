@@ -43,8 +43,8 @@ HUB_IDS = {
     "./models/base": "your-name/agents-base",
     "./models/coding-agent": "your-name/coding-agent",
     "./models/tool-agent": "your-name/tool-agent",
+    "./models/memory-agent": "your-name/memory-agent",
 }
-HUB_ID_FILE = "./models/memory-agent: your-name/memory-agent\n"
 REVISION = "0123456789abcdef0123456789abcdef01234567"
 
 
@@ -73,29 +73,27 @@ def test_local_agents_to_the_hub_and_back(tmp_path: Path, monkeypatch: pytest.Mo
     first = {name: Path("merged", name).read_bytes() for name in ("model.safetensors", "ram_statistics.json")}
 
     # The one step, then check clean.
-    Path("hub-ids.yml").write_text(HUB_ID_FILE, encoding="utf-8")
     hub_ids = [f"--hub-id={local}={hub_id}" for local, hub_id in HUB_IDS.items()]
-    step = invoke(mergekit_ram, "check", "merged", *hub_ids, "--hub-id-file", "hub-ids.yml", "--set-license", "mit")
+    step = invoke(mergekit_ram, "check", "merged", "--set-license", "mit", *hub_ids)
     assert (step.exit_code, step.stdout.splitlines()) == (0, [MANIFEST_NOTE, "ready to upload"]), step.output
     assert step.stderr == "rewrote ram_statistics.json, mergekit_config.yml, README.md\n"
     for name in ("README.md", "mergekit_config.yml", "ram_statistics.json"):
         text = Path("merged", name).read_text(encoding="utf-8")
         assert "models/" not in text and str(tmp_path) not in text, name
-    ids = sorted([*HUB_IDS.values(), "your-name/memory-agent"])
+    ids = sorted(HUB_IDS.values())
     assert LOCAL_LINE.format(ids=", ".join(ids)) in Path("merged/README.md").read_text(encoding="utf-8")
     recipe = Path("merged/mergekit_config.yml").read_text(encoding="utf-8")
     assert recipe == (
         RECIPE.replace("./models/base", "your-name/agents-base").replace("./models/", "your-name/")
     )  # the user's recipe, comments kept, the ids in place of the folders
     assert Path("merged/model.safetensors").read_bytes() == first["model.safetensors"]
-    again = invoke(mergekit_ram, "check", "merged", *hub_ids, "--hub-id-file", "hub-ids.yml", "--set-license", "mit")
+    again = invoke(mergekit_ram, "check", "merged", "--set-license", "mit", *hub_ids)
     assert (again.exit_code, again.stdout, again.stderr) == (0, step.stdout, "")  # nothing left to change
 
     # The models in a Hugging Face cache under their Hub ids; the hub library finds them offline.
     assert huggingface_hub.constants.HF_HUB_OFFLINE
     cache = tmp_path / "hf-home" / "hub"
-    ids_of = {**HUB_IDS, "./models/memory-agent": "your-name/memory-agent"}
-    snapshots = {hub_id: place_in_hub_cache(cache, Path(local), hub_id) for local, hub_id in ids_of.items()}
+    snapshots = {hub_id: place_in_hub_cache(cache, Path(local), hub_id) for local, hub_id in HUB_IDS.items()}
     for hub_id, snapshot in snapshots.items():
         found = huggingface_hub.snapshot_download(hub_id, cache_dir=str(cache), local_files_only=True)
         assert Path(found) == snapshot
@@ -130,3 +128,14 @@ def test_local_agents_to_the_hub_and_back(tmp_path: Path, monkeypatch: pytest.Mo
     assert rerun.exit_code == 0, rerun.output
     assert (rerun_path / "model.safetensors").read_bytes() == first["model.safetensors"]
     assert (rerun_path / "ram_statistics.json").read_bytes() == (tmp_path / "merged/ram_statistics.json").read_bytes()
+
+
+def test_the_readme_shows_this_example() -> None:
+    """README.md's worked example is the recipe and the flags run above."""
+    readme = Path(__file__).parent.parent.joinpath("README.md").read_text(encoding="utf-8")
+    assert f"```yaml\n{RECIPE}```" in readme
+    step = "$ mergekit-ram check merged --set-license mit \\\n" + " \\\n".join(
+        f"    --hub-id {local}={hub_id}" for local, hub_id in HUB_IDS.items()
+    )
+    assert f"$ mergekit-yaml recipe.yml merged\n{step}\n" in readme
+    assert f"{MANIFEST_NOTE.removeprefix('note: ')}" in readme
