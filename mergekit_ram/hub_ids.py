@@ -118,9 +118,9 @@ def reference_paths(reference: str, whole: bool = True) -> list[str]:
 
 
 def is_local(path: str) -> bool:
-    """Not a Hub id, or a single name that is a folder here: mergekit reads such a path from the disk (a relative
-    one from the current folder); ``org/name`` is the Hub's unless ``--hub-id`` names it."""
-    return bool(path) and (not HUB_ID.fullmatch(path) or ("/" not in path and os.path.isdir(path)))
+    """Not a Hub id, or a folder here: what mergekit reads from the disk (a relative path from the current folder,
+    where the merge ran)."""
+    return bool(path) and (not HUB_ID.fullmatch(path) or os.path.isdir(path))
 
 
 def renamed_reference(reference: str, renames: dict[str, str], whole: bool = True) -> str:
@@ -309,30 +309,40 @@ def _linked(markdown: str, renames: dict[str, str]) -> str:
     )
 
 
-def renamed_body(body: str, renames: dict[str, str], recipe: Optional[tuple[str, str]]) -> str:
-    """The card's text after its front matter, renamed: its recipe block becomes the new recipe where it quoted the
-    old one (``recipe``: old, new), mergekit's model lines link the Hub ids, other mentions become the ids."""
+def renamed_body(body: str, renames: dict[str, str]) -> str:
+    """The card's text after its front matter, renamed: the recipe it quotes as the recipe file is (``renamed_recipe``;
+    word by word where it does not parse), mergekit's model lines linking the Hub ids, other mentions the ids."""
     block = recipe_block(body)
-    if block is not None and recipe is not None and block[2].strip() == recipe[0].strip():
-        quoted = (
-            block[2][: len(block[2]) - len(block[2].lstrip())] + recipe[1].strip() + block[2][len(block[2].rstrip()) :]
-        )
-        before, after = body[: block.start(2)], body[block.end(2) :]
-    else:
-        block, before, quoted, after = None, body, "", ""
+    if block is None:
+        return with_sorted_model_list(_renamed_text_of_card(body, renames))
+    try:
+        quoted = renamed_recipe(block[2], renames)
+    except bounded_yaml.UnreadableYaml:
+        quoted = renamed_mentions(block[2], renames)
+    before, after = body[: block.start(2)], body[block.end(2) :]
+    return with_sorted_model_list(
+        _renamed_text_of_card(before, renames) + quoted + _renamed_text_of_card(after, renames)
+    )
 
-    def text(part: str) -> str:
-        part = _BASE_LINE.sub(lambda found: found[1] + _linked(found[2], renames) + found[3], part)
-        part = MODEL_LIST.sub(
-            lambda found: (
-                found[1]
-                + "".join(f"* {_linked(line[2:].rstrip(chr(10)), renames)}\n" for line in found[2].splitlines(True))
-            ),
-            part,
-        )
-        return renamed_mentions(part, renames)
 
-    return with_sorted_model_list(text(before) + (quoted if block is not None else "") + text(after))
+def _renamed_text_of_card(text: str, renames: dict[str, str]) -> str:
+    text = _BASE_LINE.sub(lambda found: found[1] + _linked(found[2], renames) + found[3], text)
+    text = MODEL_LIST.sub(
+        lambda found: (
+            found[1]
+            + "".join(f"* {_linked(line[2:].rstrip(chr(10)), renames)}\n" for line in found[2].splitlines(True))
+        ),
+        text,
+    )
+    return renamed_mentions(text, renames)
+
+
+def quoted_references(card: Optional[Card]) -> list[Reference]:
+    """The model references of the recipe the card quotes (none where it quotes none, or one that does not parse)."""
+    block = recipe_block(card.body) if card is not None else None
+    with contextlib.suppress(bounded_yaml.UnreadableYaml):
+        return recipe_references(bounded_yaml.compose(block[2], RECIPE)) if block is not None else []
+    return []
 
 
 def with_local_line(body: str, hub_ids: list[str]) -> str:
@@ -385,6 +395,7 @@ class Parsed(NamedTuple):
     card: Optional[Card]
     recipe: list[Reference]
     statistics: Any
+    quoted: list[Reference] = []  # the card's recipe's
 
 
 def parsed(texts: FolderText, out: str) -> Parsed:
@@ -399,7 +410,7 @@ def parsed(texts: FolderText, out: str) -> Parsed:
         raise MergedFolderError(
             f"cannot change {out}: {STATISTICS_FILE} is not the statistics a merge writes: merge again"
         )
-    return Parsed(card, recipe, statistics)
+    return Parsed(card, recipe, statistics, quoted_references(card))
 
 
 def strict_json(text: str) -> Any:
@@ -422,18 +433,27 @@ def readable_statistics(data: Any) -> bool:
     return True
 
 
-def folder_paths(files: Parsed) -> list[str]:
-    """Every model path the folder's recipe, statistics and card front matter name, in that order, once."""
-    paths = [path for reference in files.recipe for path in reference.paths]
-    paths += [path for name in statistics_models(files.statistics) for path in reference_paths(name)]
+def folder_paths(files: Parsed) -> list[list[str]]:
+    """The model paths each place of the folder names: the recipe, the recipe the card quotes, the statistics, the
+    card's ``base_model``."""
     listed = (files.card.metadata or {}).get("base_model") if files.card is not None else None
-    paths += [name for name in (listed if isinstance(listed, list) else [listed]) if isinstance(name, str)]
-    return list(dict.fromkeys(path for path in paths if path))
+    return [
+        [path for reference in files.recipe for path in reference.paths],
+        [path for reference in files.quoted for path in reference.paths],
+        [path for name in statistics_models(files.statistics) for path in reference_paths(name)],
+        [name for name in (listed if isinstance(listed, list) else [listed]) if isinstance(name, str)],
+    ]
 
 
-def renames_for(paths: list[str], hub_ids: dict[str, str], out: str) -> dict[str, str]:
+def all_paths(places: list[list[str]]) -> list[str]:
+    """Each path of ``folder_paths`` once, in order."""
+    return list(dict.fromkeys(path for paths in places for path in paths if path))
+
+
+def renames_for(places: list[list[str]], hub_ids: dict[str, str], out: str) -> dict[str, str]:
     """{path as the folder names it: Hub id} for each local path; refused in one line where a local model has no
-    id, an id names no model of the folder, or two models would get one id."""
+    id, an id names no model of the folder, or one place (the recipe, say) would name two models by one id."""
+    paths = all_paths(places)
     renames = {path: hub_ids[resolved(path)] for path in paths if resolved(path) in hub_ids}
     missing = [path for path in paths if is_local(path) and path not in renames]
     if missing:
@@ -442,25 +462,21 @@ def renames_for(paths: list[str], hub_ids: dict[str, str], out: str) -> dict[str
             f"{out} names local models without a Hub id: {shown}; give each one: --hub-id {missing[0]}=ORG/NAME "
             "(or a --hub-id-file of them all); nothing was changed"
         )
-    named = {hub_path(hub_id) for hub_id in renames.values()} | {
-        hub_path(path) for path in paths if path not in renames
-    }
-    unused = [(local, hub_id) for local, hub_id in hub_ids.items() if hub_id not in renames.values()]
-    for local, hub_id in unused:
-        if hub_path(hub_id) not in named:  # not already applied by an earlier run
+    named = {hub_path(renames.get(path, path)) for path in paths}
+    for local, hub_id in hub_ids.items():
+        if hub_id not in renames.values() and hub_path(hub_id) not in named:  # else applied by an earlier run
             raise MergedFolderError(
                 f"--hub-id {local}={hub_id}: {out} names no model at {local} (its local models: "
                 f"{', '.join(path for path in paths if is_local(path)) or 'none'}); nothing was changed"
             )
-    owners: dict[str, str] = {}
-    for path in paths:
-        hub_id = hub_path(renames.get(path, path))
-        if path in renames or not is_local(path):
-            other = owners.setdefault(hub_id, path)
-            if other != path and resolved(other) != resolved(path):
+    for place in places:
+        owners: dict[str, str] = {}
+        for path in place:
+            other = owners.setdefault(renames.get(path, path), path)
+            if resolved(other) != resolved(path):
                 raise MergedFolderError(
-                    f"{other} and {path} would both be named {hub_id}: give each model its own Hub id; nothing was "
-                    "changed"
+                    f"{other} and {path} would both be named {renames.get(path, path)}: give each model its own Hub "
+                    "id; nothing was changed"
                 )
     return renames
 
@@ -478,8 +494,7 @@ def prepared_texts(texts: FolderText, out: str, hub_ids: dict[str, str], license
         statistics = statistics_text(renamed) if renamed != files.statistics else None
     card = None
     if texts.card is not None and files.card is not None and (renames or license_id is not None):
-        quoted = (texts.recipe, recipe) if texts.recipe is not None and recipe is not None else None
-        body = renamed_body(files.card.body, renames, quoted)
+        body = renamed_body(files.card.body, renames)
         if renames:
             body = with_local_line(body, sorted({hub_path(hub_id) for hub_id in renames.values()}))
         metadata = hub_metadata(dict(files.card.metadata or {}), renames) if renames else files.card.metadata

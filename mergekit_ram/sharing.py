@@ -22,9 +22,11 @@ from mergekit_ram.files import JSON_LIMIT, UnreadableFile, open_regular, read_re
 from mergekit_ram.hub_ids import (
     Parsed,
     Reference,
+    all_paths,
     folder_paths,
     is_local,
     mentions,
+    quoted_references,
     readable_statistics,
     recipe_block,
     recipe_references,
@@ -187,7 +189,8 @@ def check_folder(out: str, accept_warnings: bool = False, changed: Optional[list
         findings += uploaded(folder, names)
     findings += [file.problem for file in files if file.problem is not None]
     read = readings(card, recipe, statistics)
-    local = [path for path in folder_paths(Parsed(read.card, read.references or [], read.statistics)) if is_local(path)]
+    named = Parsed(read.card, read.references or [], read.statistics, quoted_references(read.card))
+    local = [path for path in all_paths(folder_paths(named)) if is_local(path)]
     findings += read.findings + statistics_findings(statistics, read.statistics, accept_warnings)
     findings += card_findings(card, read.card, read.statistics, local)
     findings += consistency(card, recipe, read)

@@ -219,3 +219,20 @@ def test_front_matter_as_the_hub_finds_it(card: str, expected: Card) -> None:
     assert read_card(card) == expected
     if expected.metadata:
         assert read_card(expected.text()) == expected
+
+
+def test_a_step_stopped_half_way_is_completed_by_running_it_again(
+    merged: Path, bf16_models: ModelSet, tmp_path: Path
+) -> None:
+    """The statistics and the recipe rewritten, the card not (the step stopped before its last rename): the
+    card's own quote of the recipe still names the folders, so running the step again completes it, to the
+    bytes of an uninterrupted run."""
+    whole = tmp_path / "whole"
+    shutil.copytree(merged, whole)
+    assert check(whole, *hub_id_options(bf16_models), "--set-license", "mit")[0] == 0
+    for name in ("ram_statistics.json", "mergekit_config.yml"):
+        shutil.copy(whole / name, merged / name)
+    status, lines = check(merged)
+    assert status == 1 and any(line.startswith("problem: README.md names local folders (") for line in lines)
+    assert check(merged, *hub_id_options(bf16_models), "--set-license", "mit") == (0, [MANIFEST_NOTE, "ready to upload"])
+    assert snapshot(merged) == snapshot(whole)
