@@ -36,7 +36,7 @@ from mergekit_ram.hub_ids import (
 )
 from mergekit_ram.published import CARD_TAG, Card, read_card
 from mergekit_ram.staging import MANIFEST_FILE, MARKER_FILE, PRIVATE_PREFIX
-from mergekit_ram.stats.render import card_markdown
+from mergekit_ram.stats.render import card_markdown, terminal_text
 from mergekit_ram.stats.schema import STATISTICS_FILE, statistics_from_dict
 
 CARD, RECIPE, CONFIG, INDEX = "README.md", "mergekit_config.yml", "config.json", "model.safetensors.index.json"
@@ -64,6 +64,7 @@ MODEL_PATTERN = re.compile(
 #: What ``hf upload`` leaves out by itself (huggingface_hub's DEFAULT_IGNORE_PATTERNS, FORBIDDEN_FOLDERS).
 NOT_UPLOADED = frozenset({".git", ".cache"})
 LISTED = 20  # entries named one by one at most; the rest in one note
+SHOWN = 120  # characters of a front matter value quoted in a message at most
 #: Where ``hub_ids`` fixes what a finding names.
 HUB_ID_FIX = (
     "mergekit-ram check OUT --hub-id {path}=ORG/NAME for each local model (or --hub-id-file FILE) names them by "
@@ -108,12 +109,7 @@ class Report(NamedTuple):
         problems = len(self.of(note=False))
         verdict = f"{problems} problem(s): do not upload yet" if problems else "ready to upload"
         shown = [f"{'note' if f.note else 'problem'}: {f.message}" for f in self.of(True) + self.of(False)]
-        return [one_line_text(line) for line in shown] + [verdict]
-
-
-def one_line_text(text: str) -> str:
-    """Unprintable characters (a line end in a file's name) escaped."""
-    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+        return [terminal_text(line) for line in shown] + [verdict]
 
 
 class FolderFile(NamedTuple):
@@ -291,35 +287,29 @@ def tokenizer(folder: int) -> list[Finding]:
 
 def uploaded(folder: int, names: set[str]) -> list[Finding]:
     """Entries ``hf upload`` would upload that are not part of the model (notes: the user decides), each with the
-    ``--exclude`` pattern that leaves it out (a ``*`` there also matches across folders)."""
+    ``--exclude`` pattern that leaves it out (a ``*`` there also matches across folders); ``LISTED`` at most."""
     killed = {MARKER_FILE} | {name for name in names if name.startswith(PRIVATE_PREFIX) and name != MANIFEST_FILE}
-    extra = sorted(names - MODEL_FILES - NOT_UPLOADED - killed)  # a killed merge's: a problem of its own
-    found = []
-    for name in [name for name in extra if not MODEL_PATTERN.fullmatch(name)]:
-        if name == MANIFEST_FILE:
-            found.append(
-                Finding(
-                    "upload",
-                    f"{MANIFEST_FILE} is mergekit-ram's record of the files its merge wrote here (keep it for the next "
-                    f"merge), not part of the model: leave it out, hf upload ... --exclude '{PRIVATE_PREFIX}*'",
-                    note=True,
-                )
-            )
-            continue
-        pattern = shlex.quote(glob.escape(name) + ("/" if _is_folder(folder, name) else ""))
-        found.append(
-            Finding(
-                "upload",
-                f"{name} is not part of the model, and hf upload would upload it: move it out of the folder, or leave "
-                f"it out, hf upload ... --exclude {pattern}",
-                note=True,
-            )
+    extra = names - MODEL_FILES - NOT_UPLOADED - killed  # a killed merge's entries: a problem of their own
+    stray = sorted(name for name in extra if not MODEL_PATTERN.fullmatch(name) and name != MANIFEST_FILE)
+    found = [
+        Finding(
+            "upload",
+            f"{MANIFEST_FILE} is mergekit-ram's record of the files its merge wrote here (keep it for the next merge), "
+            f"not part of the model: leave it out, hf upload ... --exclude '{PRIVATE_PREFIX}*'",
+            note=True,
         )
-    if len(found) > LISTED:
-        rest = len(found) - LISTED + 1
-        found = found[: LISTED - 1] + [
-            Finding("upload", f"{rest} more entries are not part of the model: move them out of the folder", note=True)
-        ]
+    ] * (MANIFEST_FILE in extra)
+    shown = stray if len(stray) <= LISTED else stray[: LISTED - 1]
+    for name in shown:
+        pattern = shlex.quote(glob.escape(name) + ("/" if _is_folder(folder, name) else ""))
+        message = (
+            f"{name} is not part of the model, and hf upload would upload it: move it out of the folder, or leave it "
+            f"out, hf upload ... --exclude {pattern}"
+        )
+        found.append(Finding("upload", message, note=True))
+    if len(shown) < len(stray):
+        message = f"{len(stray) - len(shown)} more entries are not part of the model: move them out of the folder"
+        found.append(Finding("upload", message, note=True))
     return found
 
 
@@ -349,9 +339,10 @@ def statistics_findings(statistics: FolderFile, data: Any, accept_warnings: bool
 
 
 def shown(value: Any) -> str:
-    """A front matter value as YAML writes it (``merge``, ``[a, b]``, ``null``), never as Python does."""
+    """A front matter value as YAML writes it (``merge``, ``[a, b]``, ``null``), never as Python does; cut short."""
     with contextlib.suppress(yaml.YAMLError):
-        return yaml.safe_dump(value, default_flow_style=True, width=1 << 16).strip().removesuffix("...").strip()
+        text = yaml.safe_dump(value, default_flow_style=True, width=1 << 16).strip().removesuffix("...").strip()
+        return text if len(text) <= SHOWN else text[: SHOWN - 3] + "..."
     return "a value that is not YAML"
 
 
@@ -515,7 +506,7 @@ def local_paths(read: Readings, local: list[str]) -> list[Finding]:
         STATISTICS_FILE: [
             path for name in statistics_models(read.statistics) for path in reference_paths(name) if path in local
         ]
-        + mentions(" ".join((read.statistics or {}).get("warnings") or []), local),
+        + mentions(" ".join(w for w in (read.statistics or {}).get("warnings") or [] if isinstance(w, str)), local),
         CARD: [],
     }
     if read.card is not None:

@@ -289,6 +289,10 @@ CASES: dict[str, tuple[Callable[[Path], None], str]] = {
         _statistics(lambda data: data.update(models=1)),
         "ram_statistics.json is not the statistics file a merge writes: merge again",
     ),
+    "statistics with a warning that is not text": (
+        _statistics(lambda data: data.update(warnings=[None])),
+        "ram_statistics.json is not the statistics file a merge writes: merge again",
+    ),
     "statistics through a link": (
         lambda f: _link(f, "ram_statistics.json"),
         "ram_statistics.json cannot be read (it is a symbolic link): replace it with the merge's own",
@@ -471,6 +475,20 @@ def test_what_would_be_uploaded_and_is_not_the_model(clean: Path, tmp_path) -> N
             "1 problem(s): do not upload yet",
         ],
     )
+
+
+def test_many_stray_entries_are_one_note_past_twenty(clean: Path, tmp_path) -> None:
+    folder = tmp_path / "out"
+    shutil.copytree(clean, folder)
+    for index in range(25):
+        (folder / f"stray-{index:02}.txt").write_text("x", encoding="utf-8")
+    status, lines = check(folder)
+    assert status == 0 and len(lines) == 1 + 19 + 1 + 1
+    assert lines[19] == (
+        "note: stray-18.txt is not part of the model, and hf upload would upload it: move it out of the folder, or "
+        "leave it out, hf upload ... --exclude stray-18.txt"
+    )
+    assert lines[20] == "note: 6 more entries are not part of the model: move them out of the folder"
 
 
 def test_a_card_of_another_merge_is_named(ram_plus_merge: Merged, bf16_models: ModelSet, tmp_path) -> None:

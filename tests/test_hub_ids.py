@@ -234,5 +234,8 @@ def test_a_step_stopped_half_way_is_completed_by_running_it_again(
         shutil.copy(whole / name, merged / name)
     status, lines = check(merged)
     assert status == 1 and any(line.startswith("problem: README.md names local folders (") for line in lines)
-    assert check(merged, *hub_id_options(bf16_models), "--set-license", "mit") == (0, [MANIFEST_NOTE, "ready to upload"])
+    assert check(merged, *hub_id_options(bf16_models), "--set-license", "mit") == (
+        0,
+        [MANIFEST_NOTE, "ready to upload"],
+    )
     assert snapshot(merged) == snapshot(whole)
