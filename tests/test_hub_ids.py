@@ -239,3 +239,20 @@ def test_a_step_stopped_half_way_is_completed_by_running_it_again(
         [MANIFEST_NOTE, "ready to upload"],
     )
     assert snapshot(merged) == snapshot(whole)
+
+
+def test_the_licence_alone_changes_nothing_else(upstream_ram_merge: Merged, tmp_path: Path) -> None:
+    """``--set-license`` without ``--hub-id``: the front matter gains the licence; the rest of the card, its
+    model list's order included, and the other files stay byte for byte."""
+    folder = tmp_path / "out"
+    shutil.copytree(upstream_ram_merge.out, folder)
+    card = (folder / "README.md").read_text(encoding="utf-8")
+    listed = card.index("* ")
+    (folder / "README.md").write_text(card[:listed] + "* zzz\n" + card[listed:], encoding="utf-8")  # unsorted
+    before = snapshot(folder)
+    assert run("check", str(folder), "--set-license", "mit").stderr == "rewrote README.md\n"
+    after = snapshot(folder)
+    assert {name for name in before if before[name] != after[name]} == {"README.md"}
+    old, new = before["README.md"].decode(), after["README.md"].decode()
+    assert new.split("\n---\n", 1)[1] == old.split("\n---\n", 1)[1]
+    assert new.split("\n---\n", 1)[0] == old.split("\n---\n", 1)[0].replace("\ntags:", "\nlicense: mit\ntags:")
