@@ -44,8 +44,9 @@ LOCAL_LINE = (
     "When this model was merged, {ids} were local folders: this card, mergekit_config.yml and ram_statistics.json "
     "name them by their Hub ids."
 )
-#: mergekit's card: its base model line, and where it quotes the recipe.
-_BASE_LINE = re.compile(r"^(This model was merged using the .* merge method using )(.+)( as a base\.)$", re.MULTILINE)
+#: mergekit's card: its base model line (``This model was merged using the <method> merge method using <model>
+#: as a base.``), and where it quotes the recipe.
+_BASE_LINE = ("This model was merged using the ", " merge method using ", " as a base.")
 _RECIPE_BLOCK = re.compile(
     r"(^The following YAML configuration was used to produce this model:\n\n```yaml\n)(.*?)(^```$)",
     re.MULTILINE | re.DOTALL,
@@ -326,7 +327,7 @@ def renamed_body(body: str, renames: dict[str, str]) -> str:
 
 
 def _renamed_text_of_card(text: str, renames: dict[str, str]) -> str:
-    text = _BASE_LINE.sub(lambda found: found[1] + _linked(found[2], renames) + found[3], text)
+    text = "".join(_with_linked_base(line, renames) for line in text.splitlines(True))
     text = MODEL_LIST.sub(
         lambda found: (
             found[1]
@@ -335,6 +336,17 @@ def _renamed_text_of_card(text: str, renames: dict[str, str]) -> str:
         text,
     )
     return renamed_mentions(text, renames)
+
+
+def _with_linked_base(line: str, renames: dict[str, str]) -> str:
+    """mergekit's base model line with the base linked (found by plain string search: linear in the line)."""
+    start, middle, end = _BASE_LINE
+    body = line.rstrip("\r\n")
+    where = body.find(middle)
+    if not (body.startswith(start) and body.endswith(end)) or where < 0:
+        return line
+    cut = where + len(middle)
+    return body[:cut] + _linked(body[cut : len(body) - len(end)], renames) + end + line[len(body) :]
 
 
 def quoted_references(card: Optional[Card]) -> list[Reference]:
@@ -494,9 +506,9 @@ def prepared_texts(texts: FolderText, out: str, hub_ids: dict[str, str], license
         statistics = statistics_text(renamed) if renamed != files.statistics else None
     card = None
     if texts.card is not None and files.card is not None and (renames or license_id is not None):
-        body = renamed_body(files.card.body, renames)
+        body = files.card.body  # as it is, for the licence alone
         if renames:
-            body = with_local_line(body, sorted({hub_path(hub_id) for hub_id in renames.values()}))
+            body = with_local_line(renamed_body(body, renames), sorted({hub_path(h) for h in renames.values()}))
         metadata = hub_metadata(dict(files.card.metadata or {}), renames) if renames else files.card.metadata
         if license_id is not None:
             metadata = {**(metadata or {}), "license": license_id}
