@@ -273,10 +273,49 @@ def _license_id(context: click.Context, parameter: click.Parameter, value: str |
     return value
 
 
+def _hub_ids(context: click.Context, parameter: click.Parameter, values: tuple[str, ...]) -> list[tuple[str, str]]:
+    """``--hub-id LOCAL=ID``, each checked."""
+    from mergekit_ram.hub_ids import parse_hub_id
+
+    try:
+        return [parse_hub_id(value) for value in values]
+    except ValueError as error:
+        raise click.BadParameter(str(error)) from None
+
+
+def _hub_id_file(context: click.Context, parameter: click.Parameter, value: str | None) -> list[tuple[str, str]]:
+    """``--hub-id-file FILE``: its mapping, each entry checked as ``--hub-id``."""
+    from mergekit_ram.hub_ids import read_hub_id_file
+
+    try:
+        return read_hub_id_file(value) if value is not None else []
+    except ValueError as error:
+        raise click.BadParameter(str(error)) from None
+
+
 @main.command()
 @click.argument("out_dir", metavar="OUT", type=click.Path(exists=True, file_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")
 @click.option("--accept-warnings", is_flag=True, help="Statistics warnings are notes, not problems (once read).")
+@click.option(
+    "--hub-id",
+    "hub_ids",
+    multiple=True,
+    callback=_hub_ids,
+    metavar="LOCAL=ID",
+    help="First name the Hub id of a local model the merge read: its folder as you would type it, '=', the id "
+    "(./models/coder=your-name/coder); repeat for each local model. README.md, mergekit_config.yml and "
+    "ram_statistics.json are rewritten alike to name the ids.",
+)
+@click.option(
+    "--hub-id-file",
+    "hub_id_file",
+    type=click.Path(exists=True, dir_okay=False),
+    callback=_hub_id_file,
+    metavar="FILE",
+    help="As --hub-id, from a YAML or JSON mapping of local folders to Hub ids ({./models/coder: your-name/coder}); "
+    "relative folders are from the current folder, as in mergekit's recipes.",
+)
 @click.option(
     "--set-license",
     "license_id",
@@ -285,19 +324,36 @@ def _license_id(context: click.Context, parameter: click.Parameter, value: str |
     metavar="ID",
     help="First write `license: ID` into the card's front matter (an id the input models' licences allow).",
 )
-def check(out_dir: str, as_json: bool, accept_warnings: bool, license_id: str | None) -> None:
-    """What stops sharing the merged model folder OUT on the Hub, one line each with its fix.
+def check(
+    out_dir: str,
+    as_json: bool,
+    accept_warnings: bool,
+    hub_ids: list[tuple[str, str]],
+    hub_id_file: list[tuple[str, str]],
+    license_id: str | None,
+) -> None:
+    """What stops sharing the merged model folder OUT on the Hub: every problem, one line each with its fix.
 
     Checks: the merge finished; the weights load with safetensors and hold no NaN or Inf (every
     tensor is read); config.json and a tokenizer are there; the card has a licence, base_model,
-    base_model_relation: merge and the merge tag; no local paths in README.md, mergekit_config.yml or
-    ram_statistics.json; no statistics warnings. Exit status: 0 ready, 1 problems, 2 usage.
-    """
-    from mergekit_ram.sharing import check_folder, set_license
+    base_model_relation: merge and the merge tag; the card, mergekit_config.yml and
+    ram_statistics.json describe one merge and name no local folder; no statistics warnings; and
+    notes for what `hf upload` would upload that is not part of the model. Exit status: 0 ready,
+    1 problems, 2 usage.
 
-    if license_id is not None:
-        set_license(out_dir, license_id)
-    report = check_folder(out_dir, accept_warnings)
+    With --hub-id (or --hub-id-file) and --set-license, OUT is made ready first, in one step:
+    the merge's local models named by their Hub ids in all three files, base_model and
+    base_model_relation: merge in the card, the licence; under the merge's own lock, and only
+    once nothing is missing (each local model needs its id). Running it again changes nothing.
+    """
+    from mergekit_ram.hub_ids import prepare_for_hub
+    from mergekit_ram.sharing import check_folder
+
+    pairs = [*hub_ids, *hub_id_file]
+    changed = prepare_for_hub(out_dir, pairs, license_id) if pairs or license_id is not None else []
+    report = check_folder(out_dir, accept_warnings, changed)
+    if changed:
+        click.echo(f"rewrote {', '.join(changed)}", err=True)
     if as_json:
         click.echo(json.dumps(report.to_json(), indent=2))
     else:

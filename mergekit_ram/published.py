@@ -4,18 +4,21 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import click
-import yaml
 
+from mergekit_ram import bounded_yaml
 from mergekit_ram.stats.data import RamStatistics
 from mergekit_ram.stats.render import card_markdown, compact_table
 from mergekit_ram.stats.schema import STATISTICS_FILE
 
 CARD_TAG = "mergekit-ram"  # the Hub tag of every model merged with mergekit-ram's methods
 #: mergekit's "### Models Merged" heading, its intro line, then the bullets.
-_MODEL_LIST = re.compile(r"(^### Models Merged\n\n[^\n]*\n)((?:\* [^\n]*\n)+)", re.MULTILINE)
+MODEL_LIST = re.compile(r"(^### Models Merged\n\n[^\n]*\n)((?:\* [^\n]*\n)+)", re.MULTILINE)
+#: A card's front matter where the Hub library finds it (``huggingface_hub.repocard.REGEX_YAML_BLOCK``): at the top,
+#: between lines of ``---``, with any line ends.
+FRONT_MATTER = re.compile(r"^(\s*---(?:\r\n|\r|\n))([\S\s]*?)((?:\r\n|\r|\n)---[ \t]*(\r\n|\n|$))")
 
 
 def append_card_section(out_path: str, statistics: RamStatistics) -> None:
@@ -29,36 +32,59 @@ def append_card_section(out_path: str, statistics: RamStatistics) -> None:
 
 def with_sorted_model_list(card: str) -> str:
     """mergekit's "Models Merged" bullets sorted: it lists them from a set, in an order that changes with the seed."""
-    return _MODEL_LIST.sub(lambda found: found[1] + "".join(sorted(found[2].splitlines(True))), card, count=1)
+    return MODEL_LIST.sub(lambda found: found[1] + "".join(sorted(found[2].splitlines(True))), card, count=1)
 
 
 def with_card_metadata(card: str, tag: str) -> str:
     """``tag`` added, ``base_model`` sorted (mergekit's is a set) and ``base_model_relation: merge`` where it names
     models: the Hub's metadata for a merge (https://huggingface.co/docs/hub/model-cards#specifying-a-base-model)."""
-    metadata, body = front_matter(card)
-    if metadata is None:
+    parsed = read_card(card)
+    if parsed.metadata is None:
         return card
-    tags = list(metadata.get("tags") or [])
+    updated = merge_metadata(parsed.metadata, tag)
+    return card if updated == parsed.metadata else parsed._replace(metadata=updated).text()
+
+
+def merge_metadata(metadata: dict[str, Any], tag: str) -> dict[str, Any]:
+    """``metadata`` with ``tag``, ``base_model`` sorted and, where it names models, ``base_model_relation: merge``."""
+    tags = metadata.get("tags")
+    tags = list(tags) if isinstance(tags, list) else ([] if tags is None else [tags])
     updated = {**metadata, "tags": tags if tag in tags else [*tags, tag]}
     if isinstance(metadata.get("base_model"), list):
         updated["base_model"] = sorted(dict.fromkeys(map(str, metadata["base_model"])))
     if updated.get("base_model"):
         updated["base_model_relation"] = "merge"
-    return card if updated == metadata else with_front_matter(updated, body)
+    return updated
 
 
-def front_matter(card: str) -> tuple[Optional[dict[str, Any]], str]:
-    """(its YAML mapping, the text after it), else (None, ``card``); ``yaml.YAMLError`` where it is not YAML."""
-    end = card.find("\n---\n", 4) if card.startswith("---\n") else -1
-    if end < 0:
-        return None, card
-    metadata = yaml.safe_load(card[4:end])
-    return (metadata, card[end + 5 :]) if isinstance(metadata, dict) else (None, card)
+class Card(NamedTuple):
+    """A model card: its front matter (None: it has none), the text after it, and the front matter's line ends."""
+
+    metadata: Optional[dict[str, Any]]
+    body: str
+    line_break: str = "\n"
+
+    def text(self) -> str:
+        """The card again; without metadata, the body alone."""
+        if self.metadata is None:
+            return self.body
+        end = self.line_break
+        return f"---{end}{bounded_yaml.dump(self.metadata, end)}---{end}{self.body}"
 
 
-def with_front_matter(metadata: dict[str, Any], body: str) -> str:
-    """``metadata`` as YAML front matter (as mergekit dumps it) before ``body``."""
-    return "---\n" + yaml.dump(metadata) + "---\n" + body
+def read_card(card: str, what: str = "README.md's front matter") -> Card:
+    """The front matter where the Hub finds one (``FRONT_MATTER``, any line ends), read as a stranger's YAML:
+    ``UnreadableYaml`` where it is not a YAML mapping (empty is an empty one, as on the Hub)."""
+    found = FRONT_MATTER.search(card)
+    if found is None:
+        return Card(None, card)
+    metadata = bounded_yaml.load_one(found[2], what)
+    if metadata is None:
+        metadata = {}
+    if not isinstance(metadata, dict):
+        raise bounded_yaml.UnreadableYaml(f"{what} is not a YAML mapping of keys to values")
+    line_break = found[1][len(found[1].rstrip("\r\n")) :]
+    return Card(metadata, card[found.end() :], line_break)
 
 
 def report_summary(out_path: str, statistics: RamStatistics) -> None:

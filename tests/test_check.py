@@ -1,35 +1,80 @@
-"""``mergekit-ram check OUT``: what stops sharing a merged model, through the real console script.
+"""``mergekit-ram check OUT``: what stops sharing a merged model, through its click command in this process.
 
-The clean folder is the shared ``ram_plus`` merge (tests/conftest.py) made shareable the way the
-messages say: Hub ids for the local paths, the card's ``base_model`` and ``base_model_relation``,
-a tokenizer, and the licence written by ``--set-license``. Each problem is then introduced alone
-into a copy of it, and must be the one line reported.
+The clean folder is the shared ``ram_plus`` merge (tests/conftest.py) made shareable in the one step the
+messages name: ``--hub-id`` for each local model and ``--set-license``, with a tokenizer copied in. Each
+problem is then introduced alone into a copy of it, and must be the one line reported.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import tempfile
+import time
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, Iterator
 
 import pytest
 import yaml
+from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
-from tests.conftest import Merged, ModelSet, run_script
+import mergekit_ram.hub_ids  # noqa: F401  (imported before a test drops its privileges)
+import mergekit_ram.sharing  # noqa: F401
+from mergekit_ram.cli import main
+from mergekit_ram.staging import output_transaction
+from tests.conftest import Merged, ModelSet, merge_in_process
 
-FIX = (
-    "merge again with the models' Hub ids in the recipe, or replace the paths with them in README.md, "
-    "mergekit_config.yml, ram_statistics.json alike"
+MANIFEST_NOTE = (
+    "note: .mergekit-ram-manifest.json is mergekit-ram's record of the files its merge wrote here (keep it for the "
+    "next merge), not part of the model: leave it out, hf upload ... --exclude '.mergekit-ram-*'"
 )
+ANOTHER_MERGE = "the card is another merge's; merge again (a merge writes the card, recipe and statistics together)"
+
+
+def hub_fix(path: str) -> str:
+    return (
+        f"mergekit-ram check OUT --hub-id {path}=ORG/NAME for each local model (or --hub-id-file FILE) names them by "
+        "their Hub ids in README.md, mergekit_config.yml and ram_statistics.json alike"
+    )
+
+
+def run(*arguments: str) -> Any:
+    """``mergekit-ram ARGUMENTS`` (click's result); no traceback, whatever the folder holds."""
+    result = CliRunner().invoke(main, list(arguments))
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exc_info
+    assert "Traceback" not in result.output
+    return result
 
 
 def check(folder: Path, *options: str) -> tuple[int, list[str]]:
-    completed = run_script("mergekit-ram", "check", str(folder), *options, check=False)
-    assert "Traceback" not in completed.stderr, completed.stderr
-    return completed.returncode, completed.stdout.splitlines()
+    """The exit status and the report's lines."""
+    result = run("check", str(folder), *options)
+    return result.exit_code, result.stdout.splitlines()
+
+
+def refused(folder: Path, *options: str) -> str:
+    """The one ``Error:`` line of a refusal (exit status 1)."""
+    result = run("check", str(folder), *options)
+    assert result.exit_code == 1 and result.stdout == "", result.output
+    (line,) = result.stderr.splitlines()
+    return line
+
+
+def problems(folder: Path, *options: str) -> list[str]:
+    """``check --json``'s problems, which must be the text report's problem lines."""
+    status, lines = check(folder, *options)
+    report = json.loads(run("check", str(folder), "--json", *options).stdout)
+    assert [f"problem: {p['message']}" for p in report["problems"]] == [x for x in lines if x.startswith("problem:")]
+    assert [f"note: {n['message']}" for n in report["notes"]] == [x for x in lines if x.startswith("note:")]
+    assert status == (0 if report["ready"] else 1)
+    return [problem["message"] for problem in report["problems"]]
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    return {path.name: path.read_bytes() for path in sorted(folder.iterdir()) if path.is_file()}
 
 
 def edit_card(folder: Path, change: Callable[[dict], None]) -> None:
@@ -41,36 +86,38 @@ def edit_card(folder: Path, change: Callable[[dict], None]) -> None:
     (folder / "README.md").write_text("---\n" + yaml.dump(metadata) + card[end + 1 :], encoding="utf-8")
 
 
+def hub_id_options(models: ModelSet) -> list[str]:
+    """``--hub-id PATH=org/NAME`` for the base and each agent."""
+    return [f"--hub-id={path}=org/{os.path.basename(path)}" for path in [models.base, *models.agents]]
+
+
 @pytest.fixture(scope="module")
 def clean(bf16_models: ModelSet, ram_plus_merge: Merged, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The shared merge made shareable as the messages say; checked clean (once, with --set-license)."""
+    """The shared merge made shareable in the one step; checked clean."""
     folder = tmp_path_factory.mktemp("check") / "clean"
     shutil.copytree(ram_plus_merge.out, folder)
-    paths = sorted([bf16_models.base, *bf16_models.agents], key=len, reverse=True)
-    for name in ("README.md", "mergekit_config.yml", "ram_statistics.json"):
-        text = (folder / name).read_text(encoding="utf-8")
-        for path in paths:
-            text = text.replace(path, f"org/{os.path.basename(path)}")
-        (folder / name).write_text(text, encoding="utf-8")
-
-    def hub_metadata(metadata: dict) -> None:
-        metadata["base_model"] = [f"org/{os.path.basename(path)}" for path in sorted(paths)]
-        metadata["base_model_relation"] = "merge"
-
-    edit_card(folder, hub_metadata)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (folder / name).write_text("{}", encoding="utf-8")
-    status, lines = check(folder)
-    assert status == 1 and lines == [
-        "problem: the card's front matter has no license: mergekit-ram check OUT --set-license ID, with an id the "
-        "input models' licences allow (apache-2.0, mit, ...)",
-        "1 problem(s): do not upload yet",
-    ]
+    recipe = (folder / "mergekit_config.yml").read_text(encoding="utf-8")
+    assert check(folder, *hub_id_options(bf16_models), "--set-license", "apache-2.0") == (
+        0,
+        [MANIFEST_NOTE, "ready to upload"],
+    )
+    renamed = recipe
+    for path in sorted([bf16_models.base, *bf16_models.agents], key=len, reverse=True):
+        renamed = renamed.replace(path, f"org/{os.path.basename(path)}")
+    assert (folder / "mergekit_config.yml").read_text(encoding="utf-8") == renamed
     card = (folder / "README.md").read_text(encoding="utf-8")
-    assert check(folder, "--set-license", "apache-2.0") == (0, ["ready to upload"])
-    written = (folder / "README.md").read_text(encoding="utf-8")
-    assert yaml.safe_load(written[4 : written.index("\n---\n", 4)])["license"] == "apache-2.0"
-    assert written.split("\n---\n", 1)[1] == card.split("\n---\n", 1)[1]  # the rest of the card as it was
+    metadata = yaml.safe_load(card[4 : card.index("\n---\n", 4)])
+    ids = ["org/base", "org/coding-agent", "org/memory-agent", "org/tool-agent"]
+    assert metadata == {
+        "base_model": ids,
+        "base_model_relation": "merge",
+        "library_name": "transformers",
+        "license": "apache-2.0",
+        "tags": ["mergekit", "merge", "mergekit-ram"],
+    }
+    assert f"When this model was merged, {', '.join(ids)} were local folders" in card
     return folder
 
 
@@ -91,15 +138,6 @@ def _link(folder: Path, name: str) -> None:
     os.symlink(outside, folder / name)
 
 
-def _replace(name: str, old: str, new: str) -> Callable[[Path], None]:
-    def replace(folder: Path) -> None:
-        text = (folder / name).read_text(encoding="utf-8")
-        assert old in text
-        (folder / name).write_text(text.replace(old, new, 1), encoding="utf-8")
-
-    return replace
-
-
 def _statistics(change: Callable[[dict], None]) -> Callable[[Path], None]:
     def edit(folder: Path) -> None:
         data = json.loads((folder / "ram_statistics.json").read_text(encoding="utf-8"))
@@ -109,7 +147,35 @@ def _statistics(change: Callable[[dict], None]) -> Callable[[Path], None]:
     return edit
 
 
-#: (problem introduced into a copy of the clean folder, the one line reported; "..." ends a prefix)
+def _recipe_and_its_quote(old: str, new: str) -> Callable[[Path], None]:
+    """The recipe changed alike in mergekit_config.yml and where the card quotes it."""
+
+    def edit(folder: Path) -> None:
+        for name in ("mergekit_config.yml", "README.md"):
+            text = (folder / name).read_text(encoding="utf-8")
+            assert old in text
+            (folder / name).write_text(text.replace(old, new), encoding="utf-8")
+
+    return edit
+
+
+def _alias_bomb(levels: int, width: int) -> str:
+    """A front matter whose base_model is ``width ** levels`` values through aliases."""
+    lines = ["a0: &a0 [org/base]"]
+    for level in range(1, levels + 1):
+        lines.append(f"a{level}: &a{level} [{', '.join([f'*a{level - 1}'] * width)}]")
+    return "\n".join(lines) + f"\nbase_model: *a{levels}\n"
+
+
+def _front_matter_text(extra: str) -> Callable[[Path], None]:
+    def edit(folder: Path) -> None:
+        card = (folder / "README.md").read_text(encoding="utf-8")
+        (folder / "README.md").write_text("---\n" + extra + card[4:], encoding="utf-8")
+
+    return edit
+
+
+#: (problem introduced into a copy of the clean folder, the one problem reported; "..." ends a prefix)
 CASES: dict[str, tuple[Callable[[Path], None], str]] = {
     "merge not finished": (
         lambda f: (f / "MERGE_INCOMPLETE").write_text("interrupted\n", encoding="utf-8"),
@@ -139,7 +205,13 @@ CASES: dict[str, tuple[Callable[[Path], None], str]] = {
         lambda f: (f / "model.safetensors.index.json").write_text(
             json.dumps({"weight_map": {"lm_head.weight": "../model.safetensors"}}), encoding="utf-8"
         ),
-        "model.safetensors.index.json names '../model.safetensors', which is not a file of this folder: merge again",
+        "model.safetensors.index.json names ../model.safetensors, which is not a file of this folder: merge again",
+    ),
+    "an index naming no file": (
+        lambda f: (f / "model.safetensors.index.json").write_text(
+            json.dumps({"weight_map": {"lm_head.weight": None}}), encoding="utf-8"
+        ),
+        "model.safetensors.index.json has no weight_map of tensor names to files: merge again",
     ),
     "no config": (
         lambda f: (f / "config.json").unlink(),
@@ -160,7 +232,7 @@ CASES: dict[str, tuple[Callable[[Path], None], str]] = {
         "no README.md model card: merge with mergekit-yaml (without --no-write-model-card)",
     ),
     "a card without front matter": (
-        lambda f: (f / "README.md").write_text("# A model\n\n## RAM statistics\n", encoding="utf-8"),
+        lambda f: (f / "README.md").write_text("# A model\n", encoding="utf-8"),
         "README.md has no YAML front matter (between --- lines at its top): merge again with mergekit-yaml",
     ),
     "license other, unnamed": (
@@ -169,13 +241,22 @@ CASES: dict[str, tuple[Callable[[Path], None], str]] = {
     ),
     "no base_model": (
         lambda f: edit_card(f, lambda m: m.pop("base_model")),
-        "the card's front matter has no base_model (mergekit lists only Hub ids there): merge again with the "
-        "models' Hub ids in the recipe, or list them under base_model",
+        "the card's front matter has no base_model (mergekit lists only Hub ids there): list the merged models' Hub "
+        "ids under base_model (mergekit lists those of its recipe)",
+    ),
+    "a base_model that is not a list of ids": (
+        lambda f: edit_card(f, lambda m: m.update(base_model={"org/base": 1})),
+        "the card's base_model is {org/base: 1}, not a list of Hub ids: list the merged models' Hub ids",
     ),
     "no base_model_relation": (
         lambda f: edit_card(f, lambda m: m.pop("base_model_relation")),
-        "the card's front matter has base_model_relation None: set base_model_relation: merge (the Hub's relation "
+        "the card's front matter has no base_model_relation: set base_model_relation: merge (the Hub's relation "
         "for a merge of the base_model models)",
+    ),
+    "another base_model_relation": (
+        lambda f: edit_card(f, lambda m: m.update(base_model_relation="adapter")),
+        "the card's front matter has base_model_relation: adapter: set base_model_relation: merge (the Hub's "
+        "relation for a merge of the base_model models)",
     ),
     "no merge tag": (
         lambda f: edit_card(f, lambda m: m.update(tags=["mergekit", "mergekit-ram"])),
@@ -184,15 +265,16 @@ CASES: dict[str, tuple[Callable[[Path], None], str]] = {
     ),
     "a local path in the card": (
         lambda f: edit_card(f, lambda m: m["base_model"].append("/data/models/agent")),
-        f"README.md names local paths (/data/models/agent): {FIX}",
+        f"README.md names local folders (/data/models/agent): {hub_fix('/data/models/agent')}",
     ),
-    "a local path in the recipe": (
-        _replace("mergekit_config.yml", "org/tool-agent", "./models/tool-agent"),
-        f"mergekit_config.yml names local paths (./models/tool-agent): {FIX}",
+    "a base_model the recipe does not merge": (
+        lambda f: edit_card(f, lambda m: m["base_model"].append("org/other")),
+        f"the card's base_model lists org/other, which mergekit_config.yml does not merge: {ANOTHER_MERGE}",
     ),
-    "a local path in the statistics": (
-        _replace("ram_statistics.json", '"org/tool-agent"', '"~/models/tool-agent"'),
-        f"ram_statistics.json names local paths (~/models/tool-agent): {FIX}",
+    "a Hub model of the recipe not in base_model": (
+        lambda f: edit_card(f, lambda m: m["base_model"].remove("org/tool-agent")),
+        "the card's base_model does not list org/tool-agent, which mergekit_config.yml merges: add it (mergekit "
+        "lists every Hub model of its recipe)",
     ),
     "a statistics warning": (
         _statistics(lambda data: data.update(warnings=["every model changed at least 90% of its parameters"])),
@@ -201,11 +283,34 @@ CASES: dict[str, tuple[Callable[[Path], None], str]] = {
     ),
     "statistics that are not JSON": (
         lambda f: (f / "ram_statistics.json").write_text('{"schema": 2,', encoding="utf-8"),
-        "ram_statistics.json is not the JSON object a merge writes: merge again",
+        "ram_statistics.json is not the statistics file a merge writes: merge again",
+    ),
+    "statistics whose models are a number": (  # issue 44, 5: a 58-line TypeError traceback on 5e7c16d
+        _statistics(lambda data: data.update(models=1)),
+        "ram_statistics.json is not the statistics file a merge writes: merge again",
+    ),
+    "statistics with a warning that is not text": (
+        _statistics(lambda data: data.update(warnings=[None])),
+        "ram_statistics.json is not the statistics file a merge writes: merge again",
     ),
     "statistics through a link": (
         lambda f: _link(f, "ram_statistics.json"),
         "ram_statistics.json cannot be read (it is a symbolic link): replace it with the merge's own",
+    ),
+    "a front matter alias bomb": (  # issue 44, 5: 67 s, 1.8 GB and a MemoryError on 5e7c16d
+        _front_matter_text(_alias_bomb(9, 10).replace("base_model:", "bomb:")),
+        "README.md's front matter expands to more than 100,000 values through its aliases (*name) near line 6: "
+        "write it as plain YAML without aliases, as mergekit does, or merge again",
+    ),
+    "a front matter that is not a mapping": (
+        lambda f: (f / "README.md").write_text("---\n- a\n- b\n---\n# A model\n", encoding="utf-8"),
+        "README.md's front matter is not a YAML mapping of keys to values: write it as plain YAML without aliases, "
+        "as mergekit does, or merge again",
+    ),
+    "a recipe that is not YAML": (
+        _recipe_and_its_quote("merge_method: ram_plus", "merge_method: [ram_plus"),
+        "mergekit_config.yml is not valid YAML (expected ',' or ']', but got ':' at line 2, column 11): "
+        "merge again (mergekit writes the recipe it ran)",
     ),
 }
 
@@ -216,12 +321,97 @@ def test_each_problem_alone_is_one_line(clean: Path, tmp_path, case: str) -> Non
     folder = tmp_path / "out"
     shutil.copytree(clean, folder, symlinks=True)
     introduce(folder)
+    started = time.perf_counter()
     status, lines = check(folder)
-    assert status == 1 and len(lines) == 2 and lines[1] == "1 problem(s): do not upload yet", lines
+    assert time.perf_counter() - started < 10
+    assert status == 1 and lines[-1] == "1 problem(s): do not upload yet", lines
+    (problem,) = [line for line in lines if line.startswith("problem: ")]
     if expected.endswith("..."):
-        assert lines[0].startswith(f"problem: {expected[:-3]}"), lines
+        assert problem.startswith(f"problem: {expected[:-3]}"), lines
     else:
-        assert lines[0] == f"problem: {expected}"
+        assert problem == f"problem: {expected}"
+    assert "None" not in "\n".join(lines)
+
+
+def test_strangers_dates_are_text(clean: Path, tmp_path) -> None:
+    """Issue 44, 5: a front matter date 2024-13-01 and a recipe date 2024-02-30 were ``ValueError`` tracebacks."""
+    folder = tmp_path / "out"
+    shutil.copytree(clean, folder)
+    _front_matter_text("date: 2024-13-01\n")(folder)
+    _recipe_and_its_quote("merge_method: ram_plus\n", "merge_method: ram_plus\ndate: 2024-02-30\n")(folder)
+    assert check(folder) == (0, [MANIFEST_NOTE, "ready to upload"])
+    assert check(folder, "--set-license", "mit") == (0, [MANIFEST_NOTE, "ready to upload"])
+    assert (folder / "README.md").read_text(encoding="utf-8").startswith("---\nbase_model:")
+    assert "date: '2024-13-01'\n" in (folder / "README.md").read_text(encoding="utf-8")  # text, as read
+
+
+def test_an_alias_bomb_in_base_model_is_refused_at_once(clean: Path, tmp_path) -> None:
+    """The issue's case: a front matter of 566 characters whose base_model is 10**9 values (nine levels of ten
+    aliases); reported by ``check`` and refused by ``--set-license`` at once, nothing written."""
+    folder = tmp_path / "out"
+    shutil.copytree(clean, folder)
+    card = (folder / "README.md").read_text(encoding="utf-8")
+    bomb = _alias_bomb(9, 10)
+    assert len(bomb) < 600
+    (folder / "README.md").write_text("---\n" + bomb + "---\n" + card.split("\n---\n", 1)[1], encoding="utf-8")
+    started = time.perf_counter()
+    message = "README.md's front matter expands to more than 100,000 values through its aliases (*name) near line 6"
+    status, lines = check(folder)
+    assert (status, [line for line in lines if line.startswith("problem")]) == (
+        1,
+        [f"problem: {message}: write it as plain YAML without aliases, as mergekit does, or merge again"],
+    )
+    before = snapshot(folder)
+    assert (
+        refused(folder, "--set-license", "mit")
+        == f"Error: cannot change {folder}: {message}; fix it by hand or merge again"
+    )
+    assert snapshot(folder) == before
+    assert time.perf_counter() - started < 10
+
+
+def test_a_crlf_card_has_front_matter(clean: Path, tmp_path) -> None:
+    """Issue 44, 5: a card with CRLF line ends was reported as having no front matter, and --set-license wrote a
+    second front matter above it (the Hub then lost base_model and the tags)."""
+    folder = tmp_path / "out"
+    shutil.copytree(clean, folder)
+    edit_card(folder, lambda m: m.pop("license"))
+    card = (folder / "README.md").read_text(encoding="utf-8").replace("\n", "\r\n")
+    (folder / "README.md").write_bytes(card.encode())
+    status, lines = check(folder)
+    assert (status, [line for line in lines if line.startswith("problem")]) == (
+        1,
+        [
+            "problem: the card's front matter has no license: mergekit-ram check OUT --set-license ID, with an id "
+            "the input models' licences allow (apache-2.0, mit, ...)"
+        ],
+    )
+    assert check(folder, "--set-license", "mit") == (0, [MANIFEST_NOTE, "ready to upload"])
+    written = (folder / "README.md").read_bytes().decode()
+    assert written.count("---\r\n") == 2 and written.startswith("---\r\nbase_model:\r\n- org/base\r\n")
+    assert "\r\nlicense: mit\r\n" in written and "\n" not in written.replace("\r\n", "")
+    assert written.split("\r\n---\r\n", 1)[1] == card.split("\r\n---\r\n", 1)[1]  # the body as it was
+
+
+def test_every_problem_in_one_run(ram_plus_merge: Merged, bf16_models: ModelSet, tmp_path) -> None:
+    """A merge of local folders, as it comes: every problem on the first run (5e7c16d showed the missing
+    base_model_relation only once base_model was fixed, as "base_model_relation None"); text and JSON alike."""
+    folder = tmp_path / "out"
+    shutil.copytree(ram_plus_merge.out, folder)
+    paths = sorted([bf16_models.base, *bf16_models.agents])
+    assert problems(folder) == [
+        "no tokenizer (tokenizer.json, tokenizer.model or vocab.json): copy the base model's tokenizer files "
+        "(tokenizer_config.json and the others) into the folder",
+        "the card's front matter has no license: mergekit-ram check OUT --set-license ID, with an id the input "
+        "models' licences allow (apache-2.0, mit, ...)",
+        "the card's front matter has no base_model (mergekit lists only Hub ids there): --hub-id writes it (below)",
+        "the card's front matter has no base_model_relation: set base_model_relation: merge (the Hub's relation for "
+        "a merge of the base_model models; --hub-id writes it)",
+        f"README.md, mergekit_config.yml and ram_statistics.json name local folders ({', '.join(paths)}): "
+        + hub_fix(paths[0]),
+    ]
+    status, lines = check(folder)
+    assert status == 1 and "None" not in "\n".join(lines)
 
 
 def test_json_report_and_accepted_warnings(clean: Path, tmp_path) -> None:
@@ -229,9 +419,10 @@ def test_json_report_and_accepted_warnings(clean: Path, tmp_path) -> None:
     shutil.copytree(clean, folder)
     warning = "a warning read and understood"
     _statistics(lambda data: data.update(warnings=[warning]))(folder)
-    completed = run_script("mergekit-ram", "check", str(folder), "--json", check=False)
-    assert completed.returncode == 1
-    assert json.loads(completed.stdout) == {
+    manifest = {"check": "upload", "message": MANIFEST_NOTE.removeprefix("note: ")}
+    result = run("check", str(folder), "--json")
+    assert result.exit_code == 1
+    assert json.loads(result.stdout) == {
         "folder": str(folder),
         "ready": False,
         "problems": [
@@ -240,48 +431,210 @@ def test_json_report_and_accepted_warnings(clean: Path, tmp_path) -> None:
                 "message": f"statistics warning: {warning} (--accept-warnings once it is understood)",
             }
         ],
-        "notes": [],
+        "notes": [manifest],
+        "changed": [],
     }
-    assert check(folder, "--accept-warnings") == (0, [f"note: statistics warning: {warning}", "ready to upload"])
-    completed = run_script("mergekit-ram", "check", str(clean), "--json", check=False)
-    assert completed.returncode == 0
-    assert json.loads(completed.stdout) == {"folder": str(clean), "ready": True, "problems": [], "notes": []}
+    assert check(folder, "--accept-warnings") == (
+        0,
+        [MANIFEST_NOTE, f"note: statistics warning: {warning}", "ready to upload"],
+    )
+    result = run("check", str(clean), "--json")
+    assert result.exit_code == 0
+    assert json.loads(result.stdout) == {
+        "folder": str(clean),
+        "ready": True,
+        "problems": [],
+        "notes": [manifest],
+        "changed": [],
+    }
+
+
+def test_what_would_be_uploaded_and_is_not_the_model(clean: Path, tmp_path) -> None:
+    """Issue 44, 8: ``hf upload`` leaves out only .git and .cache/huggingface; the manifest, a killed run's
+    private folder and stray files are named, each with the pattern that leaves it out."""
+    folder = tmp_path / "out"
+    shutil.copytree(clean, folder)
+    (folder / "notes.txt").write_text("mine\n", encoding="utf-8")
+    (folder / "eval [v1]").mkdir()
+    (folder / ".git").mkdir()
+    for name in ("generation_config.json", "chat_template.jinja", "model-00001-of-00002.safetensors.bak"):
+        (folder / name).write_text("{}", encoding="utf-8")
+    (folder / ".mergekit-ram-0123456789abcdef").mkdir()
+    status, lines = check(folder)
+    stray = "is not part of the model, and hf upload would upload it: move it out of the folder, or leave it out, hf "
+    assert (status, lines) == (
+        1,
+        [
+            MANIFEST_NOTE,
+            f"note: eval [v1] {stray}upload ... --exclude 'eval [[]v1]/'",
+            f"note: model-00001-of-00002.safetensors.bak {stray}upload ... --exclude "
+            "model-00001-of-00002.safetensors.bak",
+            f"note: notes.txt {stray}upload ... --exclude notes.txt",
+            "problem: .mergekit-ram-0123456789abcdef is present: a merge is writing into this folder, or one was "
+            "killed; wait for it to finish, or check that hidden folder and remove it",
+            "1 problem(s): do not upload yet",
+        ],
+    )
+
+
+def test_many_stray_entries_are_one_note_past_twenty(clean: Path, tmp_path) -> None:
+    folder = tmp_path / "out"
+    shutil.copytree(clean, folder)
+    for index in range(25):
+        (folder / f"stray-{index:02}.txt").write_text("x", encoding="utf-8")
+    status, lines = check(folder)
+    assert status == 0 and len(lines) == 1 + 19 + 1 + 1
+    assert lines[19] == (
+        "note: stray-18.txt is not part of the model, and hf upload would upload it: move it out of the folder, or "
+        "leave it out, hf upload ... --exclude stray-18.txt"
+    )
+    assert lines[20] == "note: 6 more entries are not part of the model: move them out of the folder"
+
+
+def test_a_card_of_another_merge_is_named(ram_plus_merge: Merged, bf16_models: ModelSet, tmp_path) -> None:
+    """Issue 44, 1: ``--set-license`` racing a merge put the earlier merge's card back over the new one: the
+    folder held merge B's recipe and statistics with merge A's card, and ``check`` did not notice."""
+    folder = tmp_path / "out"
+    shutil.copytree(ram_plus_merge.out, folder)
+    card_a = (folder / "README.md").read_bytes()
+    recipe_b = bf16_models.recipe("ram_plus", parameters={"r": 0.2})
+    recipe_b["models"] = recipe_b["models"][:2]
+    merge_in_process(recipe_b, str(folder))
+    (folder / "README.md").write_bytes(card_a)
+    coding, tool, memory = bf16_models.agents
+    report = json.loads(run("check", str(folder), "--json").stdout)
+    assert [p["message"] for p in report["problems"] if p["check"] == "consistency"] == [
+        f"README.md quotes another recipe than mergekit_config.yml: {ANOTHER_MERGE}",
+        "README.md's RAM statistics describe a ram_plus merge with `epsilon` = 1e-05, `r` = 0.1, `alpha` = 2.0, "
+        "`rule` = clip, ram_statistics.json a ram_plus merge with `epsilon` = 1e-05, `r` = 0.2, `alpha` = 2.0, "
+        f"`rule` = clip: {ANOTHER_MERGE}",
+        f"README.md's RAM statistics list {coding}, {tool}, {memory}, ram_statistics.json {coding}, {tool}: "
+        + ANOTHER_MERGE,
+    ]
+
+
+class _Abandoned(Exception):
+    """Ends a merge's transaction in a test without publishing anything."""
+
+
+@contextlib.contextmanager
+def merge_running(folder: Path) -> Iterator[None]:
+    """The merge's own hold on ``folder`` (``staging.output_transaction``), left without publishing."""
+    with contextlib.suppress(_Abandoned):
+        with output_transaction(str(folder)):
+            yield
+            raise _Abandoned
+
+
+def test_writes_wait_for_no_merge(clean: Path, bf16_models: ModelSet, tmp_path) -> None:
+    """Issue 44, 1: ``--set-license`` took no lock and ignored MERGE_INCOMPLETE. Now every write into the folder
+    (``--set-license``, ``--hub-id``) is refused while a merge holds it, while a killed merge's marker is there,
+    and while a private folder is; nothing is written."""
+    folder = tmp_path / "out"
+    shutil.copytree(clean, folder)
+    edit_card(folder, lambda m: m.pop("license"))
+    for options in (["--set-license", "mit"], hub_id_options(bf16_models)):
+        before = snapshot(folder)
+        with merge_running(folder):
+            assert refused(folder, *options) == (
+                f"Error: another merge is writing to {folder}; wait for it to finish or choose another output folder"
+            )
+        assert snapshot(folder) == before
+        for name in ("MERGE_INCOMPLETE", ".mergekit-ram-0123456789abcdef"):
+            (folder / name).mkdir() if name.startswith(".") else (folder / name).write_text("x\n", encoding="utf-8")
+            assert refused(folder, *options) == (
+                f"Error: {folder} holds {name}: a merge into it was killed or has not finished; merge into it again "
+                "(or wait for that merge) before changing its files"
+            )
+            (folder / name).rmdir() if name.startswith(".") else (folder / name).unlink()
+            assert snapshot(folder) == before
+
+
+@contextlib.contextmanager
+def as_another_user() -> Iterator[None]:
+    """This process without root's privileges for the block (its effective user 65534), where it is root."""
+    if os.geteuid() != 0:
+        yield
+        return
+    os.seteuid(65534)
+    try:
+        yield
+    finally:
+        os.seteuid(0)
+
+
+def test_a_folder_the_user_cannot_write_is_one_line(clean: Path) -> None:
+    """Issue 44, 5: ``--set-license`` into a folder the user cannot write was a 27-line PermissionError."""
+    with tempfile.TemporaryDirectory() as parent:
+        os.chmod(parent, 0o755)
+        folder = Path(parent, "out")
+        shutil.copytree(clean, folder)
+        edit_card(folder, lambda m: m.pop("license"))
+        before = snapshot(folder)
+        os.chmod(folder, 0o555)
+        try:
+            with as_another_user():
+                message = refused(folder, "--set-license", "mit")
+        finally:
+            os.chmod(folder, 0o755)
+        assert message == (
+            f"Error: cannot write README.md in {folder} (Permission denied): check that you may write there"
+        )
+        assert snapshot(folder) == before
 
 
 def test_usage_errors_exit_with_status_2(clean: Path, tmp_path) -> None:
-    """No folder, a file for a folder, a licence id the Hub does not write: click's usage error, status 2,
-    and nothing changed."""
-    card = (clean / "README.md").read_bytes()
+    """No folder, a file for a folder, a licence id the Hub does not write, a --hub-id that is not LOCAL=ID or
+    whose id is not one, one folder given two ids, a mapping file that is not one: click's usage error, status
+    2, and nothing changed."""
+    before = snapshot(clean)
+    mapping = tmp_path / "ids.yml"
+    mapping.write_text("- a\n- b\n", encoding="utf-8")
     for arguments, error in (
-        (
-            [str(tmp_path / "missing")],
-            f"Error: Invalid value for 'OUT': Directory '{tmp_path / 'missing'}' does not exist.",
-        ),
-        (
-            [str(clean / "config.json")],
-            f"Error: Invalid value for 'OUT': Directory '{clean / 'config.json'}' is a file.",
-        ),
+        ([str(tmp_path / "missing")], f"Invalid value for 'OUT': Directory '{tmp_path / 'missing'}' does not exist."),
+        ([str(clean / "config.json")], f"Invalid value for 'OUT': Directory '{clean / 'config.json'}' is a file."),
         (
             [str(clean), "--set-license", "Apache 2.0"],
-            "Error: Invalid value for '--set-license': 'Apache 2.0' is not a licence id of the Hub (lower case, such "
-            "as apache-2.0 or mit)",
+            "Invalid value for '--set-license': 'Apache 2.0' is not a licence id of the Hub (lower case, such as "
+            "apache-2.0 or mit)",
+        ),
+        (
+            [str(clean), "--hub-id", "./models/base"],
+            "Invalid value for '--hub-id': './models/base' is not LOCAL=ID (a local model's folder, '=', its Hub "
+            "id: ./models/coder=org/coder)",
+        ),
+        (
+            [str(clean), "--hub-id", "./models/base=org/my model"],
+            "Invalid value for '--hub-id': './models/base=org/my model': 'org/my model' is not a Hub model id "
+            "(org/name: letters, digits, '_', '.', '-')",
+        ),
+        (
+            [str(clean), "--hub-id", "./models/base=org/base@"],
+            "Invalid value for '--hub-id': './models/base=org/base@': '' is not a revision (a branch, tag or commit "
+            "after @)",
+        ),
+        (
+            [str(clean), "--hub-id-file", str(mapping)],
+            f"Invalid value for '--hub-id-file': {mapping} is not a mapping of local model folders to Hub ids "
+            "({./models/coder: org/coder})",
         ),
     ):
-        completed = run_script("mergekit-ram", "check", *arguments, check=False)
-        assert (completed.returncode, completed.stderr.splitlines()[-1]) == (2, error)
-    assert (clean / "README.md").read_bytes() == card
+        result = run("check", *arguments)
+        assert (result.exit_code, result.stderr.splitlines()[-1]) == (2, f"Error: {error}")
+    result = run("check", str(clean), "--hub-id", "./m/base=org/a", "--hub-id", "m/base/=org/b")
+    assert (result.exit_code, result.stderr) == (
+        1,
+        "Error: m/base/ is given two Hub ids, org/a and org/b: give it one\n",
+    )
+    assert snapshot(clean) == before
 
 
 def test_set_license_without_a_card_is_one_line(clean: Path, tmp_path) -> None:
     folder = tmp_path / "out"
     shutil.copytree(clean, folder)
     (folder / "README.md").unlink()
-    completed = run_script("mergekit-ram", "check", str(folder), "--set-license", "mit", check=False)
-    assert (completed.returncode, completed.stderr.splitlines()) == (
-        1,
-        [
-            f"Error: cannot set the licence of {folder}: there is no README.md (merge with mergekit-yaml, which "
-            "writes the card)"
-        ],
+    assert refused(folder, "--set-license", "mit") == (
+        f"Error: cannot set the licence of {folder}: there is no README.md (merge with mergekit-yaml, which writes "
+        "the card)"
     )
     assert not (folder / "README.md").exists()
