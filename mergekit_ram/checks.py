@@ -251,8 +251,9 @@ def check_listed_once(base: ModelIdentity, model_lists: Iterable[tuple[str, Sequ
                 )
             if model.key in seen:
                 raise InputError(
-                    f"{model.label} and {seen[model.key].label} in `{where}` are the same model ({model.path}): "
-                    "list each fine-tuned model once (RAM would count its changes twice, all as shared)"
+                    f"{model.described} and {seen[model.key].described} in `{where}` are the same model "
+                    f"({model.path}): list each fine-tuned model once (RAM would count its changes twice, all as "
+                    "shared)"
                 )
             seen[model.key] = model
 

@@ -43,5 +43,12 @@ class ModelIdentity:
     local_paths: tuple[str, ...] = ()  # paths that must exist (absolute or explicitly relative)
 
     @property
+    def described(self) -> str:
+        """The label, with an architecture override (mergekit's label leaves it out)."""
+        override = f" (override_architecture {self.override_architecture})" if self.override_architecture else ""
+        return self.label + override
+
+    @property
     def key(self) -> tuple[Optional[str], ...]:
-        return (self.path, self.revision, self.lora_path, self.lora_revision, self.override_architecture)
+        """What tells models apart: their weights (an ``override_architecture`` reads the same ones)."""
+        return (self.path, self.revision, self.lora_path, self.lora_revision)

@@ -170,6 +170,56 @@ def test_mergekit_yaml_refuses_a_symlinked_duplicate(bf16_models: ModelSet, tmp_
     assert not os.path.exists(str(tmp_path / "out"))
 
 
+def test_one_agent_spelt_two_ways_in_two_slices_is_one_agent(bf16_models: ModelSet, tmp_path) -> None:
+    """``A1`` in one slice's sources, ``A1/`` in another's: one statistics row with the agent's own global rho and
+    one lambda, the same bytes as the recipe spelling it one way (issue 44: two rows, rho 0.343 and 0.169)."""
+    first, second, third = bf16_models.agents
+
+    def sliced(agent_in_second_slice: str) -> dict[str, Any]:
+        slices = []
+        for layer, agent in ((0, first), (1, agent_in_second_slice)):
+            sources = [{"model": path, "layer_range": [layer, layer + 1]} for path in (agent, second, third)]
+            slices.append({"sources": [*sources, {"model": bf16_models.base, "layer_range": [layer, layer + 1]}]})
+        return {"merge_method": "ram_plus", "base_model": bf16_models.base, "slices": slices, "dtype": "float32"}
+
+    one, two = str(tmp_path / "one"), str(tmp_path / "two")
+    merge_yaml(sliced(first), one)
+    merge_yaml(sliced(first + "/"), two)
+    statistics = load_statistics(two)
+    assert [m["model"] for m in statistics["models"]] == [first, second, third]
+    assert statistics["models"] == load_statistics(one)["models"]
+    assert all(tensor["models"] == [first, second, third] for tensor in statistics["tensors"])
+    weights = load_weights(one)
+    assert all(torch.equal(tensor, weights[name]) for name, tensor in load_weights(two).items())
+    # the one rho over both slices' tensors, from an independent count
+    base, agents = load_weights(bf16_models.base), [load_weights(path) for path in bf16_models.agents]
+    shared = unique = 0
+    for tensor in statistics["tensors"]:
+        counts = reference.counts(base[tensor["name"]], [agent[tensor["name"]] for agent in agents], 1e-5)
+        shared, unique = shared + counts.shared[0], unique + counts.unique[0]
+    assert statistics["models"][0]["rho"] == reference.rho(shared, unique)
+
+
+def test_a_second_entry_of_one_folder_with_an_override_is_refused(bf16_models: ModelSet, tmp_path) -> None:
+    """The same folder listed again with ``override_architecture`` (issue 44: one entry dropped silently, the
+    statistics listing two of three models): the same weights twice, refused as the same model in one line."""
+    recipe = bf16_models.recipe("ram_plus")
+    override = {"model": {"path": bf16_models.agents[0]}, "override_architecture": "LlamaForCausalLM"}
+    recipe["models"].append({"model": override})
+    out = str(tmp_path / "out")
+    with pytest.raises(InputError) as error:
+        merge_yaml(recipe, out)
+    assert str(error.value) == (
+        f"{bf16_models.agents[0]} (override_architecture LlamaForCausalLM) and {bf16_models.agents[0]} in `models` "
+        f"are the same model ({os.path.realpath(bf16_models.agents[0])}): list each fine-tuned model once (RAM "
+        "would count its changes twice, all as shared)"
+    )
+    assert not os.path.exists(out)
+    recipe["models"] = [*recipe["models"][1:3], {"model": override}]  # listed once: merged, and in the statistics
+    merge_yaml(recipe, out)
+    assert [m["model"] for m in load_statistics(out)["models"]] == [*bf16_models.agents[1:], bf16_models.agents[0]]
+
+
 # MERGEKIT_RAM_BUILTIN_RAM -----------------------------------------------------------
 
 

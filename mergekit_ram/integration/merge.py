@@ -13,7 +13,7 @@ import math
 import os
 import time
 from dataclasses import replace
-from typing import Any, Callable, Iterator, Mapping, NamedTuple, Optional, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple, Optional, Sequence
 
 import torch
 import tqdm
@@ -25,7 +25,7 @@ from mergekit_ram.device import check_device
 from mergekit_ram.errors import MergekitMovedError
 from mergekit_ram.integration.internals import internal, version_refusal
 from mergekit_ram.integration.methods import Session, non_finite_error
-from mergekit_ram.integration.recipes import check_config, whole_merge_defaults
+from mergekit_ram.integration.recipes import check_config, model_lists, whole_merge_defaults
 from mergekit_ram.kernel import NonFiniteInputError, count_overlaps
 from mergekit_ram.lambdas import Applied, MergeRule, Resolved, merge_rule
 from mergekit_ram.planned import PlannedTensor, TensorInput
@@ -40,28 +40,59 @@ LoaderCache: Any = internal("mergekit.io.tasks", "LoaderCache")
 
 
 class Plan(NamedTuple):
-    """A RAM merge as mergekit plans it: merge tasks, the same as plain data, tensor -> module, rule."""
+    """A RAM merge as mergekit plans it: merge tasks, the same as plain data, tensor -> module, rule, and each
+    model reference's name in the statistics (``names``: one agent spelt two ways in two places is one)."""
 
     tasks: list[Any]
     tensors: list[PlannedTensor]
     modules: dict[str, str]
     rule: MergeRule
+    names: dict[str, str]
 
     @classmethod
-    def of(cls, method: str, targets: Sequence[Any], modules: Optional[dict[str, str]] = None) -> Plan:
-        """From the planner's targets: the merge tasks of ``method`` behind them."""
+    def of(cls, config: Any, targets: Sequence[Any], modules: Optional[dict[str, str]] = None) -> Plan:
+        """From the planner's targets: the merge tasks of the recipe's method behind them."""
+        method, names = config.merge_method, model_names(config)
         tasks = [target.tensor_task for target in targets if hasattr(target, "tensor_task")]
         ours = [task for task in tasks if getattr(task, "method_name", None) == method]
         resolved = [
             Resolved(
                 task.output_weight.name,
                 dict(task.parameters.items()),
-                {str(m): dict(task.input_parameters[m].items()) for m in task.model_order if m != task.base_model},
+                {
+                    names.get(str(m), str(m)): dict(task.input_parameters[m].items())
+                    for m in task.model_order
+                    if m != task.base_model
+                },
             )
             for task in ours
         ]
         rule = merge_rule(method, resolved, whole_merge_defaults(method))
-        return cls(ours, [planned_tensor(task) for task in ours], modules or {}, rule)
+        return cls(ours, [planned_tensor(task) for task in ours], modules or {}, rule, names)
+
+    def finetunes(self) -> list[str]:
+        """The fine-tuned models by their names, in the order the plan first has them."""
+        return list(dict.fromkeys(self.names.get(m, m) for tensor in self.tensors for m in tensor.finetunes))
+
+    def checked(self, headers: HeaderCache) -> dict[str, set[str]]:
+        """Every input checked from its header (``check_tensors``); each model's checkpoint dtypes, by its name."""
+        found: dict[str, set[str]] = {}
+        for model, dtypes in check_tensors(self.tensors, headers).dtypes.items():
+            found.setdefault(self.names.get(model, model), set()).update(dtypes)
+        return found
+
+    def named(self, counts: Iterable[TensorCounts]) -> list[TensorCounts]:
+        """``counts`` with each model by its name."""
+        return [replace(found, models=tuple(self.names.get(m, m) for m in found.models)) for found in counts]
+
+
+def model_names(config: Any) -> dict[str, str]:
+    """Each model reference (as mergekit writes it) -> its name in the statistics: the first reference in the
+    recipe to the same model, as the same-list check tells models apart."""
+    first: dict[Any, str] = {}
+    return {
+        model.label: first.setdefault(model.key, model.label) for _, models in model_lists(config) for model in models
+    }
 
 
 def check_setting(options: Any) -> None:
@@ -91,7 +122,7 @@ def plan_merge(config: Any, options: Any) -> Plan:
             definition = planner.arch_info.modules[module]
             weights = definition.architecture.all_weights(config=planner.out_model_config)
             modules.update(((definition.weight_prefix or "") + weight.name, module) for weight in weights)
-    return Plan.of(config.merge_method, targets, modules)
+    return Plan.of(config, targets, modules)
 
 
 def planned_tensor(task: Any) -> PlannedTensor:
@@ -149,7 +180,7 @@ def counted(plan: Plan, options: Any, cache: CacheSettings, headers: HeaderCache
             LOG.info("ram_plus pre-pass done in %.1f s", time.perf_counter() - started)
             if entry is not None:
                 entry.store(counts)
-    return [value for value in counts if value is not None]
+    return plan.named(value for value in counts if value is not None)
 
 
 def run_prepass(plan: Plan, options: Any) -> list[Optional[TensorCounts]]:
@@ -212,8 +243,8 @@ def prepare(
 ) -> tuple[Any, Session, Callable[[], RamStatistics]]:
     """The checks, the pre-pass where a lambda needs the global rho: the recipe with the lambdas, the merge's
     session (counting where nothing counted before), and its statistics once merged."""
-    dtypes = check_tensors(plan.tensors, headers).dtypes
-    finetunes = list(dict.fromkeys(model for tensor in plan.tensors for model in tensor.finetunes))
+    dtypes = plan.checked(headers)
+    finetunes = plan.finetunes()
     out_dtype = None if config.out_dtype is None else getattr(torch, str(config.out_dtype).removeprefix("torch."))
     if plan.rule.method == "ram":
         LOG.info("merge_method 'ram' is mergekit-ram's float32 RAM (it replaces mergekit's built-in 'ram')")
@@ -226,21 +257,22 @@ def prepare(
     applied = {
         model: value for model, value in plan.rule.applied(finetunes, statistics).items() if not plan.rule.pin(model)
     }
-    return with_lambdas(config, applied), Session(out_dtype), lambda: statistics
+    return with_lambdas(config, applied, plan.names), Session(out_dtype), lambda: statistics
 
 
 def merged_statistics(plan: Plan, dtypes: dict[str, set[str]], session: Session) -> RamStatistics:
     """The statistics of the counts the merge's methods took, in the plan's order."""
     order = {tensor.name: index for index, tensor in reversed(list(enumerate(plan.tensors)))}
-    counts = sorted(session.counts, key=lambda found: order.get(found.name, len(order)))
+    counts = sorted(plan.named(session.counts), key=lambda found: order.get(found.name, len(order)))
     statistics = plan.rule.statistics(counts, "merge", dtypes, plan.modules)
     log_statistics(statistics)
     return statistics
 
 
-def with_lambdas(config: Any, applied: Mapping[str, Applied]) -> Any:
-    """A copy of the recipe with each model's ``lambda`` (and finite ``rho``) in its ``parameters``."""
-    return _injected(config, applied)
+def with_lambdas(config: Any, applied: Mapping[str, Applied], names: Mapping[str, str]) -> Any:
+    """A copy of the recipe with each model's ``lambda`` (and finite ``rho``) in its ``parameters``, wherever the
+    recipe names it (``names``: the name its lambda is under)."""
+    return _injected(config, {label: applied[name] for label, name in names.items() if name in applied})
 
 
 def _injected(node: Any, applied: Mapping[str, Applied]) -> Any:
@@ -270,6 +302,6 @@ def probe_statistics(config: Any, options: Any, refresh: bool = False) -> RamSta
     cache = CacheSettings.from_environment()
     check_config(config, headers, allow_crimes=options.allow_crimes)
     plan = plan_merge(config, options)
-    dtypes = check_tensors(plan.tensors, headers).dtypes
+    dtypes = plan.checked(headers)
     counts = counted(plan, options, replace(cache, mode="refresh") if refresh else cache, headers)
     return plan.rule.statistics(counts, "pre-pass", dtypes, plan.modules)

@@ -156,7 +156,7 @@ def plan_flat_merge(
         check_config(config, headers, allow_crimes=options.allow_crimes)
         with transaction.staged() as staged:
             planned = original(config, "", tensor_union, tensor_intersection, options)
-            plan = Plan.of(config.merge_method, planned)
+            plan = Plan.of(config, planned)
             ram_config, session, statistics = prepare(config, plan, options, headers, cache)
             targets = original(ram_config, staged, tensor_union, tensor_intersection, options)
             with bound(session):
