@@ -184,7 +184,7 @@ def test_lambdas_reach_every_place_a_model_appears() -> None:
     }
     for kind, recipe in recipes.items():
         config = MergeConfiguration.model_validate({"merge_method": "ram_plus", "base_model": "/m/base", **recipe})
-        injected = with_lambdas(config, applied)
+        injected = with_lambdas(config, applied, {model: model for model in applied})
         found = [(str(node.model), node.parameters) for node in _model_nodes(injected)]
         assert {model for model, _ in found} >= {lora, revision}, kind
         for model, parameters in found:
