@@ -161,8 +161,11 @@ def check_models(
     model_lists: Sequence[tuple[str, Sequence[ModelIdentity]]],
     headers: HeaderCache,
     fit: BaseFit = BaseFit(),
+    lora_cache: bool = True,
 ) -> None:
-    """A base model, each model listed once, local paths that exist with readable weights, each fitting the base."""
+    """A base model, each model listed once, local paths that exist with readable weights and no adapter folder
+    where a model is, a folder to merge adapters in (``lora_cache``: ``--lora-merge-cache``), each fitting the
+    base."""
     if base is None:
         raise InputError(
             f"{method} needs `base_model`: RAM merges task vectors (fine-tune minus base) and "
@@ -173,7 +176,16 @@ def check_models(
     for model in [base, *(model for _, models in model_lists for model in models)]:
         for path in model.local_paths:
             if not os.path.exists(path):
-                raise InputError(f"model path {path} does not exist")
+                relative = (
+                    "" if os.path.isabs(path) else f" (relative to {os.getcwd()}, the folder the command runs in)"
+                )
+                raise InputError(f"model path {path} does not exist{relative}")
+        check_not_an_adapter(model)
+        if model.lora_path is not None and not lora_cache:
+            raise InputError(
+                f"{model.label} merges the adapter {model.lora_path} onto {model.path} before RAM merges it, which "
+                "mergekit does in a folder of yours: give --lora-merge-cache DIR"
+            )
         if os.path.exists(model.path):
             tensors[model.key] = check_weights(model, headers)
     base_files = (base, read_config(base), tensors.get(base.key, {}))
@@ -181,6 +193,25 @@ def check_models(
         for model in models:
             model_files = (model, read_config(model), tensors.get(model.key, {}))
             check_fits_base(model_files, base_files, fit, whole_model=where.endswith("models"))
+
+
+def check_not_an_adapter(model: ModelIdentity) -> None:
+    """A LoRA adapter's folder (``adapter_config.json``, no ``config.json``) given as a model: the form that merges
+    it onto its base, with the base its config names where that reads as a model reference."""
+    config = os.path.join(model.path, "adapter_config.json")
+    if not os.path.isdir(model.path) or os.path.lexists(os.path.join(model.path, "config.json")):
+        return
+    if not os.path.lexists(config):
+        return
+    try:
+        named = read_json(config).get("base_model_name_or_path")
+    except (UnreadableFile, OSError, AttributeError):
+        named = None
+    base = named if isinstance(named, str) and 0 < len(named) <= 200 and named.isprintable() else "BASE"
+    raise InputError(
+        f"{model.label} is a LoRA adapter (adapter_config.json, no config.json), not a model: give it as "
+        f"`model: {base}+{model.label}` (its base, then +, then the adapter) and run with --lora-merge-cache DIR"
+    )
 
 
 #: A model, its ``config.json`` and its tensors' headers.

@@ -97,10 +97,10 @@ class ScriptStderr(logging.StreamHandler):
 def fresh_loaders() -> None:
     """mergekit's loaders forgotten, as in a new process: mergekit keeps every model's index and open files in
     one class-level table for the life of the process."""
-    from mergekit.io.tasks import LoaderCache
-
-    LoaderCache().flush_all()
-    LoaderCache.loaders.clear()
+    tasks = sys.modules.get("mergekit.io.tasks")  # none yet (or made unimportable): nothing to forget
+    if tasks is not None:
+        tasks.LoaderCache().flush_all()
+        tasks.LoaderCache.loaders.clear()
 
 
 def lower_limits(limits: dict[int, int]) -> None:

@@ -427,3 +427,16 @@ def test_demo_writes_only_into_a_folder_it_made(tmp_path) -> None:
         assert f"Merged model: {demo / 'merged'}" in completed.stdout
     assert (demo / cli.DEMO_MARKER).is_file() and not (demo / cli.DEMO_MARKER).is_symlink()
     assert sorted(os.listdir(demo)) == [cli.DEMO_MARKER, "merged", "models", "recipe.yml"]
+
+
+def test_the_probe_without_mergekit_is_one_line_with_the_pip_command(
+    bf16_models: ModelSet, tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``mergekit-ram probe`` where mergekit is not installed (its modules made unimportable here): the pip command
+    in one line, not a 45-line ModuleNotFoundError (issue 45)."""
+    recipe = write_recipe(str(tmp_path / "r.yml"), bf16_models.recipe("ram_plus"))
+    for name in [name for name in sys.modules if name == "mergekit" or name.startswith("mergekit.")]:
+        monkeypatch.setitem(sys.modules, name, None)
+    assert one_line_error(run_script("mergekit-ram", "probe", recipe, check=False)) == (
+        'mergekit-ram probe needs mergekit, which is not installed here: pip install "mergekit>=0.1.5,<0.2"'
+    )

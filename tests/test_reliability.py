@@ -142,6 +142,28 @@ def _missing_path(models: ModelSet, root: str) -> dict[str, Any]:
     return recipe
 
 
+def _relative_missing_path(models: ModelSet, root: str) -> dict[str, Any]:
+    recipe = models.recipe("ram_plus")
+    recipe["models"][1] = {"model": "./no-such-agent"}
+    return recipe
+
+
+def _adapter_folder(as_model: bool) -> Callable[[ModelSet, str], dict[str, Any]]:
+    """A LoRA adapter's folder (an RL agent trained with LoRA) given as a model, or as ``agent+adapter`` without
+    a folder to merge it in (``--lora-merge-cache``)."""
+
+    def make(models: ModelSet, root: str) -> dict[str, Any]:
+        adapter = os.path.join(root, "coding-adapter")
+        os.makedirs(adapter, exist_ok=True)
+        with open(os.path.join(adapter, "adapter_config.json"), "w", encoding="utf-8") as handle:
+            json.dump({"peft_type": "LORA", "base_model_name_or_path": models.base, "r": 8}, handle)
+        recipe = models.recipe("ram_plus")
+        recipe["models"][0] = {"model": adapter if as_model else f"{models.agents[0]}+{adapter}"}
+        return recipe
+
+    return make
+
+
 def _truncated(models: ModelSet, root: str) -> dict[str, Any]:
     agent = _copy(models.agents[1], root, "tool-agent-truncated")
     file = os.path.join(agent, "model.safetensors")
@@ -252,6 +274,23 @@ CASES = [
     Case("an unknown rescaling rule", _with_parameters(rule="tanh"), "parameter 'rule' in parameters must be"),
     Case("a misspelled parameter name", _with_parameters(apha=2.0), "unknown parameter 'apha'"),
     Case("a model path that does not exist", _missing_path, "does not exist"),
+    Case(
+        "a relative model path that does not exist",
+        _relative_missing_path,
+        "model path ./no-such-agent does not exist (relative to <cwd>, the folder the command runs in)",
+    ),
+    Case(
+        "a LoRA adapter's folder given as a model",
+        _adapter_folder(as_model=True),
+        "<dir>/coding-adapter is a LoRA adapter (adapter_config.json, no config.json), not a model: give it as "
+        "`model: <models>/base+<dir>/coding-adapter` (its base, then +, then the adapter) and run with "
+        "--lora-merge-cache DIR",
+    ),
+    Case(
+        "a fine-tune with an adapter (`agent+adapter`) and no `--lora-merge-cache`",
+        _adapter_folder(as_model=False),
+        "which mergekit does in a folder of yours: give --lora-merge-cache DIR",
+    ),
     Case("a truncated safetensors file", _truncated, "the file is truncated or corrupt"),
     Case("weights that are a git-LFS pointer (cloned without git-lfs)", _lfs_pointer, "run `git lfs pull`"),
     Case(
@@ -335,7 +374,10 @@ def _run_case(title: str, models: ModelSet, root: str) -> tuple[str, list[str]]:
             raise AssertionError(f"{title}: the merge succeeded")
     after = _contents(out)
     changed = sorted(name for name in {*before, *after} if before.get(name) != after.get(name))
-    return message.replace(scratch, "<dir>").replace(os.path.dirname(models.base), "<models>"), changed
+    placeholders = {scratch: "<dir>", os.path.dirname(models.base): "<models>", os.getcwd(): "<cwd>"}
+    for path, placeholder in placeholders.items():
+        message = message.replace(path, placeholder)
+    return message, changed
 
 
 def _pytorch_error(recipe: dict[str, Any], scratch: str, out: str) -> str:

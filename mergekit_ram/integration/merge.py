@@ -300,7 +300,7 @@ def probe_statistics(config: Any, options: Any, refresh: bool = False) -> RamSta
     """The probe: only the checks and the pre-pass; ``refresh`` recomputes counts the cache has."""
     headers = HeaderCache()
     cache = CacheSettings.from_environment()
-    check_config(config, headers, allow_crimes=options.allow_crimes)
+    check_config(config, headers, options)
     plan = plan_merge(config, options)
     dtypes = plan.checked(headers)
     counts = counted(plan, options, replace(cache, mode="refresh") if refresh else cache, headers)

@@ -40,21 +40,22 @@ _SHARED_SCOPE = {
 }
 
 
-def check_config(
-    config: Any, headers: HeaderCache, source: Optional[str] = None, *, allow_crimes: Optional[bool] = None
-) -> None:
-    """Keys (given the YAML ``source``), parameters and models; architectures only where ``allow_crimes`` is False."""
+def check_config(config: Any, headers: HeaderCache, options: Any, source: Optional[str] = None) -> None:
+    """Keys (given the YAML ``source``), parameters and models (with mergekit's ``options``: architectures only
+    without ``--allow-crimes``, adapters only with ``--lora-merge-cache``)."""
     method = config.merge_method
     if source is not None:
         check_recipe_keys(method, yaml.safe_load(source), type(config))
     check_recipe(method, config)
     base = getattr(config, "base_model", None)
     fit = BaseFit(
-        same_architecture=same_architecture if allow_crimes is False else None,
+        same_architecture=None if options.allow_crimes else same_architecture,
         vocabulary_axes=vocabulary_axes,
         vocabulary_aligned=bool(getattr(config, "tokenizer_source", None) or getattr(config, "tokenizer", None)),
     )
-    check_models(method, None if base is None else model_identity(base), list(model_lists(config)), headers, fit)
+    lora_cache = bool(getattr(options, "lora_merge_cache", None))
+    base_model = None if base is None else model_identity(base)
+    check_models(method, base_model, list(model_lists(config)), headers, fit, lora_cache)
 
 
 def _definitions(architecture: str) -> list[Any]:

@@ -112,7 +112,7 @@ def run_merge(
         check_setting(options)
         refuse_input_folder(out_path, _model_folders(merge_config, options))
         headers, cache = HeaderCache(), CacheSettings.from_environment()
-        check_config(merge_config, headers, config_source, allow_crimes=options.allow_crimes)
+        check_config(merge_config, headers, options, config_source)
         with transaction.staged() as staged:
             plan = plan_merge(merge_config, options)
             config, session, statistics = prepare(merge_config, plan, options, headers, cache)
@@ -153,7 +153,7 @@ def plan_flat_merge(
         folders += [InputFolder(file, file) for file in files if os.path.isdir(file)]
         refuse_input_folder(out_path, folders)
         headers, cache = HeaderCache(), CacheSettings.from_environment()
-        check_config(config, headers, allow_crimes=options.allow_crimes)
+        check_config(config, headers, options)
         with transaction.staged() as staged:
             planned = original(config, "", tensor_union, tensor_intersection, options)
             plan = Plan.of(config, planned)
