@@ -19,7 +19,7 @@ from typing import Any, Iterable, NamedTuple, Optional
 
 import yaml
 
-from mergekit_ram import bounded_yaml
+import mergekit_ram.bounded_yaml as bounded_yaml
 from mergekit_ram.errors import MergedFolderError
 from mergekit_ram.files import JSON_LIMIT, UnreadableFile, read_regular, write_atomically
 from mergekit_ram.published import MODEL_LIST, Card, read_card, with_sorted_model_list

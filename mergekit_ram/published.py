@@ -8,7 +8,7 @@ from typing import Any, NamedTuple, Optional
 
 import click
 
-from mergekit_ram import bounded_yaml
+import mergekit_ram.bounded_yaml as bounded_yaml
 from mergekit_ram.stats.data import RamStatistics
 from mergekit_ram.stats.render import card_markdown, compact_table
 from mergekit_ram.stats.schema import STATISTICS_FILE

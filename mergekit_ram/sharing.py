@@ -16,7 +16,7 @@ from typing import Any, Iterator, NamedTuple, Optional
 import yaml
 from safetensors import safe_open
 
-from mergekit_ram import bounded_yaml
+import mergekit_ram.bounded_yaml as bounded_yaml
 from mergekit_ram.errors import MergedFolderError, one_line
 from mergekit_ram.files import JSON_LIMIT, UnreadableFile, open_regular, read_regular
 from mergekit_ram.hub_ids import (
