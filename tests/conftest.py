@@ -12,6 +12,7 @@ import logging
 import os
 import re
 import resource
+import signal
 import subprocess
 import sys
 import traceback
@@ -92,6 +93,23 @@ class ScriptStderr(logging.StreamHandler):
     @stream.setter
     def stream(self, _value: Any) -> None:
         pass
+
+
+@contextlib.contextmanager
+def hang_fails(seconds: int = 120) -> Iterator[None]:
+    """A block that waits longer than ``seconds`` (on a FIFO, a lock) fails instead of hanging the test run: an
+    alarm interrupts the wait and raises ``TimeoutError``."""
+
+    def expired(_number: int, _frame: Any) -> None:
+        raise TimeoutError(f"still waiting after {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def fresh_loaders() -> None:

@@ -3,7 +3,7 @@ and without blocking, and what cannot be read is refused in one line before anyt
 
 The models here are a sharded copy of ``bf16_models``' first agent laid out as a Hugging Face
 cache snapshot (every file a symbolic link into a folder of blobs). Runs that could hang on a
-FIFO run the console script in a subprocess with a timeout; the others run in this process.
+FIFO run under an alarm (``hang_fails``): a merge that waits on one fails instead of hanging the suite.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 from typing import Callable
 
 import pytest
@@ -26,16 +25,15 @@ from tests.conftest import (
     Merged,
     ModelSet,
     command_refusal,
+    hang_fails,
     load_statistics,
     load_weights,
     merge_in_process,
-    script,
+    run_script,
     write_recipe,
 )
-from tests.test_cli import one_line_error
 
 INDEX = "model.safetensors.index.json"
-TIMEOUT = 120  # seconds: a merge that waits on a FIFO fails instead of hanging the suite
 
 
 def _stray(kind: str, path: str) -> None:
@@ -100,9 +98,8 @@ def test_stray_files_are_never_opened(bf16_models: ModelSet, snapshot: str, ram_
         os.mkfifo(os.path.join(agent, name))
     recipe = write_recipe(str(tmp_path / "r.yml"), _with_agent(bf16_models, agent))
     out = str(tmp_path / "out")
-    completed = subprocess.run(
-        [script("mergekit-yaml"), recipe, out], capture_output=True, text=True, timeout=TIMEOUT, check=False
-    )
+    with hang_fails():
+        completed = run_script("mergekit-yaml", recipe, out, check=False)
     assert completed.returncode == 0, completed.stderr[-3000:]
     for name in ("model.safetensors", "ram_statistics.json"):
         with open(os.path.join(out, name), "rb") as merged, open(os.path.join(ram_plus_merge.out, name), "rb") as clean:
@@ -151,10 +148,7 @@ def test_a_stray_file_the_index_names_is_refused_in_one_line(
     agent = _named(snapshot, str(tmp_path), kind)
     recipe = write_recipe(str(tmp_path / "r.yml"), _with_agent(bf16_models, agent))
     out = str(tmp_path / "out")
-    if kind == "fifo":  # the one that would hang: the console script, with a timeout
-        command = [script("mergekit-yaml"), recipe, out]
-        message = one_line_error(subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT, check=False))
-    else:
+    with hang_fails():  # a FIFO would hang a merge that waited on it
         message = command_refusal(mergekit_yaml, recipe, out)
     assert message.startswith(f"{agent}: ") and NAMED[kind] in message, message
     assert not os.path.exists(out)
