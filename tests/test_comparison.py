@@ -7,9 +7,10 @@ where the plugin must be off, or the method objects mergekit registers) and comp
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
-import subprocess
-import sys
+import runpy
 from typing import Callable
 
 import pytest
@@ -256,14 +257,13 @@ LAMBDA_RULES_TABLE = [
 ]
 
 
-def test_authors_rule_gives_the_papers_agents_one_lambda() -> None:
+def test_authors_rule_gives_the_papers_agents_one_lambda(monkeypatch: pytest.MonkeyPatch) -> None:
     """docs/scripts/lambda_rules.py prints the plugin's rules on the paper's figures, as docs/method.md shows."""
-    printed = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "docs", "scripts", "lambda_rules.py")],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
+    path = os.path.join(ROOT, "docs", "scripts", "lambda_rules.py")
+    monkeypatch.setattr("sys.argv", [path])
+    with contextlib.redirect_stdout(io.StringIO()) as output:
+        runpy.run_path(path, run_name="__main__")
+    printed = output.getvalue()
     assert printed.startswith("r = 0.1\n")
     assert markdown_rows(printed) == LAMBDA_RULES_TABLE
     with open(os.path.join(ROOT, "docs", "method.md"), encoding="utf-8") as handle:

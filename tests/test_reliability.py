@@ -513,6 +513,7 @@ def test_degenerate_finetunes_merge_without_nan(bf16_models: ModelSet, tmp_path,
         ]
 
 
+@pytest.mark.process
 def test_interrupted_merge_leaves_nothing_that_looks_finished(tmp_path) -> None:
     """Kill mergekit-yaml while it writes shards: no weights, no config in the output folder."""
     config = tiny_config("llama", hidden_size=256, intermediate_size=768, num_layers=6, vocab_size=4096)
