@@ -18,7 +18,7 @@ import sys
 import pytest
 
 from mergekit_ram._autoload import runs_a_merge
-from tests.conftest import ModelSet, merge_in_process, script, without_identities, write_recipe
+from tests.conftest import ModelSet, merge_in_process, script, write_recipe
 from tests.test_prepass import save_tokenizer
 
 FAULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "faults")
@@ -60,7 +60,7 @@ def snapshot(folder: str) -> dict[str, bytes]:
                 data = handle.read()
             if name == "README.md":
                 data = b"\n".join(sorted(data.split(b"\n")))
-            found[os.path.relpath(os.path.join(root, name), folder)] = without_identities(name, data)
+            found[os.path.relpath(os.path.join(root, name), folder)] = data
     return found
 
 

@@ -20,6 +20,7 @@ import shutil
 import signal
 import subprocess
 import time
+from hashlib import sha256
 from typing import Any, Iterator, Optional
 
 import pytest
@@ -30,14 +31,13 @@ from mergekit.options import MergeOptions
 from mergekit.scripts.merge_raw_pytorch import main as mergekit_pytorch
 
 from mergekit_ram.errors import InputError
-from mergekit_ram.staging import MANIFEST_FILE, MARKER_FILE, MARKER_TEXT, PRIVATE_PREFIX
+from mergekit_ram.staging import LOCK_FILE, MANIFEST_FILE, MARKER_FILE, MARKER_TEXT, PRIVATE_PREFIX
 from tests.conftest import (
     ModelSet,
     command_refusal,
     merge_in_process,
     run_script,
     script,
-    without_identities,
     write_recipe,
 )
 from tests.test_prepass import save_tokenizer
@@ -51,16 +51,16 @@ USER_FILES = {
     "adapter_config.json": b"{}\n",
 }
 #: Operations of the transaction (``fsop:any:N``, tests/faults/sitecustomize.py) re-merging the world's folder:
-#: 1-6 lock and prepare, 13 the marker is written, 17 config.json leaves, 18-30 the old files, 31-39 the new ones.
-LAST_OF_BEGIN, MARKER_WRITTEN, CONFIG_LEAVES, OLD_SHARDS, NEW_FILES = 6, 13, 17, 22, 35
+#: 1-7 lock and prepare, 8-20 the manifest written and the old weights read, 24 the marker is written,
+#: 28 config.json leaves, 29-41 the old files, 42-50 the new ones.
+LAST_OF_BEGIN, RECORDING, MARKER_WRITTEN, CONFIG_LEAVES, OLD_SHARDS, NEW_FILES = 7, 15, 24, 28, 33, 46
 
 
 def snapshot(folder: str) -> dict[str, bytes]:
     """Every file under ``folder`` (hidden ones too), by relative path.
 
     mergekit's card lists the models in the order of a set of ModelReference, whose hash
-    includes its class's id: ``README.md`` counts as its lines, in sorted order. The manifest's
-    weights count by name (their identities differ from folder to folder).
+    includes its class's id: ``README.md`` counts as its lines, in sorted order.
     """
     found = {}
     for root, _dirs, files in os.walk(folder):
@@ -70,7 +70,7 @@ def snapshot(folder: str) -> dict[str, bytes]:
                 data = handle.read()
             if name == "README.md":
                 data = b"\n".join(sorted(data.split(b"\n")))
-            found[os.path.relpath(path, folder)] = without_identities(name, data)
+            found[os.path.relpath(path, folder)] = data
     return found
 
 
@@ -147,8 +147,9 @@ def test_a_merge_replaces_only_what_merges_wrote(world: World) -> None:
     assert {"model.safetensors", "config.json", "tokenizer.json", "README.md", "ram_statistics.json"} <= set(world.new)
     assert MARKER_FILE not in world.new
     assert not [name for name in world.new if name.startswith(PRIVATE_PREFIX) and name != MANIFEST_FILE]
-    manifest = json.loads(world.new[MANIFEST_FILE])
-    assert manifest["weights"] == ["model.safetensors"] and "tokenizer.json" in manifest["files"]
+    manifest, weights = json.loads(world.new[MANIFEST_FILE]), world.new["model.safetensors"]
+    assert manifest["weights"] == {"model.safetensors": {"size": len(weights), "sha256": sha256(weights).hexdigest()}}
+    assert "tokenizer.json" in manifest["files"]
     assert "removed model-00001-of-" in world.log and "model.safetensors.index.json" in world.log
     with open(os.path.join(world.root, "reference", "out", "README.md"), encoding="utf-8") as handle:
         card = handle.read()
@@ -164,6 +165,7 @@ FAULT_CASES = [
     ("open:tokenizer.json:1:SIGUSR1", "old"),
     ("open:README.md:1:ENOSPC", "old"),  # disk full while the card is written (case 5)
     (f"fsop:any:{LAST_OF_BEGIN}:SIGTERM", "old"),  # held while the folder is prepared, then acted on
+    (f"fsop:any:{RECORDING}:SIGINT", "old"),  # while the weights are read for the manifest: not held
     (f"fsop:any:{CONFIG_LEAVES}:SIGINT", "new"),  # signals are held while publishing (case 6)
     (f"fsop:any:{OLD_SHARDS}:SIGQUIT", "new"),
     (f"fsop:any:{NEW_FILES}:SIGHUP", "new"),
@@ -208,6 +210,7 @@ def test_a_killed_publish_is_marked_and_never_replayed(world: World) -> None:
         assert handle.read() == MARKER_TEXT  # it says what it means and what to do
     merge_in_process(world.models.recipe("linear", parameters={"weight": 1.0}), out)
     linear = snapshot(out)
+    del linear[LOCK_FILE]  # the killed merge's, taken over and removed by the next RAM merge (it holds nothing)
     failing = fault_env("kernel:merge:1:ENOSPC")  # a RAM merge that fails in its own merge
     refused = run_script("mergekit-yaml", world.new_recipe, out, env=failing, check=False)
     assert refused.returncode != 0 and "did not finish" in refused.stderr
@@ -265,19 +268,25 @@ def test_a_second_merge_into_a_busy_folder_is_refused_at_once(world: World) -> N
 
 
 def test_one_writer_whatever_removes_the_lock(world: World, tmp_path) -> None:
-    """Case 3: the lock is OUT itself, so ``rm -rf OUT/.*`` (or ``git clean -fdx``) lets no second merge in;
-    after ``rm -rf OUT`` a second merge may make a new OUT, and the first merge's failure leaves it alone."""
+    """Case 3: ``rm -rf OUT/.*`` (or ``git clean -fdx``) removes a running merge's lock file and its private
+    folder, so a second merge may run and publish: the first then publishes nothing over it. After ``rm -rf
+    OUT`` a third merge makes a new OUT, and the first merge's failure leaves that alone too."""
     out = str(tmp_path / "made-by-the-first" / "out")
     with _paused_merge(world.new_recipe, out, str(tmp_path / "release")) as first:
+        assert LOCK_FILE in os.listdir(out)
         for name in os.listdir(out):  # rm -rf out/.*
-            shutil.rmtree(os.path.join(out, name))
-        refused = run_script("mergekit-yaml", world.old_recipe, out, env=fault_env(), check=False)
-        assert f"another merge is writing to {out}" in refused.stderr and os.listdir(out) == []
+            if os.path.isdir(os.path.join(out, name)):
+                shutil.rmtree(os.path.join(out, name))
+            else:
+                os.unlink(os.path.join(out, name))
+        merge_in_process(world.new_recipe, out)
+        second = snapshot(out)
+        assert "config.json" in second and LOCK_FILE not in second
         shutil.rmtree(out)  # rm -rf out
         merge_in_process(world.old_recipe, out)
-        second = snapshot(out)
+        third = snapshot(out)
     assert first.returncode != 0
-    assert snapshot(out) == second and "config.json" in second
+    assert snapshot(out) == third and "config.json" in third
 
 
 def _spellings(folder: str, root: str) -> list[str]:
@@ -338,7 +347,7 @@ def test_mergekit_multi_lazy_reruns_a_stage_killed_while_publishing(world: World
     config = str(tmp_path / "multi.yml")
     with open(config, "w", encoding="utf-8") as handle:
         yaml.safe_dump(recipe, handle, sort_keys=False)
-    killed = run_script("mergekit-multi", config, "-I", str(stages), env=fault_env("fsop:any:21:SIGKILL"), check=False)
+    killed = run_script("mergekit-multi", config, "-I", str(stages), env=fault_env("fsop:any:23:SIGKILL"), check=False)
     assert killed.returncode == -signal.SIGKILL
     assert MARKER_FILE in os.listdir(stages / "stage") and "config.json" not in os.listdir(stages / "stage")
     private = [

@@ -39,7 +39,6 @@ from tests.conftest import (
     merge_in_process,
     run_script,
     script,
-    without_identities,
     write_recipe,
 )
 from tests.test_cli import one_line_error
@@ -543,7 +542,7 @@ def _files(folder: str) -> dict[str, bytes]:
     for root, _, names in os.walk(folder):
         for name in names:
             with open(os.path.join(root, name), "rb") as handle:
-                found[os.path.relpath(os.path.join(root, name), folder)] = without_identities(name, handle.read())
+                found[os.path.relpath(os.path.join(root, name), folder)] = handle.read()
     return found
 
 

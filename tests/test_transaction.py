@@ -16,6 +16,7 @@ with SIGTERM, SIGKILL and ENOSPC at each of its operations); the whole sweep is
 from __future__ import annotations
 
 import concurrent.futures
+import hashlib
 import itertools
 import json
 import os
@@ -31,8 +32,8 @@ from typing import Callable, Optional, Sequence
 import pytest
 
 from mergekit_ram.signals import ENDING_SIGNALS
-from mergekit_ram.staging import MANIFEST_FILE, MARKER_FILE, MARKER_TEXT, PRIVATE_PREFIX
-from tests.conftest import run_python, without_identities
+from mergekit_ram.staging import LOCK_FILE, MANIFEST_FILE, MARKER_FILE, MARKER_TEXT, PRIVATE_PREFIX
+from tests.conftest import run_python
 
 FAULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "faults")
 DRIVER = os.path.join(FAULTS, "transaction.py")
@@ -55,8 +56,7 @@ State = Optional[dict[str, bytes]]
 def snapshot(folder: str) -> State:
     """Every entry under ``folder`` by relative path: a file's bytes, a link's target, b"<folder>", b"<fifo>".
 
-    A private folder's random name reads ``.mergekit-ram-<private>``; a manifest's weights are reduced
-    to their names (``test_removal_needs_the_recorded_identity`` checks their identities)."""
+    A private folder's random name reads ``.mergekit-ram-<private>``."""
     if not os.path.lexists(folder):
         return None
     found: dict[str, bytes] = {}
@@ -71,7 +71,7 @@ def snapshot(folder: str) -> State:
                 found[_relative(path, folder)] = b"<fifo>"
             else:
                 with open(path, "rb") as handle:
-                    found[_relative(path, folder)] = without_identities(name, handle.read())
+                    found[_relative(path, folder)] = handle.read()
     return found
 
 
@@ -117,12 +117,17 @@ def in_parallel(work: Callable[..., object], cases: Sequence[tuple]) -> list:
 
 
 def left_over(state: State) -> list[str]:
-    """What a run that did not finish leaves: the marker, private folders (and what is in them)."""
+    """What a run that did not finish leaves: the marker, private folders (and what is in them), its lock file."""
     return sorted(
         name
         for name in state or {}
-        if name == MARKER_FILE or (name.startswith(PRIVATE_PREFIX) and name != MANIFEST_FILE)
+        if name in (MARKER_FILE, LOCK_FILE) or (name.startswith(PRIVATE_PREFIX) and name != MANIFEST_FILE)
     )
+
+
+def unlocked(state: State) -> State:
+    """``state`` without a killed run's lock file, which the next run takes over and removes (it holds nothing)."""
+    return None if state is None else {name: data for name, data in state.items() if name != LOCK_FILE}
 
 
 def published(state: State) -> dict[str, bytes]:
@@ -210,7 +215,7 @@ def test_the_scenarios_are_what_they_claim(remerge: Scenario, fresh: Scenario) -
     assert all(remerge.new[name] == data for name, data in USER_FILES.items())
     assert remerge.new["latest"] == remerge.old["latest"] and not left_over(remerge.new)
     assert fresh.new[NOTES] == b"the user's notes\n" and not left_over(fresh.new)
-    assert remerge.count == 48 and fresh.count == 34  # the operations enumerated below
+    assert remerge.count == 57 and fresh.count == 40  # the operations enumerated below
 
 
 def _fault(scenario: Scenario, operation: int, ending: str, tag: str = "every") -> int:
@@ -283,7 +288,7 @@ def crashes(remerge: Scenario) -> dict[int, State]:
         state = snapshot(_crashed(remerge, operation, "found"))
         if left_over(state) and state not in found.values():
             found[operation] = state
-    assert len(found) == 37 and {remerge.phase(state) for state in found.values()} == {0, 1, 2}
+    assert len(found) == 39 and {remerge.phase(state) for state in found.values()} == {0, 1, 2}
     return found
 
 
@@ -293,20 +298,21 @@ def _after_a_crash(scenario: Scenario, operation: int, state: State) -> None:
     another method, then a failing RAM merge, keep that merge's files."""
     out = _crashed(scenario, operation, "failing")
     failing = drive(out, "new", "fail")
-    assert failing.returncode == 1 and snapshot(out) == state, operation
-    assert LEFT_OVER_WARNING in failing.stderr and (MARKER_FILE in failing.stderr or MARKER_FILE not in state)
+    assert failing.returncode == 1 and unlocked(snapshot(out)) == unlocked(state), operation
+    assert LEFT_OVER_WARNING in failing.stderr or left_over(state) == [LOCK_FILE]
+    assert MARKER_FILE in failing.stderr or MARKER_FILE not in (state or {})
     out = _crashed(scenario, operation, "merged")
     assert drive(out, "new").returncode == 0
     after = snapshot(out) or {}
-    assert published(after) == scenario.new and MARKER_FILE not in after, operation
-    private = [name for name in left_over(state) if name != MARKER_FILE]
+    assert published(after) == scenario.new and MARKER_FILE not in after and LOCK_FILE not in after, operation
+    private = [name for name in left_over(state) if name not in (MARKER_FILE, LOCK_FILE)]
     assert {name: data for name, data in after.items() if name not in published(after)} == {
         name: data for name, data in (state or {}).items() if name.split(os.sep)[0] in private
     }
     out = _crashed(scenario, operation, "plain")
     assert drive(out, "plain", "plain").returncode == 0
     plain = snapshot(out) or {}
-    assert drive(out, "new", "fail").returncode == 1 and snapshot(out) == plain, operation
+    assert drive(out, "new", "fail").returncode == 1 and unlocked(snapshot(out)) == unlocked(plain), operation
     assert plain["model-00001-of-00003.safetensors"] == b"plain model-00001-of-00003.safetensors\n"
 
 
@@ -324,7 +330,7 @@ def _next_merge_fault(scenario: Scenario, crashed: int, operation: int, ending: 
     files = published(state)
     if completed.returncode == 0:  # it finished (Python ignores SIGPIPE and SIGXFSZ): its merge, no marker
         assert files == scenario.new and MARKER_FILE not in (state or {}), (crashed, operation, ending)
-    elif state != before and (files != scenario.new or MARKER_FILE in (state or {})):
+    elif unlocked(state) != unlocked(before) and (files != scenario.new or MARKER_FILE in (state or {})):
         # only SIGKILL leaves something: its private folder (OUT's files as they were), or the marker over
         # a mix (no config.json) or over the complete new merge (killed before removing the marker)
         marked = MARKER_FILE in (state or {}) and ("config.json" not in files or files == scenario.new)
@@ -427,32 +433,38 @@ def test_an_earlier_designs_leftovers_are_reported_and_kept(remerge: Scenario) -
     assert {name: data for name, data in after.items() if name.startswith(".mergekit-ram-partial")} == kept
 
 
-def test_removal_needs_the_recorded_identity(remerge: Scenario) -> None:
-    """Invariant 4: an earlier merge's weight goes only while its (device, inode, size, mtime) are what that
-    merge recorded: a copied folder, a shard the user replaced or touched, stay (named in one warning)."""
+def test_removal_needs_the_recorded_content(remerge: Scenario) -> None:
+    """Invariant 4: an earlier merge's weight goes only while its bytes are what that merge recorded (size and
+    SHA-256), on whatever machine or copy: a copied folder, a shard touched or replaced by the same bytes, go;
+    a shard rewritten in place (the same size, other bytes) or grown stays, named in one warning."""
     shard = "model-00003-of-00003.safetensors"
     out = remerge.make("identity")
     with open(os.path.join(out, MANIFEST_FILE), encoding="utf-8") as handle:
         recorded = json.load(handle)["weights"][shard]
-    status = os.stat(os.path.join(out, shard))
-    assert recorded == {"device": status.st_dev, "inode": status.st_ino, "size": status.st_size,
-                        "mtime_ns": status.st_mtime_ns}  # fmt: skip
-    copied = shutil.copytree(out, out + "-copy", symlinks=True)  # cp -a: other inodes
+    data = b"old model-00003-of-00003.safetensors\n"
+    assert recorded == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    copied = shutil.copytree(out, out + "-copy", symlinks=True)  # cp -a: other inodes, other mtimes
+    touched = remerge.make("identity-touched")
+    os.utime(os.path.join(touched, shard), ns=(0, 0))
     replaced = remerge.make("identity-replaced")
     os.unlink(os.path.join(replaced, shard))
-    with open(os.path.join(replaced, shard), "w", encoding="utf-8") as handle:
-        handle.write("old model-00003-of-00003.safetensors\n")  # the same bytes, the user's file
-    touched = remerge.make("identity-touched")
-    os.utime(os.path.join(touched, shard), ns=(status.st_atime_ns, status.st_mtime_ns + 1000))
-    shards = [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
-    for folder, kept in ((copied, shards), (replaced, [shard]), (touched, [shard])):
+    with open(os.path.join(replaced, shard), "wb") as handle:
+        handle.write(data)  # another file, the same bytes
+    for folder in (out, copied, touched, replaced):
         completed = drive(folder, "new")
-        assert completed.returncode == 0 and f"kept {', '.join(kept)} in {folder}" in completed.stderr
-        assert published(snapshot(folder)) == {
-            **(remerge.new or {}),
-            **{name: b"old " + name.encode() + b"\n" for name in kept},
-        }
-    assert drive(out, "new").returncode == 0 and snapshot(out) == remerge.new
+        assert completed.returncode == 0 and snapshot(folder) == remerge.new, (folder, completed.stderr[-2000:])
+    rewritten = remerge.make("identity-rewritten")
+    with open(os.path.join(rewritten, shard), "r+b") as handle:
+        handle.write(b"OLD")  # in place: the same size, the same file
+    grown = remerge.make("identity-grown")
+    with open(os.path.join(grown, shard), "ab") as handle:
+        handle.write(b"more")
+    for folder in (rewritten, grown):
+        with open(os.path.join(folder, shard), "rb") as handle:
+            theirs = handle.read()
+        completed = drive(folder, "new")
+        assert completed.returncode == 0 and f"kept {shard} in {folder}" in completed.stderr
+        assert published(snapshot(folder)) == {**(remerge.new or {}), shard: theirs}
 
 
 # Crafted states (invariant 3) ------------------------------------------------------------------------
@@ -471,24 +483,24 @@ HOSTILE_NAMES = [
     "a/b.safetensors",
     "nul\0.safetensors",
 ]
-#: Identities that are not what the transaction records.
-HOSTILE_IDENTITIES: list[object] = [None, 7, "x", [1, 2, 3, 4], {"inode": "1"}, {"device": -1}]
+#: Records that are not what the transaction records (its shard has 37 bytes).
+HOSTILE_IDENTITIES: list[object] = [None, 7, "x", [37, "x"], {"size": "37"}, {"size": 37, "sha256": "0" * 64}]
 
 
 def _manifest_naming(name: str) -> Callable[[str, str], None]:
-    """A manifest whose weights name ``name`` with the identity of whatever OUT has under it (so only the
-    name decides)."""
+    """A manifest whose weights name ``name`` with the size and SHA-256 of whatever OUT has under it, through
+    a link too (so only the name, and never following it, decide)."""
 
     def make(out: str, outside: str) -> None:
         path = name.format(outside=outside)
         weights: dict[str, object] = {}
         with open(os.path.join(out, MANIFEST_FILE), "w", encoding="utf-8") as handle:
             try:
-                status = os.stat(os.path.join(out, path), follow_symlinks=False)
-                weights[path] = {"device": status.st_dev, "inode": status.st_ino, "size": status.st_size,
-                                 "mtime_ns": status.st_mtime_ns}  # fmt: skip
+                with open(os.path.join(out, path), "rb") as target:
+                    data = target.read()
+                weights[path] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
             except (OSError, ValueError):
-                weights[path] = {"device": 0, "inode": 0, "size": 0, "mtime_ns": 0}
+                weights[path] = {"size": 0, "sha256": hashlib.sha256(b"").hexdigest()}
             json.dump({"weights": weights}, handle)
 
     return make
