@@ -258,7 +258,7 @@ class _Folder:
                 except PermissionError:  # another user's (fs.protected_hardlinks): an undo leaves this run's
                     kept_aside = False
             marker = _write_new(MARKER_FILE, MARKER_TEXT, self.private)
-            self._move(self.private, self.out, MARKER_FILE)
+            os.rename(MARKER_FILE, MARKER_FILE, src_dir_fd=self.private, dst_dir_fd=self.out)  # not undone: see _undo
             _sync(self.out)
             for name in _aside_order(names, stale):
                 if _kind(name, self.out) == "file":
@@ -286,7 +286,8 @@ class _Folder:
         self.moves.append((source, target, name))
 
     def _undo(self, marker: Optional[os.stat_result]) -> None:
-        """This publish's renames backwards, then this run's ``marker`` removed: OUT as it was, marked until it is.
+        """This publish's renames backwards (the earlier marker, if kept aside, renamed back over this run's: OUT
+        stays marked), then this run's ``marker`` removed if still there: OUT as it was, marked until it is.
         Without ``marker`` (another user's marker could not be kept aside) this run's stays: OUT was marked."""
         try:
             for source, target, name in reversed(self.moves):

@@ -21,6 +21,7 @@ import signal
 import subprocess
 import time
 from hashlib import sha256
+from pathlib import Path
 from typing import Any, Iterator, Optional
 
 import pytest
@@ -358,3 +359,53 @@ def test_mergekit_multi_lazy_reruns_a_stage_killed_while_publishing(world: World
     left = os.listdir(stages / "stage")
     assert MARKER_FILE not in left and "config.json" in left
     assert [name for name in left if name.startswith(PRIVATE_PREFIX) and name != MANIFEST_FILE] == private
+
+
+def test_the_same_recipe_gives_the_same_bytes(world: World, tmp_path) -> None:
+    """Issue 44, 8: two merges of one recipe give the same bytes, bookkeeping included: the manifest records each
+    weight's size and SHA-256, nothing of the machine or the moment (device, inode, mtime)."""
+    folders = [str(tmp_path / name / "out") for name in ("a", "b")]
+    for folder in folders:
+        merge_in_process(world.new_recipe, folder)
+    first, second = ({name: Path(folder, name).read_bytes() for name in os.listdir(folder)} for folder in folders)
+    assert first == second and MANIFEST_FILE in first
+    weights = json.loads(first[MANIFEST_FILE])["weights"]
+    assert weights == {"model.safetensors": {"size": len(first["model.safetensors"]),
+                                             "sha256": sha256(first["model.safetensors"]).hexdigest()}}  # fmt: skip
+
+
+def _without_proc() -> list[str]:
+    """The command that runs its arguments where /proc is not mounted: a private mount namespace (a user namespace
+    too unless root) whose /proc is an empty tmpfs. Skips, saying why, where this machine allows none."""
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        pytest.skip("no unshare(1) here, so no private mount namespace to hide /proc in")
+    user = [] if os.geteuid() == 0 else ["--user", "--map-root-user"]
+    hidden = 'mount -t tmpfs none /proc && test ! -e /proc/self && "$@"'
+    command = [unshare, *user, "--mount", "--propagation", "private", "sh", "-c", hidden]
+    probe = subprocess.run([*command, "sh", "true"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip(f"this machine allows no private mount namespace to hide /proc in: {probe.stderr.strip()[-300:]}")
+    return [*command, "sh"]
+
+
+@pytest.mark.process
+def test_a_merge_without_proc(world: World, tmp_path) -> None:
+    """Issue 44, 2: where /proc is not mounted (a container or chroot), mergekit-yaml merges (the inputs read by
+    path, checked to be the files opened; mergekit writes by the plain path, checked to name the private folder),
+    ``probe`` reads the recipe, and ``check`` names /proc, not the model. The folder is the bytes of a merge with
+    /proc."""
+    without_proc = _without_proc()
+    out, reference = str(tmp_path / "without" / "out"), str(tmp_path / "with" / "out")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    merged = subprocess.run([*without_proc, script("mergekit-yaml"), world.new_recipe, out], env=env,
+                            capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert merged.returncode == 0, merged.stderr[-3000:]
+    probed = subprocess.run([*without_proc, script("mergekit-ram"), "probe", world.new_recipe], env=env,
+                            capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert probed.returncode == 0 and "memory-agent" in probed.stdout, probed.stderr[-3000:]
+    checked = subprocess.run([*without_proc, script("mergekit-ram"), "check", out], env=env,
+                             capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert "problem: model.safetensors cannot be read: /proc is not mounted here (mount it)" in checked.stdout
+    merge_in_process(world.new_recipe, reference)
+    assert snapshot(out) == snapshot(reference)
