@@ -38,8 +38,8 @@ Invariants, each held by tests/test_transaction.py (T) or tests/test_output.py (
    is group-writable; others if OUT is): a reader cannot hold it. Taken by opening it, locking it, then
    checking that its name still names the file locked (else again); removed while still locked when the run
    ends. A lock file that is a link, a FIFO, a folder or not empty is refused, never followed or opened; one
-   whose mode lets a non-writer open it is replaced. A merge whose OUT or lock file was removed or replaced
-   meanwhile publishes nothing (``rm -rf OUT/.*`` also removes its private folder, so it has nothing to). [T, O]
+   found locked whose mode lets a non-writer open it is made anew. A merge whose OUT or lock file was removed
+   or replaced meanwhile publishes nothing (``rm -rf OUT/.*`` also removes its private folder). [T, O]
 6. Old or new: the ending signals are held while files move; an error while publishing is undone. Only
    SIGKILL, a crash or a power cut stops a publish half-way: OUT is then marked MERGE_INCOMPLETE (never
    config.json beside a mix) and the next merge writes its own complete result. [T]
@@ -86,6 +86,7 @@ _LOADED = re.compile(r"(model|pytorch_model)(-\d+-of-\d+)?\.(safetensors|bin)(\.
 #: Files every mergekit-yaml merge writes (the card and recipe unless told not to), besides the weights.
 _ALWAYS_WRITTEN = (_CONFIG, "README.md", "mergekit_config.yml", "ram_statistics.json")
 _FOLDER = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_NEW_LOCK = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 #: Tries at taking the lock while its file is replaced between the open and the lock (by another merge's end).
 _LOCK_TRIES = 20
 _HASH_BLOCK = 1 << 20
@@ -331,19 +332,18 @@ def _take_lock(out: int, out_path: str) -> int:
     """OUT's lock file, opened read-write and locked (invariant 5); ``OutputBusyError`` at once while another
     merge holds it. Open, lock, then check that the name still names the file locked; else again."""
     for _ in range(_LOCK_TRIES):
-        lock = _open_lock(out, out_path)
-        if lock is None:
+        opened = _open_lock(out, out_path)
+        if opened is None:
             continue
+        lock, found = opened
         try:
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                raise OutputBusyError(
-                    f"another merge is writing to {out_path}; wait for it to finish or choose another output folder"
-                ) from None
-            except OSError as error:  # a file system without locks
-                LOG.warning("could not lock %s (%s): nothing keeps a second merge out of it", out_path, _reason(error))
-            if _is_lock(out, lock):
+            if not _locked(lock, out_path):
+                if found is None or not _too_open(found, os.fstat(out)):
+                    raise OutputBusyError(
+                        f"another merge is writing to {out_path}; wait for it to finish or choose another output folder"
+                    )
+                _remove_lock(out, out_path, found)  # whoever holds it may be a reader of OUT: made anew
+            elif _is_lock(out, lock):
                 return lock
         except BaseException:
             os.close(lock)
@@ -355,25 +355,25 @@ def _take_lock(out: int, out_path: str) -> int:
     )
 
 
-def _open_lock(out: int, out_path: str) -> Optional[int]:
-    """The lock file opened read-write, made first if missing (its mode set from OUT's); None where it changed
-    meanwhile (try again). Refused if it is anything but an empty regular file of one link."""
+def _open_lock(out: int, out_path: str) -> Optional[tuple[int, Optional[os.stat_result]]]:
+    """The lock file opened read-write, and its status when found (None: made now, its mode set from OUT's);
+    None where it changed meanwhile (try again). Refused if it is anything but an empty regular file of one
+    link, which is never opened."""
     path = os.path.join(out_path, LOCK_FILE)
-    folder = os.fstat(out)
     try:
         found = os.stat(LOCK_FILE, dir_fd=out, follow_symlinks=False)
     except FileNotFoundError:
         try:
-            lock = os.open(
-                LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=out
-            )
+            lock = os.open(LOCK_FILE, _NEW_LOCK, 0o600, dir_fd=out)
         except FileExistsError:
             return None
-        if folder.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-            with contextlib.suppress(OSError):  # a creator outside OUT's group: the file gives the group nothing
+        folder = os.fstat(out)
+        with contextlib.suppress(OSError):  # a maker outside OUT's group: the file gives the group nothing
+            if folder.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
                 os.fchown(lock, -1, folder.st_gid)
-        os.fchmod(lock, _lock_mode(folder, os.fstat(lock).st_gid))
-        return lock
+        with contextlib.suppress(OSError):  # a file system without modes (FAT): its mount decides
+            os.fchmod(lock, _lock_mode(folder, os.fstat(lock).st_gid))
+        return lock, None
     if not stat.S_ISREG(found.st_mode) or found.st_size or found.st_nlink != 1:
         what = "a folder" if stat.S_ISDIR(found.st_mode) else "not an empty file of its own"
         what = "a symbolic link" if stat.S_ISLNK(found.st_mode) else what
@@ -381,17 +381,6 @@ def _open_lock(out: int, out_path: str) -> Optional[int]:
             f"{path} is {what}: it is mergekit-ram's own name (the lock of a merge); remove it or choose another "
             "output folder"
         )
-    if stat.S_IMODE(found.st_mode) & 0o066 & ~_lock_mode(folder, found.st_gid):  # a reader of OUT may open it
-        try:
-            os.unlink(LOCK_FILE, dir_fd=out)
-        except FileNotFoundError:
-            pass
-        except PermissionError:
-            raise OutputFolderError(
-                f"{path} is {_user(found.st_uid)}'s, and its mode lets users who may not write {out_path} open it "
-                f"(and so hold the lock): ask {_user(found.st_uid)} to remove it, or choose another output folder"
-            ) from None
-        return None
     try:
         lock = os.open(LOCK_FILE, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=out)
     except FileNotFoundError:
@@ -404,7 +393,37 @@ def _open_lock(out: int, out_path: str) -> Optional[int]:
     if not _same(os.fstat(lock), found):
         os.close(lock)
         return None
-    return lock
+    return lock, found
+
+
+def _locked(lock: int, out_path: str) -> bool:
+    """An exclusive ``flock``, without waiting: False while another process holds it."""
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    except OSError as error:  # a file system without locks
+        LOG.warning("could not lock %s (%s): nothing keeps a second merge out of it", out_path, _reason(error))
+    return True
+
+
+def _too_open(found: os.stat_result, folder: os.stat_result) -> bool:
+    """Whether the lock file's mode lets someone who may not write OUT open it (left when OUT was more open)."""
+    return bool(stat.S_IMODE(found.st_mode) & 0o066 & ~_lock_mode(folder, found.st_gid))
+
+
+def _remove_lock(out: int, out_path: str, found: os.stat_result) -> None:
+    """Remove a lock file held by someone who may not write OUT, so that the next try makes it anew."""
+    try:
+        os.unlink(LOCK_FILE, dir_fd=out)
+    except FileNotFoundError:
+        pass
+    except PermissionError:
+        raise OutputFolderError(
+            f"{os.path.join(out_path, LOCK_FILE)} is {_user(found.st_uid)}'s, and its mode lets users who may not "
+            f"write {out_path} open it (and so hold the lock): ask {_user(found.st_uid)} to remove it, or choose "
+            "another output folder"
+        ) from None
 
 
 def _lock_mode(folder: os.stat_result, group: int) -> int:
