@@ -377,9 +377,15 @@ def test_the_marker_says_what_it_means(remerge: Scenario, crashes: dict[int, Sta
 # Private staging (invariant 2) ---------------------------------------------------------------------
 
 
-def _paused(out: str, release: str, generation: str = "new") -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": FAULTS, "MERGEKIT_RAM_TEST_RELEASE": release}
-    merge = subprocess.Popen([sys.executable, DRIVER, out, generation, "pause"], env=env, stderr=subprocess.PIPE)
+def _paused(out: str, release: str, generation: str = "new", fault: Optional[int] = None) -> subprocess.Popen:
+    """The driver's merge into ``out``, waiting until ``release`` exists: before it writes, or right after its
+    ``fault``-th file-system operation."""
+    paths = os.pathsep.join(filter(None, [FAULTS, os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": paths, "MERGEKIT_RAM_TEST_RELEASE": release}
+    if fault is not None:
+        env["MERGEKIT_RAM_TEST_FAULT"] = f"fsop:any:{fault}:wait"
+    flags = ["pause"] if fault is None else []
+    merge = subprocess.Popen([sys.executable, DRIVER, out, generation, *flags], env=env, stderr=subprocess.PIPE)
     while not os.path.exists(release + ".waiting"):
         assert merge.poll() is None, merge.stderr.read() if merge.stderr else ""
         time.sleep(0.02)
@@ -504,6 +510,23 @@ def test_a_merge_whose_lock_was_removed_publishes_nothing(remerge: Scenario, tmp
     assert "config.json" in second and second[MANIFEST_FILE] == published(remerge.old or {})[MANIFEST_FILE]
 
 
+def test_a_lock_released_while_being_taken_is_taken_anew(remerge: Scenario, tmp_path) -> None:
+    """Invariant 5, open then lock then check: merge B opens the lock file merge A holds; A ends, removing it, and
+    C takes a new one. B, now able to lock the file it opened, finds the name naming C's file and is refused at
+    once (without the check it would hold a lock nobody else sees, until its publish)."""
+    out, release = remerge.make("lock-race"), str(tmp_path / "release")
+    first = _paused(out, release + "-a")
+    second = _paused(out, release + "-b", fault=2)  # the lock file opened, not yet locked
+    open(release + "-a", "w").close()
+    assert first.wait(60) == 0
+    third = _paused(out, release + "-c", "old")
+    open(release + "-b", "w").close()
+    assert second.wait(60) == 1
+    assert f"another merge is writing to {out}" in (second.stderr.read().decode() if second.stderr else "")
+    open(release + "-c", "w").close()
+    assert third.wait(60) == 0 and snapshot(out) == remerge.old
+
+
 def test_the_card_tool_takes_the_merges_lock(remerge: Scenario) -> None:
     """``folder_writer`` (``check --set-license``): refused while a merge runs, and while a killed merge's marker
     or private folder is there; its lock file goes when it ends. In this process."""
@@ -514,7 +537,7 @@ def test_the_card_tool_takes_the_merges_lock(remerge: Scenario) -> None:
                 pass
     with folder_writer(out) as folder:
         assert os.path.samestat(os.fstat(folder), os.stat(out)) and LOCK_FILE in os.listdir(out)
-    assert snapshot(out) == remerge.old
+    assert snapshot(out) == remerge.old and LOCK_FILE not in os.listdir(out)
     killed = _crashed(remerge, 30, "card-tool")
     with pytest.raises(
         OutputFolderError, match=f"{re.escape(killed)} holds .mergekit-ram-[0-9a-f]{{16}}, {MARKER_FILE}:"
