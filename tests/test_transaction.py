@@ -515,16 +515,20 @@ def test_a_lock_released_while_being_taken_is_taken_anew(remerge: Scenario, tmp_
     C takes a new one. B, now able to lock the file it opened, finds the name naming C's file and is refused at
     once (without the check it would hold a lock nobody else sees, until its publish)."""
     out, release = remerge.make("lock-race"), str(tmp_path / "release")
-    first = _paused(out, release + "-a")
-    second = _paused(out, release + "-b", fault=2)  # the lock file opened, not yet locked
-    open(release + "-a", "w").close()
-    assert first.wait(60) == 0
-    third = _paused(out, release + "-c", "old")
-    open(release + "-b", "w").close()
-    assert second.wait(60) == 1
-    assert f"another merge is writing to {out}" in (second.stderr.read().decode() if second.stderr else "")
-    open(release + "-c", "w").close()
-    assert third.wait(60) == 0 and snapshot(out) == remerge.old
+    try:
+        first = _paused(out, release + "-a")
+        second = _paused(out, release + "-b", fault=2)  # the lock file opened, not yet locked
+        open(release + "-a", "w").close()
+        assert first.wait(60) == 0
+        third = _paused(out, release + "-c", "old")
+        open(release + "-b", "w").close()
+        assert second.wait(60) == 1
+        assert f"another merge is writing to {out}" in (second.stderr.read().decode() if second.stderr else "")
+        open(release + "-c", "w").close()
+        assert third.wait(60) == 0 and snapshot(out) == remerge.old
+    finally:  # none left waiting, whatever failed
+        for name in "abc":
+            open(f"{release}-{name}", "a").close()
 
 
 def test_the_card_tool_takes_the_merges_lock(remerge: Scenario) -> None:
