@@ -18,7 +18,7 @@ from safetensors import safe_open
 
 import mergekit_ram.bounded_yaml as bounded_yaml
 from mergekit_ram.errors import MergedFolderError, one_line
-from mergekit_ram.files import JSON_LIMIT, UnreadableFile, open_regular, read_regular
+from mergekit_ram.files import JSON_LIMIT, UnreadableFile, descriptor_path, open_regular, read_regular
 from mergekit_ram.hub_ids import (
     Parsed,
     Reference,
@@ -246,9 +246,9 @@ def tensor_findings(folder: int, name: str) -> list[Finding]:
     """Every tensor loads with safetensors, one at a time, and a floating one holds no NaN or Inf."""
     try:
         with open_regular(name, dir_fd=folder, follow_symlinks=False) as (handle, _):
-            path = f"/proc/self/fd/{handle}"  # the descriptor's own file, whatever becomes of the name (Linux)
-            if not os.path.exists(path):
-                return [Finding("weights", f"{name} cannot be read here (no /proc/self/fd): check it on Linux")]
+            path = descriptor_path(handle)  # the descriptor's own file, whatever becomes of the name (/proc)
+            if path is None:
+                return [Finding("weights", f"{name} cannot be read: /proc is not mounted here (mount it)")]
             with safe_open(path, framework="pt") as tensors:
                 bad = [key for key in tensors.keys() if not is_finite(tensors.get_tensor(key))]
     except (OSError, UnreadableFile) as error:

@@ -163,20 +163,6 @@ def merge_in_process(recipe: dict[str, Any] | str, out: str, **options: Any) -> 
     run_merge(config, out, options=MergeOptions(quiet=True, **options), config_source=source)
 
 
-def without_identities(name: str, data: bytes) -> bytes:
-    """A file's bytes for comparing folders: in mergekit-ram's manifest the weights' identities (device,
-    inode, mtime) differ from folder to folder by design, so only their names are kept."""
-    from mergekit_ram.staging import MANIFEST_FILE
-
-    if name != MANIFEST_FILE:
-        return data
-    try:
-        manifest = json.loads(data)
-        return json.dumps({**manifest, "weights": sorted(manifest["weights"])}).encode()
-    except (ValueError, KeyError, TypeError, RecursionError):
-        return data
-
-
 def command_refusal(command: Any, *args: str) -> str:
     """The message a console script's click command (``mergekit.scripts.run_yaml.main``, ...)
     refuses ``args`` with, run in this process: what the script prints after "Error: " (the

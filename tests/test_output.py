@@ -20,6 +20,8 @@ import shutil
 import signal
 import subprocess
 import time
+from hashlib import sha256
+from pathlib import Path
 from typing import Any, Iterator, Optional
 
 import pytest
@@ -30,14 +32,14 @@ from mergekit.options import MergeOptions
 from mergekit.scripts.merge_raw_pytorch import main as mergekit_pytorch
 
 from mergekit_ram.errors import InputError
-from mergekit_ram.staging import MANIFEST_FILE, MARKER_FILE, MARKER_TEXT, PRIVATE_PREFIX
+from mergekit_ram.staging import LOCK_FILE, MANIFEST_FILE, MARKER_FILE, MARKER_TEXT, PRIVATE_PREFIX
 from tests.conftest import (
     ModelSet,
     command_refusal,
     merge_in_process,
+    run_process,
     run_script,
     script,
-    without_identities,
     write_recipe,
 )
 from tests.test_prepass import save_tokenizer
@@ -51,16 +53,16 @@ USER_FILES = {
     "adapter_config.json": b"{}\n",
 }
 #: Operations of the transaction (``fsop:any:N``, tests/faults/sitecustomize.py) re-merging the world's folder:
-#: 1-6 lock and prepare, 13 the marker is written, 17 config.json leaves, 18-30 the old files, 31-39 the new ones.
-LAST_OF_BEGIN, MARKER_WRITTEN, CONFIG_LEAVES, OLD_SHARDS, NEW_FILES = 6, 13, 17, 22, 35
+#: 1-7 lock and prepare, 8-20 the manifest written and the old weights read, 24 the marker is written,
+#: 28 config.json leaves, 29-41 the old files, 42-50 the new ones.
+LAST_OF_BEGIN, RECORDING, MARKER_WRITTEN, CONFIG_LEAVES, OLD_SHARDS, NEW_FILES = 7, 15, 24, 28, 33, 46
 
 
 def snapshot(folder: str) -> dict[str, bytes]:
     """Every file under ``folder`` (hidden ones too), by relative path.
 
     mergekit's card lists the models in the order of a set of ModelReference, whose hash
-    includes its class's id: ``README.md`` counts as its lines, in sorted order. The manifest's
-    weights count by name (their identities differ from folder to folder).
+    includes its class's id: ``README.md`` counts as its lines, in sorted order.
     """
     found = {}
     for root, _dirs, files in os.walk(folder):
@@ -70,8 +72,13 @@ def snapshot(folder: str) -> dict[str, bytes]:
                 data = handle.read()
             if name == "README.md":
                 data = b"\n".join(sorted(data.split(b"\n")))
-            found[os.path.relpath(path, folder)] = without_identities(name, data)
+            found[os.path.relpath(path, folder)] = data
     return found
+
+
+def faulted(name: str, *args: str, fault: Optional[str] = None) -> subprocess.CompletedProcess:
+    """The console script ``name`` in a new interpreter with the fault hook (``fault``: tests/faults)."""
+    return run_process([script(name), *args], fault_env(fault))
 
 
 def fault_env(fault: Optional[str] = None, **extra: str) -> dict[str, str]:
@@ -147,8 +154,9 @@ def test_a_merge_replaces_only_what_merges_wrote(world: World) -> None:
     assert {"model.safetensors", "config.json", "tokenizer.json", "README.md", "ram_statistics.json"} <= set(world.new)
     assert MARKER_FILE not in world.new
     assert not [name for name in world.new if name.startswith(PRIVATE_PREFIX) and name != MANIFEST_FILE]
-    manifest = json.loads(world.new[MANIFEST_FILE])
-    assert manifest["weights"] == ["model.safetensors"] and "tokenizer.json" in manifest["files"]
+    manifest, weights = json.loads(world.new[MANIFEST_FILE]), world.new["model.safetensors"]
+    assert manifest["weights"] == {"model.safetensors": {"size": len(weights), "sha256": sha256(weights).hexdigest()}}
+    assert "tokenizer.json" in manifest["files"]
     assert "removed model-00001-of-" in world.log and "model.safetensors.index.json" in world.log
     with open(os.path.join(world.root, "reference", "out", "README.md"), encoding="utf-8") as handle:
         card = handle.read()
@@ -164,6 +172,7 @@ FAULT_CASES = [
     ("open:tokenizer.json:1:SIGUSR1", "old"),
     ("open:README.md:1:ENOSPC", "old"),  # disk full while the card is written (case 5)
     (f"fsop:any:{LAST_OF_BEGIN}:SIGTERM", "old"),  # held while the folder is prepared, then acted on
+    (f"fsop:any:{RECORDING}:SIGINT", "old"),  # while the weights are read for the manifest: not held
     (f"fsop:any:{CONFIG_LEAVES}:SIGINT", "new"),  # signals are held while publishing (case 6)
     (f"fsop:any:{OLD_SHARDS}:SIGQUIT", "new"),
     (f"fsop:any:{NEW_FILES}:SIGHUP", "new"),
@@ -174,7 +183,7 @@ FAULT_CASES = [
 @pytest.mark.parametrize(("fault", "outcome"), FAULT_CASES, ids=[fault for fault, _ in FAULT_CASES])
 def test_a_fault_leaves_the_old_folder_or_the_complete_new_merge(world: World, fault: str, outcome: str) -> None:
     out = world.make_old(fault.replace(":", "-").replace("/", "-"))
-    completed = run_script("mergekit-yaml", world.new_recipe, out, env=fault_env(fault), check=False)
+    completed = faulted("mergekit-yaml", world.new_recipe, out, fault=fault)
     assert completed.returncode != 0, "the fault did not fire"
     action = fault.rsplit(":", 1)[1]
     if action == "SIGINT":
@@ -196,20 +205,21 @@ def test_a_killed_publish_is_marked_and_never_replayed(world: World) -> None:
     A failed rename instead: undone at once by the same process."""
     out = world.make_old("killed-ENOSPC")
     fault = f"fsop:any:{OLD_SHARDS}:ENOSPC"
-    failed = run_script("mergekit-yaml", world.new_recipe, out, env=fault_env(fault), check=False)
+    failed = faulted("mergekit-yaml", world.new_recipe, out, fault=fault)
     assert failed.returncode == 1 and "it holds what it held before" in failed.stderr
     assert snapshot(out) == world.old
     out = world.make_old("killed-SIGKILL")
     fault = f"fsop:any:{OLD_SHARDS}:SIGKILL"
-    assert run_script("mergekit-yaml", world.new_recipe, out, env=fault_env(fault), check=False).returncode == -9
+    assert faulted("mergekit-yaml", world.new_recipe, out, fault=fault).returncode == -9
     left = os.listdir(out)
     assert MARKER_FILE in left and "config.json" not in left  # neither transformers nor --lazy takes it
     with open(os.path.join(out, MARKER_FILE), encoding="utf-8") as handle:
         assert handle.read() == MARKER_TEXT  # it says what it means and what to do
     merge_in_process(world.models.recipe("linear", parameters={"weight": 1.0}), out)
     linear = snapshot(out)
-    failing = fault_env("kernel:merge:1:ENOSPC")  # a RAM merge that fails in its own merge
-    refused = run_script("mergekit-yaml", world.new_recipe, out, env=failing, check=False)
+    del linear[LOCK_FILE]  # the killed merge's, taken over and removed by the next RAM merge (it holds nothing)
+    # a RAM merge that fails in its own merge
+    refused = faulted("mergekit-yaml", world.new_recipe, out, fault="kernel:merge:1:ENOSPC")
     assert refused.returncode != 0 and "did not finish" in refused.stderr
     assert snapshot(out) == linear
     merge_in_process(world.new_recipe, out)  # a clean rerun writes its own complete result
@@ -230,7 +240,7 @@ def test_a_user_file_in_a_folder_the_merge_created_survives_ctrl_c(world: World,
     assert merge.returncode != 0
     assert snapshot(out) == {"notes.txt": b"my notes\n"}
     empty = str(tmp_path / "empty" / "a" / "out")  # without the notes, every folder the merge made goes
-    failed = run_script("mergekit-yaml", world.new_recipe, empty, env=fault_env("kernel:merge:2:SIGTERM"), check=False)
+    failed = faulted("mergekit-yaml", world.new_recipe, empty, fault="kernel:merge:2:SIGTERM")
     assert failed.returncode == -signal.SIGTERM and not os.path.exists(str(tmp_path / "empty"))
 
 
@@ -256,7 +266,7 @@ def test_a_second_merge_into_a_busy_folder_is_refused_at_once(world: World) -> N
     out = world.make_old("busy")
     with _paused_merge(world.new_recipe, out, os.path.join(world.root, "busy", "release")) as first:
         during = snapshot(out)
-        second = run_script("mergekit-yaml", world.old_recipe, out, env=fault_env(), check=False)
+        second = run_script("mergekit-yaml", world.old_recipe, out, check=False)
         assert second.returncode != 0
         assert f"another merge is writing to {out}" in second.stderr
         assert snapshot(out) == during
@@ -265,19 +275,25 @@ def test_a_second_merge_into_a_busy_folder_is_refused_at_once(world: World) -> N
 
 
 def test_one_writer_whatever_removes_the_lock(world: World, tmp_path) -> None:
-    """Case 3: the lock is OUT itself, so ``rm -rf OUT/.*`` (or ``git clean -fdx``) lets no second merge in;
-    after ``rm -rf OUT`` a second merge may make a new OUT, and the first merge's failure leaves it alone."""
+    """Case 3: ``rm -rf OUT/.*`` (or ``git clean -fdx``) removes a running merge's lock file and its private
+    folder, so a second merge may run and publish: the first then publishes nothing over it. After ``rm -rf
+    OUT`` a third merge makes a new OUT, and the first merge's failure leaves that alone too."""
     out = str(tmp_path / "made-by-the-first" / "out")
     with _paused_merge(world.new_recipe, out, str(tmp_path / "release")) as first:
+        assert LOCK_FILE in os.listdir(out)
         for name in os.listdir(out):  # rm -rf out/.*
-            shutil.rmtree(os.path.join(out, name))
-        refused = run_script("mergekit-yaml", world.old_recipe, out, env=fault_env(), check=False)
-        assert f"another merge is writing to {out}" in refused.stderr and os.listdir(out) == []
+            if os.path.isdir(os.path.join(out, name)):
+                shutil.rmtree(os.path.join(out, name))
+            else:
+                os.unlink(os.path.join(out, name))
+        merge_in_process(world.new_recipe, out)
+        second = snapshot(out)
+        assert "config.json" in second and LOCK_FILE not in second
         shutil.rmtree(out)  # rm -rf out
         merge_in_process(world.old_recipe, out)
-        second = snapshot(out)
+        third = snapshot(out)
     assert first.returncode != 0
-    assert snapshot(out) == second and "config.json" in second
+    assert snapshot(out) == third and "config.json" in third
 
 
 def _spellings(folder: str, root: str) -> list[str]:
@@ -321,7 +337,7 @@ def test_mergekit_pytorch_refuses_an_input_folder_and_publishes_all_or_nothing(w
 
     out = world.make_old("pytorch")
     marker = f"fsop:any:{MARKER_WRITTEN}:ENOSPC"  # the disk is full when the marker is written: nothing moved yet
-    failed = run_script("mergekit-pytorch", recipe, out, env=fault_env(marker), check=False)
+    failed = faulted("mergekit-pytorch", recipe, out, fault=marker)
     assert "could not publish into" in failed.stderr and "it holds what it held before" in failed.stderr
     assert failed.returncode != 0 and snapshot(out) == world.old
     mergekit_pytorch.main(args=[recipe, out], standalone_mode=False)
@@ -338,7 +354,7 @@ def test_mergekit_multi_lazy_reruns_a_stage_killed_while_publishing(world: World
     config = str(tmp_path / "multi.yml")
     with open(config, "w", encoding="utf-8") as handle:
         yaml.safe_dump(recipe, handle, sort_keys=False)
-    killed = run_script("mergekit-multi", config, "-I", str(stages), env=fault_env("fsop:any:21:SIGKILL"), check=False)
+    killed = faulted("mergekit-multi", config, "-I", str(stages), fault="fsop:any:23:SIGKILL")
     assert killed.returncode == -signal.SIGKILL
     assert MARKER_FILE in os.listdir(stages / "stage") and "config.json" not in os.listdir(stages / "stage")
     private = [
@@ -349,3 +365,53 @@ def test_mergekit_multi_lazy_reruns_a_stage_killed_while_publishing(world: World
     left = os.listdir(stages / "stage")
     assert MARKER_FILE not in left and "config.json" in left
     assert [name for name in left if name.startswith(PRIVATE_PREFIX) and name != MANIFEST_FILE] == private
+
+
+def test_the_same_recipe_gives_the_same_bytes(world: World, tmp_path) -> None:
+    """Issue 44, 8: two merges of one recipe give the same bytes, bookkeeping included: the manifest records each
+    weight's size and SHA-256, nothing of the machine or the moment (device, inode, mtime)."""
+    folders = [str(tmp_path / name / "out") for name in ("a", "b")]
+    for folder in folders:
+        merge_in_process(world.new_recipe, folder)
+    first, second = ({name: Path(folder, name).read_bytes() for name in os.listdir(folder)} for folder in folders)
+    assert first == second and MANIFEST_FILE in first
+    weights = json.loads(first[MANIFEST_FILE])["weights"]
+    assert weights == {"model.safetensors": {"size": len(first["model.safetensors"]),
+                                             "sha256": sha256(first["model.safetensors"]).hexdigest()}}  # fmt: skip
+
+
+def _without_proc() -> list[str]:
+    """The command that runs its arguments where /proc is not mounted: a private mount namespace (a user namespace
+    too unless root) whose /proc is an empty tmpfs. Skips, saying why, where this machine allows none."""
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        pytest.skip("no unshare(1) here, so no private mount namespace to hide /proc in")
+    user = [] if os.geteuid() == 0 else ["--user", "--map-root-user"]
+    hidden = 'mount -t tmpfs none /proc && test ! -e /proc/self && "$@"'
+    command = [unshare, *user, "--mount", "--propagation", "private", "sh", "-c", hidden]
+    probe = subprocess.run([*command, "sh", "true"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip(f"this machine allows no private mount namespace to hide /proc in: {probe.stderr.strip()[-300:]}")
+    return [*command, "sh"]
+
+
+@pytest.mark.process
+def test_a_merge_without_proc(world: World, tmp_path) -> None:
+    """Issue 44, 2: where /proc is not mounted (a container or chroot), mergekit-yaml merges (the inputs read by
+    path, checked to be the files opened; mergekit writes by the plain path, checked to name the private folder),
+    ``probe`` reads the recipe, and ``check`` names /proc, not the model. The folder is the bytes of a merge with
+    /proc."""
+    without_proc = _without_proc()
+    out, reference = str(tmp_path / "without" / "out"), str(tmp_path / "with" / "out")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    merged = subprocess.run([*without_proc, script("mergekit-yaml"), world.new_recipe, out], env=env,
+                            capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert merged.returncode == 0, merged.stderr[-3000:]
+    probed = subprocess.run([*without_proc, script("mergekit-ram"), "probe", world.new_recipe], env=env,
+                            capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert probed.returncode == 0 and "memory-agent" in probed.stdout, probed.stderr[-3000:]
+    checked = subprocess.run([*without_proc, script("mergekit-ram"), "check", out], env=env,
+                             capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert "problem: model.safetensors cannot be read: /proc is not mounted here (mount it)" in checked.stdout
+    merge_in_process(world.new_recipe, reference)
+    assert snapshot(out) == snapshot(reference)

@@ -29,7 +29,7 @@ from safetensors.torch import load_file, save_file
 
 from mergekit_ram import cli
 from mergekit_ram.errors import InputError
-from mergekit_ram.staging import MARKER_FILE, PRIVATE_PREFIX
+from mergekit_ram.staging import LOCK_FILE, MARKER_FILE, PRIVATE_PREFIX
 from mergekit_ram.synthetic import build_agents, build_base, tiny_config
 from tests.conftest import (
     Merged,
@@ -39,7 +39,6 @@ from tests.conftest import (
     merge_in_process,
     run_script,
     script,
-    without_identities,
     write_recipe,
 )
 from tests.test_cli import one_line_error
@@ -540,12 +539,14 @@ def test_interrupted_merge_leaves_nothing_that_looks_finished(tmp_path) -> None:
     process.send_signal(signal.SIGKILL)
     process.wait()
     private = os.path.dirname(os.path.dirname(staged[0]))
-    assert sorted(os.listdir(out)) == [os.path.basename(private)]  # nothing but the hidden private folder
+    # nothing but the hidden private folder and the lock file (empty: the next merge takes it over)
+    assert sorted(os.listdir(out)) == sorted([os.path.basename(private), LOCK_FILE])
     kept = sorted(glob.glob(os.path.join(staged[0], "*.safetensors")))
     assert kept  # the partial shards are there
     merge_in_process(recipe, str(out))  # the killed run's lock died with it; its folder is reported, not used
     left = sorted(os.listdir(out))
-    assert MARKER_FILE not in left and "config.json" in left and os.path.basename(private) in left
+    assert MARKER_FILE not in left and LOCK_FILE not in left and "config.json" in left
+    assert os.path.basename(private) in left
     assert sorted(glob.glob(os.path.join(staged[0], "*.safetensors"))) == kept
 
 
@@ -586,7 +587,7 @@ def _files(folder: str) -> dict[str, bytes]:
     for root, _, names in os.walk(folder):
         for name in names:
             with open(os.path.join(root, name), "rb") as handle:
-                found[os.path.relpath(os.path.join(root, name), folder)] = without_identities(name, handle.read())
+                found[os.path.relpath(os.path.join(root, name), folder)] = handle.read()
     return found
 
 

@@ -16,6 +16,11 @@ with SIGTERM, SIGKILL and ENOSPC at each of its operations); the whole sweep is
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import errno
+import fcntl
+import hashlib
+import importlib.util
 import itertools
 import json
 import os
@@ -24,15 +29,29 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+import traceback
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import pytest
 
 from mergekit_ram.signals import ENDING_SIGNALS
-from mergekit_ram.staging import MANIFEST_FILE, MARKER_FILE, MARKER_TEXT, PRIVATE_PREFIX
-from tests.conftest import run_python, without_identities
+from mergekit_ram.staging import (
+    LOCK_FILE,
+    MANIFEST_FILE,
+    MARKER_FILE,
+    MARKER_TEXT,
+    PRIVATE_PREFIX,
+    OutputBusyError,
+    OutputFolderError,
+    folder_writer,
+    output_transaction,
+)
+from tests.conftest import run_process
+from tests.faults.transaction import main as merge_as_driver
+from tests.faults.transaction import write_merge
 
 FAULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "faults")
 DRIVER = os.path.join(FAULTS, "transaction.py")
@@ -55,8 +74,7 @@ State = Optional[dict[str, bytes]]
 def snapshot(folder: str) -> State:
     """Every entry under ``folder`` by relative path: a file's bytes, a link's target, b"<folder>", b"<fifo>".
 
-    A private folder's random name reads ``.mergekit-ram-<private>``; a manifest's weights are reduced
-    to their names (``test_removal_needs_the_recorded_identity`` checks their identities)."""
+    A private folder's random name reads ``.mergekit-ram-<private>``."""
     if not os.path.lexists(folder):
         return None
     found: dict[str, bytes] = {}
@@ -71,7 +89,7 @@ def snapshot(folder: str) -> State:
                 found[_relative(path, folder)] = b"<fifo>"
             else:
                 with open(path, "rb") as handle:
-                    found[_relative(path, folder)] = without_identities(name, handle.read())
+                    found[_relative(path, folder)] = handle.read()
     return found
 
 
@@ -99,7 +117,7 @@ def drive(
     if nohup:
         command = ["nohup", sys.executable, DRIVER, out, *arguments]
         return subprocess.run(command, env=env, capture_output=True, text=True, timeout=60)
-    return run_python([DRIVER, out, *arguments], env, timeout=60)
+    return run_process([DRIVER, out, *arguments], env, timeout=60)
 
 
 def operations(out: str, *arguments: str) -> int:
@@ -117,12 +135,17 @@ def in_parallel(work: Callable[..., object], cases: Sequence[tuple]) -> list:
 
 
 def left_over(state: State) -> list[str]:
-    """What a run that did not finish leaves: the marker, private folders (and what is in them)."""
+    """What a run that did not finish leaves: the marker, private folders (and what is in them), its lock file."""
     return sorted(
         name
         for name in state or {}
-        if name == MARKER_FILE or (name.startswith(PRIVATE_PREFIX) and name != MANIFEST_FILE)
+        if name in (MARKER_FILE, LOCK_FILE) or (name.startswith(PRIVATE_PREFIX) and name != MANIFEST_FILE)
     )
+
+
+def unlocked(state: State) -> State:
+    """``state`` without a killed run's lock file, which the next run takes over and removes (it holds nothing)."""
+    return None if state is None else {name: data for name, data in state.items() if name != LOCK_FILE}
 
 
 def published(state: State) -> dict[str, bytes]:
@@ -210,7 +233,7 @@ def test_the_scenarios_are_what_they_claim(remerge: Scenario, fresh: Scenario) -
     assert all(remerge.new[name] == data for name, data in USER_FILES.items())
     assert remerge.new["latest"] == remerge.old["latest"] and not left_over(remerge.new)
     assert fresh.new[NOTES] == b"the user's notes\n" and not left_over(fresh.new)
-    assert remerge.count == 48 and fresh.count == 34  # the operations enumerated below
+    assert remerge.count == 57 and fresh.count == 40  # the operations enumerated below
 
 
 def _fault(scenario: Scenario, operation: int, ending: str, tag: str = "every") -> int:
@@ -283,7 +306,7 @@ def crashes(remerge: Scenario) -> dict[int, State]:
         state = snapshot(_crashed(remerge, operation, "found"))
         if left_over(state) and state not in found.values():
             found[operation] = state
-    assert len(found) == 37 and {remerge.phase(state) for state in found.values()} == {0, 1, 2}
+    assert len(found) == 39 and {remerge.phase(state) for state in found.values()} == {0, 1, 2}
     return found
 
 
@@ -293,20 +316,21 @@ def _after_a_crash(scenario: Scenario, operation: int, state: State) -> None:
     another method, then a failing RAM merge, keep that merge's files."""
     out = _crashed(scenario, operation, "failing")
     failing = drive(out, "new", "fail")
-    assert failing.returncode == 1 and snapshot(out) == state, operation
-    assert LEFT_OVER_WARNING in failing.stderr and (MARKER_FILE in failing.stderr or MARKER_FILE not in state)
+    assert failing.returncode == 1 and unlocked(snapshot(out)) == unlocked(state), operation
+    assert LEFT_OVER_WARNING in failing.stderr or left_over(state) == [LOCK_FILE]
+    assert MARKER_FILE in failing.stderr or MARKER_FILE not in (state or {})
     out = _crashed(scenario, operation, "merged")
     assert drive(out, "new").returncode == 0
     after = snapshot(out) or {}
-    assert published(after) == scenario.new and MARKER_FILE not in after, operation
-    private = [name for name in left_over(state) if name != MARKER_FILE]
+    assert published(after) == scenario.new and MARKER_FILE not in after and LOCK_FILE not in after, operation
+    private = [name for name in left_over(state) if name not in (MARKER_FILE, LOCK_FILE)]
     assert {name: data for name, data in after.items() if name not in published(after)} == {
         name: data for name, data in (state or {}).items() if name.split(os.sep)[0] in private
     }
     out = _crashed(scenario, operation, "plain")
     assert drive(out, "plain", "plain").returncode == 0
     plain = snapshot(out) or {}
-    assert drive(out, "new", "fail").returncode == 1 and snapshot(out) == plain, operation
+    assert drive(out, "new", "fail").returncode == 1 and unlocked(snapshot(out)) == unlocked(plain), operation
     assert plain["model-00001-of-00003.safetensors"] == b"plain model-00001-of-00003.safetensors\n"
 
 
@@ -324,7 +348,7 @@ def _next_merge_fault(scenario: Scenario, crashed: int, operation: int, ending: 
     files = published(state)
     if completed.returncode == 0:  # it finished (Python ignores SIGPIPE and SIGXFSZ): its merge, no marker
         assert files == scenario.new and MARKER_FILE not in (state or {}), (crashed, operation, ending)
-    elif state != before and (files != scenario.new or MARKER_FILE in (state or {})):
+    elif unlocked(state) != unlocked(before) and (files != scenario.new or MARKER_FILE in (state or {})):
         # only SIGKILL leaves something: its private folder (OUT's files as they were), or the marker over
         # a mix (no config.json) or over the complete new merge (killed before removing the marker)
         marked = MARKER_FILE in (state or {}) and ("config.json" not in files or files == scenario.new)
@@ -353,9 +377,15 @@ def test_the_marker_says_what_it_means(remerge: Scenario, crashes: dict[int, Sta
 # Private staging (invariant 2) ---------------------------------------------------------------------
 
 
-def _paused(out: str, release: str, generation: str = "new") -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": FAULTS, "MERGEKIT_RAM_TEST_RELEASE": release}
-    merge = subprocess.Popen([sys.executable, DRIVER, out, generation, "pause"], env=env, stderr=subprocess.PIPE)
+def _paused(out: str, release: str, generation: str = "new", fault: Optional[int] = None) -> subprocess.Popen:
+    """The driver's merge into ``out``, waiting until ``release`` exists: before it writes, or right after its
+    ``fault``-th file-system operation."""
+    paths = os.pathsep.join(filter(None, [FAULTS, os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": paths, "MERGEKIT_RAM_TEST_RELEASE": release}
+    if fault is not None:
+        env["MERGEKIT_RAM_TEST_FAULT"] = f"fsop:any:{fault}:wait"
+    flags = ["pause"] if fault is None else []
+    merge = subprocess.Popen([sys.executable, DRIVER, out, generation, *flags], env=env, stderr=subprocess.PIPE)
     while not os.path.exists(release + ".waiting"):
         assert merge.poll() is None, merge.stderr.read() if merge.stderr else ""
         time.sleep(0.02)
@@ -427,32 +457,345 @@ def test_an_earlier_designs_leftovers_are_reported_and_kept(remerge: Scenario) -
     assert {name: data for name, data in after.items() if name.startswith(".mergekit-ram-partial")} == kept
 
 
-def test_removal_needs_the_recorded_identity(remerge: Scenario) -> None:
-    """Invariant 4: an earlier merge's weight goes only while its (device, inode, size, mtime) are what that
-    merge recorded: a copied folder, a shard the user replaced or touched, stay (named in one warning)."""
+def test_removal_needs_the_recorded_content(remerge: Scenario) -> None:
+    """Invariant 4: an earlier merge's weight goes only while its bytes are what that merge recorded (size and
+    SHA-256), on whatever machine or copy: a copied folder, a shard touched or replaced by the same bytes, go;
+    a shard rewritten in place (the same size, other bytes) or grown stays, named in one warning."""
     shard = "model-00003-of-00003.safetensors"
     out = remerge.make("identity")
     with open(os.path.join(out, MANIFEST_FILE), encoding="utf-8") as handle:
         recorded = json.load(handle)["weights"][shard]
-    status = os.stat(os.path.join(out, shard))
-    assert recorded == {"device": status.st_dev, "inode": status.st_ino, "size": status.st_size,
-                        "mtime_ns": status.st_mtime_ns}  # fmt: skip
-    copied = shutil.copytree(out, out + "-copy", symlinks=True)  # cp -a: other inodes
+    data = b"old model-00003-of-00003.safetensors\n"
+    assert recorded == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    copied = shutil.copytree(out, out + "-copy", symlinks=True)  # cp -a: other inodes, other mtimes
+    touched = remerge.make("identity-touched")
+    os.utime(os.path.join(touched, shard), ns=(0, 0))
     replaced = remerge.make("identity-replaced")
     os.unlink(os.path.join(replaced, shard))
-    with open(os.path.join(replaced, shard), "w", encoding="utf-8") as handle:
-        handle.write("old model-00003-of-00003.safetensors\n")  # the same bytes, the user's file
-    touched = remerge.make("identity-touched")
-    os.utime(os.path.join(touched, shard), ns=(status.st_atime_ns, status.st_mtime_ns + 1000))
-    shards = [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
-    for folder, kept in ((copied, shards), (replaced, [shard]), (touched, [shard])):
+    with open(os.path.join(replaced, shard), "wb") as handle:
+        handle.write(data)  # another file, the same bytes
+    for folder in (out, copied, touched, replaced):
         completed = drive(folder, "new")
-        assert completed.returncode == 0 and f"kept {', '.join(kept)} in {folder}" in completed.stderr
-        assert published(snapshot(folder)) == {
-            **(remerge.new or {}),
-            **{name: b"old " + name.encode() + b"\n" for name in kept},
-        }
-    assert drive(out, "new").returncode == 0 and snapshot(out) == remerge.new
+        assert completed.returncode == 0 and snapshot(folder) == remerge.new, (folder, completed.stderr[-2000:])
+    rewritten = remerge.make("identity-rewritten")
+    with open(os.path.join(rewritten, shard), "r+b") as handle:
+        handle.write(b"OLD")  # in place: the same size, the same file
+    grown = remerge.make("identity-grown")
+    with open(os.path.join(grown, shard), "ab") as handle:
+        handle.write(b"more")
+    for folder in (rewritten, grown):
+        with open(os.path.join(folder, shard), "rb") as handle:
+            theirs = handle.read()
+        completed = drive(folder, "new")
+        assert completed.returncode == 0 and f"kept {shard} in {folder}" in completed.stderr
+        assert published(snapshot(folder)) == {**(remerge.new or {}), shard: theirs}
+
+
+# One writer, and other users (invariants 5 and 7) ------------------------------------------------------
+
+
+def test_a_merge_whose_lock_was_removed_publishes_nothing(remerge: Scenario, tmp_path) -> None:
+    """Invariant 5: the lock file removed while merge 1 runs (as ``rm -rf OUT/.*`` does, here without its private
+    folder): merge 2 takes a new lock and publishes; merge 1 then publishes nothing and leaves merge 2's folder."""
+    out, release = remerge.make("lock-removed"), str(tmp_path / "release")
+    first = _paused(out, release)
+    os.unlink(os.path.join(out, LOCK_FILE))
+    assert drive(out, "old").returncode == 0
+    second = snapshot(out)
+    open(release, "w").close()
+    assert first.wait(60) == 1
+    message = f"the lock file {os.path.join(out, LOCK_FILE)} was removed or replaced while this merge ran"
+    assert message in (first.stderr.read().decode() if first.stderr else "")
+    assert snapshot(out) == published(second)  # less merge 1's private folder, which it removed
+    assert "config.json" in second and second[MANIFEST_FILE] == published(remerge.old or {})[MANIFEST_FILE]
+
+
+def test_a_lock_released_while_being_taken_is_taken_anew(remerge: Scenario, tmp_path) -> None:
+    """Invariant 5, open then lock then check: merge B opens the lock file merge A holds; A ends, removing it, and
+    C takes a new one. B, now able to lock the file it opened, finds the name naming C's file and is refused at
+    once (without the check it would hold a lock nobody else sees, until its publish)."""
+    out, release = remerge.make("lock-race"), str(tmp_path / "release")
+    try:
+        first = _paused(out, release + "-a")
+        second = _paused(out, release + "-b", fault=2)  # the lock file opened, not yet locked
+        open(release + "-a", "w").close()
+        assert first.wait(60) == 0
+        third = _paused(out, release + "-c", "old")
+        open(release + "-b", "w").close()
+        assert second.wait(60) == 1
+        assert f"another merge is writing to {out}" in (second.stderr.read().decode() if second.stderr else "")
+        open(release + "-c", "w").close()
+        assert third.wait(60) == 0 and snapshot(out) == remerge.old
+    finally:  # none left waiting, whatever failed
+        for name in "abc":
+            open(f"{release}-{name}", "a").close()
+
+
+def test_the_card_tool_takes_the_merges_lock(remerge: Scenario) -> None:
+    """``folder_writer`` (``check --set-license``): refused while a merge runs, and while a killed merge's marker
+    or private folder is there; its lock file goes when it ends. In this process."""
+    out = remerge.make("card-tool")
+    with pytest.raises(OutputBusyError, match=f"another merge is writing to {re.escape(out)}"):
+        with output_transaction(out):  # the refusal ends the merge too: nothing published
+            with folder_writer(out):
+                pass
+    with folder_writer(out) as folder:
+        assert os.path.samestat(os.fstat(folder), os.stat(out)) and LOCK_FILE in os.listdir(out)
+    assert snapshot(out) == remerge.old and LOCK_FILE not in os.listdir(out)
+    killed = _crashed(remerge, 30, "card-tool")
+    with pytest.raises(
+        OutputFolderError, match=f"{re.escape(killed)} holds .mergekit-ram-[0-9a-f]{{16}}, {MARKER_FILE}:"
+    ):
+        with folder_writer(killed):
+            pass
+
+
+def _marked(root: str, name: str, mode: int) -> str:
+    """``root/name/out`` (mode ``mode``) holding root's earlier merge, then root's merge killed while publishing:
+    root's marker in, config.json out."""
+    out = os.path.join(root, name, "out")
+    os.makedirs(out)
+    os.chmod(os.path.dirname(out), 0o755)
+    os.chmod(out, mode)
+    assert drive(out, "old").returncode == 0
+    counted = os.path.join(root, name, "counted")  # the same merges, to number their operations
+    assert drive(counted, "old").returncode == 0 and drive(counted, "new", count=counted + ".count").returncode == 0
+    assert drive(out, "new", fault=(_marker_moved_in(counted + ".count") + 3, "SIGKILL")).returncode == -signal.SIGKILL
+    left = os.listdir(out)
+    assert MARKER_FILE in left and "config.json" not in left and os.stat(out).st_mode & 0o7777 == mode
+    return out
+
+
+def _marker_moved_in(count: str) -> int:
+    """The number of the operation that renamed the marker into OUT, in the trace of ``drive(count=count)``."""
+    with open(count + ".trace", encoding="utf-8") as handle:
+        return next(int(line.split()[0]) for line in handle if line.split()[1:] == ["rename", MARKER_FILE])
+
+
+NOBODY = 65534
+
+
+def as_nobody(
+    work: Callable[[], object], groups: Sequence[int] = (), fault: Optional[tuple[int, str]] = None
+) -> tuple[int, str]:
+    """``work()`` in a child forked from this process that then becomes uid 65534 with ``groups`` (another user;
+    no exec: this interpreter may live where they cannot read), ``fault`` installed as tests/faults installs it:
+    its exit status (0, or 1 after an exception) and the exception's last line."""
+    return _finished(*_started_as_nobody(work, groups, fault))
+
+
+def _started_as_nobody(
+    work: Callable[[], object], groups: Sequence[int] = (), fault: Optional[tuple[int, str]] = None
+) -> tuple[int, int]:
+    """The child of ``as_nobody``, started: its pid and the pipe it writes its exception to."""
+    reader, writer = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: ends here, whatever happens
+        status = 1
+        try:
+            os.close(reader)
+            os.setgroups(list(groups))
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            if fault is not None:
+                os.environ["MERGEKIT_RAM_TEST_FAULT"] = f"fsop:any:{fault[0]}:{fault[1]}"
+                spec = importlib.util.spec_from_file_location("fault_hook", os.path.join(FAULTS, "sitecustomize.py"))
+                assert spec is not None and spec.loader is not None
+                spec.loader.exec_module(importlib.util.module_from_spec(spec))  # installs the fault
+            work()
+            status = 0
+        except BaseException as error:
+            os.write(writer, "".join(traceback.format_exception_only(error)).strip().encode())
+        finally:
+            os._exit(status)
+    os.close(writer)
+    return pid, reader
+
+
+def _finished(pid: int, reader: int) -> tuple[int, str]:
+    with os.fdopen(reader, "rb") as stream:
+        message = stream.read().decode()
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), message
+
+
+def merged_by_nobody(out: str, generation: str, *flags: str, **options: Any) -> tuple[int, str]:
+    """The driver's merge (tests/faults/transaction.py) into ``out`` as uid 65534 (``as_nobody``)."""
+    return as_nobody(lambda: merge_as_driver(out, generation, *flags), **options)
+
+
+@pytest.fixture(scope="module")
+def shared_root() -> Iterator[str]:
+    """A folder every user may enter (pytest's is root's alone), where root makes folders uid 65534 merges into."""
+    if os.geteuid() != 0:
+        pytest.skip("acting as another user needs root here (a child that calls setuid(65534))")
+    root = tempfile.mkdtemp(prefix="mergekit-ram-users-")
+    try:
+        os.chmod(root, 0o755)
+        yield root
+    finally:
+        shutil.rmtree(root)
+
+
+@pytest.fixture(scope="module")
+def new_merge(shared_root: str) -> State:
+    """What the driver's new merge publishes into an empty folder."""
+    out = os.path.join(shared_root, "new", "out")
+    assert drive(out, "new").returncode == 0
+    return snapshot(out)
+
+
+def test_another_users_marker_is_replaced(shared_root: str, new_merge: State) -> None:
+    """Invariant 7 (issue 44, 3): root's merge killed while publishing leaves root's marker, which uid 65534 may
+    not hard-link (``fs.protected_hardlinks``): their merge into the folder (mode 0777) publishes its complete
+    result over it; root's private folder stays as it was."""
+    out = _marked(shared_root, "replaced", 0o777)
+    before = snapshot(out)
+    status, error = merged_by_nobody(out, "new")
+    assert status == 0, error
+    after = snapshot(out) or {}
+    assert published(after) == new_merge and MARKER_FILE not in after and LOCK_FILE not in after
+    private = [name for name in left_over(before) if name not in (MARKER_FILE, LOCK_FILE)]
+    assert private and {name: data for name, data in after.items() if name not in published(after)} == {
+        name: data for name, data in (before or {}).items() if name.split(os.sep)[0] in private
+    }
+
+
+def test_a_failed_publish_over_another_users_marker_stays_marked(shared_root: str) -> None:
+    """Invariant 7: the same, with the disk full right after uid 65534's marker replaced root's: the publish is
+    undone, and OUT holds what it held, marked (by their marker, of the same text: root's could not be kept)."""
+    counted, out = _marked(shared_root, "undone-count", 0o777), _marked(shared_root, "undone", 0o777)
+    assert drive(counted, "new", count=counted + ".count").returncode == 0  # root's: the same operations
+    before = snapshot(out)
+    status, error = merged_by_nobody(out, "new", fault=(_marker_moved_in(counted + ".count") + 2, "ENOSPC"))
+    assert status == 1 and error.endswith("it holds what it held before"), error
+    assert unlocked(snapshot(out)) == unlocked(before) and os.stat(os.path.join(out, MARKER_FILE)).st_uid == NOBODY
+
+
+def test_another_users_marker_in_a_sticky_folder_is_refused_first(shared_root: str) -> None:
+    """Invariant 7 (issue 44, 3): in a sticky folder (mode 1777) uid 65534 may neither replace nor remove root's
+    marker: their merge is refused before it starts, in one line naming the marker and root, nothing changed.
+    Root's completed merge there is refused the same way; a folder of their own files is not."""
+    out = _marked(shared_root, "sticky", 0o1777)
+    before = snapshot(out)
+    status, error = merged_by_nobody(out, "new", "pause")  # its body would fail: MERGEKIT_RAM_TEST_RELEASE unset
+    assert status == 1 and snapshot(out) == before
+    assert error == (
+        f"mergekit_ram.staging.OutputFolderError: {os.path.join(out, MARKER_FILE)} is root's (a merge of theirs was "
+        f"killed while publishing into it), and in {out}, shared with the sticky bit, only they or the folder's "
+        "owner may replace it, as this merge would: ask root to merge into it again or remove it, or choose "
+        "another output folder"
+    )
+    merged = os.path.join(shared_root, "sticky-merged", "out")
+    os.makedirs(merged, mode=0o755)
+    os.chmod(merged, 0o1777)
+    assert drive(merged, "old").returncode == 0
+    before = snapshot(merged)
+    status, error = merged_by_nobody(merged, "new", "pause")
+    assert status == 1 and snapshot(merged) == before
+    assert f"{os.path.join(merged, MANIFEST_FILE)} is root's, and in {merged}" in error
+    theirs = os.path.join(shared_root, "sticky-theirs", "out")
+    os.makedirs(theirs, mode=0o755)
+    os.chmod(theirs, 0o1777)
+    assert merged_by_nobody(theirs, "old") == (0, "") and merged_by_nobody(theirs, "new") == (0, "")
+
+
+def _hold(out: str, said: int, release: int) -> None:
+    """As a reader of OUT: an exclusive flock on OUT (all that locked it before) and on each file they can open,
+    then the lock file created or opened; each outcome written to ``said``; held until ``release`` closes."""
+    folder = os.open(out, os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(folder, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    for name in sorted(os.listdir(out)):
+        with contextlib.suppress(OSError):
+            fcntl.flock(os.open(os.path.join(out, name), os.O_RDONLY | os.O_NONBLOCK), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.write(said, f"locked {name}\n".encode())
+    try:
+        os.open(os.path.join(out, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError as error:
+        os.write(said, f"lock file: {errno.errorcode[error.errno]}\n".encode())
+    os.write(said, b"holding\n")
+    os.read(release, 1)
+
+
+@contextlib.contextmanager
+def _reader_holding(out: str) -> Iterator[list[str]]:
+    """uid 65534 holding their locks on OUT (``_hold``) until the block ends; what they said."""
+    said, release = os.pipe(), os.pipe()
+    holder = _started_as_nobody(lambda: (os.close(said[0]), os.close(release[1]), _hold(out, said[1], release[0])))
+    os.close(said[1])
+    os.close(release[0])
+    lines: list[str] = []
+    with os.fdopen(said[0], "r") as stream:
+        try:
+            while not lines or lines[-1] != "holding":
+                line = stream.readline()
+                assert line, f"the reader ended early: {_finished(*holder)}"
+                lines.append(line.strip())
+            yield lines
+        finally:
+            os.close(release[1])
+            if lines and lines[-1] == "holding":
+                assert _finished(*holder) == (0, "")
+
+
+def test_a_reader_cannot_hold_the_lock(shared_root: str, new_merge: State) -> None:
+    """Invariant 5 (issue 44, 4): uid 65534, who may only read OUT (mode 0755), holds an exclusive flock on OUT and
+    on every file they can open, and can neither create nor open the lock file: root's merge publishes meanwhile,
+    and the lock file it holds lets only root open it."""
+    out = os.path.join(shared_root, "read-only", "out")
+    os.makedirs(out, mode=0o755)
+    os.chmod(os.path.dirname(out), 0o755)
+    with _reader_holding(out) as said:
+        assert said == ["lock file: EACCES", "holding"]
+        with output_transaction(out) as staged:
+            assert os.stat(os.path.join(out, LOCK_FILE)).st_mode & 0o777 == 0o600
+            write_merge(staged, "new", 2)
+    assert snapshot(out) == new_merge
+    with _reader_holding(out) as said:  # over the published merge: they lock every file they can read
+        assert "locked .mergekit-ram-manifest.json" in said and "lock file: EACCES" in said
+        with folder_writer(out):
+            pass
+        with output_transaction(out) as staged:
+            write_merge(staged, "new", 2)
+    assert snapshot(out) == new_merge
+
+
+def test_the_lock_excludes_group_writers_only(shared_root: str, new_merge: State) -> None:
+    """Invariant 5: in a group-writable OUT (mode 0775, group 4242) the lock file gives the group read and write:
+    uid 65534 in that group is refused while root's merge runs and merges once it has ended; without the group
+    they cannot open it."""
+    group = 4242
+    out = os.path.join(shared_root, "group", "out")
+    os.makedirs(out)
+    os.chmod(os.path.dirname(out), 0o755)
+    os.chown(out, 0, group)
+    os.chmod(out, 0o775)
+    lock = os.path.join(out, LOCK_FILE)
+    with output_transaction(out) as staged:
+        status = os.stat(lock)
+        assert (status.st_mode & 0o777, status.st_gid) == (0o660, group)
+        busy = merged_by_nobody(out, "new", groups=[group])
+        assert busy == (1, f"mergekit_ram.staging.OutputBusyError: another merge is writing to {out}; wait for it "
+                        "to finish or choose another output folder")  # fmt: skip
+        opened = as_nobody(lambda: os.open(lock, os.O_RDWR))
+        assert opened[0] == 1 and opened[1].startswith("PermissionError"), opened
+        write_merge(staged, "old", 3)
+    assert merged_by_nobody(out, "new", groups=[group]) == (0, "")
+    assert snapshot(out) == new_merge
+
+
+def test_a_lock_file_a_reader_could_open_is_replaced(shared_root: str, new_merge: State) -> None:
+    """Invariant 5: a lock file left when OUT was writable by all (mode 0666), OUT then made 0755: uid 65534 opens
+    and locks it, and root's merge replaces it rather than wait for them."""
+    out = os.path.join(shared_root, "narrowed", "out")
+    os.makedirs(out, mode=0o755)
+    os.chmod(os.path.dirname(out), 0o755)
+    os.close(os.open(os.path.join(out, LOCK_FILE), os.O_WRONLY | os.O_CREAT, 0o666))
+    os.chmod(os.path.join(out, LOCK_FILE), 0o666)
+    with _reader_holding(out) as said:
+        assert f"locked {LOCK_FILE}" in said
+        with output_transaction(out) as staged:
+            write_merge(staged, "new", 2)
+    assert snapshot(out) == new_merge
 
 
 # Crafted states (invariant 3) ------------------------------------------------------------------------
@@ -471,24 +814,24 @@ HOSTILE_NAMES = [
     "a/b.safetensors",
     "nul\0.safetensors",
 ]
-#: Identities that are not what the transaction records.
-HOSTILE_IDENTITIES: list[object] = [None, 7, "x", [1, 2, 3, 4], {"inode": "1"}, {"device": -1}]
+#: Records that are not what the transaction records (its shard has 37 bytes).
+HOSTILE_IDENTITIES: list[object] = [None, 7, "x", [37, "x"], {"size": "37"}, {"size": 37, "sha256": "0" * 64}]
 
 
 def _manifest_naming(name: str) -> Callable[[str, str], None]:
-    """A manifest whose weights name ``name`` with the identity of whatever OUT has under it (so only the
-    name decides)."""
+    """A manifest whose weights name ``name`` with the size and SHA-256 of whatever OUT has under it, through
+    a link too (so only the name, and never following it, decide)."""
 
     def make(out: str, outside: str) -> None:
         path = name.format(outside=outside)
         weights: dict[str, object] = {}
         with open(os.path.join(out, MANIFEST_FILE), "w", encoding="utf-8") as handle:
             try:
-                status = os.stat(os.path.join(out, path), follow_symlinks=False)
-                weights[path] = {"device": status.st_dev, "inode": status.st_ino, "size": status.st_size,
-                                 "mtime_ns": status.st_mtime_ns}  # fmt: skip
+                with open(os.path.join(out, path), "rb") as target:
+                    data = target.read()
+                weights[path] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
             except (OSError, ValueError):
-                weights[path] = {"device": 0, "inode": 0, "size": 0, "mtime_ns": 0}
+                weights[path] = {"size": 0, "sha256": hashlib.sha256(b"").hexdigest()}
             json.dump({"weights": weights}, handle)
 
     return make
@@ -513,6 +856,8 @@ def _as(path: str, kind: str) -> Callable[[str, str], None]:
             os.unlink(target)  # the earlier merge's file of that name
         if kind == "link to a file outside":
             os.symlink(os.path.join(outside, "victim.txt"), target)
+        elif kind == "hard link to a file outside":
+            os.link(os.path.join(outside, "victim.txt"), target)
         elif kind == "link to a folder outside":
             os.symlink(os.path.join(outside, "victim-dir"), target)
         elif kind == "fifo":
@@ -544,9 +889,10 @@ def _crafted_states() -> dict[str, Callable[[str, str], None]]:
     for label, data in malformed.items():
         states[f"manifest as {label}"] = _json_file(MANIFEST_FILE, data)
     kinds = ["link to a file outside", "link to a folder outside", "fifo", "folder", "oversized", "not JSON"]
-    for path in [MANIFEST_FILE, "model.safetensors.index.json", MARKER_FILE]:
+    for path in [MANIFEST_FILE, "model.safetensors.index.json", MARKER_FILE, LOCK_FILE]:
         for kind in kinds:
             states[f"{path} as {kind}"] = _as(path, kind)
+    states[f"{LOCK_FILE} as hard link to a file outside"] = _as(LOCK_FILE, "hard link to a file outside")
     private = [
         ".mergekit-ram-partial",
         PRIVATE_PREFIX + "0123456789abcdef",
@@ -582,6 +928,8 @@ def _crafted(scenario: Scenario, label: str, flags: tuple[str, ...]) -> None:
     completed = drive(out, "new", *flags)
     assert snapshot(outside) == before, (label, flags)
     assert os.path.islink(os.path.join(out, "link-out-dir")), label  # a link to a folder is never removed
+    if label.startswith(LOCK_FILE):  # anything but an empty file of its own is refused, never opened or removed
+        assert completed.returncode == 1 and f"{os.path.join(out, LOCK_FILE)} is " in completed.stderr, label
     if "fail" in flags:  # nothing acted on: the folder exactly as crafted
         assert snapshot(out) == crafted, label
     elif completed.returncode != 0:
@@ -600,5 +948,5 @@ def _crafted(scenario: Scenario, label: str, flags: tuple[str, ...]) -> None:
 def test_crafted_states_never_reach_outside(remerge: Scenario, flags: tuple[str, ...]) -> None:
     """Invariants 1 and 3: whatever a stranger left under the plugin's names, nothing outside OUT changes;
     the merge completes or is refused in one line naming the plugin's name; a failing merge changes nothing."""
-    assert len(CRAFTED) == len(HOSTILE_NAMES) + len(HOSTILE_IDENTITIES) + 3 + 3 * 6 + 3 * 3
+    assert len(CRAFTED) == len(HOSTILE_NAMES) + len(HOSTILE_IDENTITIES) + 3 + 4 * 6 + 1 + 3 * 3
     in_parallel(_crafted, [(remerge, label, flags) for label in sorted(CRAFTED)])
