@@ -17,6 +17,7 @@ import tarfile
 import zipfile
 from dataclasses import dataclass
 from email.message import Message
+from pathlib import Path
 
 import pytest
 
@@ -86,7 +87,7 @@ def metadata(text: bytes) -> Message:
     return email.parser.Parser().parsestr(text.decode("utf-8"))
 
 
-def test_release_check_passes(release: Release) -> None:
+def release_check_passes(release: Release) -> None:
     assert release.completed.returncode == 0, release.completed.stdout + release.completed.stderr
     steps = release.completed.stdout
     steps_named = ("twine check --strict", "rendering the README", "release_contents.txt", "fresh environment")
@@ -98,7 +99,7 @@ def test_release_check_passes(release: Release) -> None:
     assert statistics["method"] == "ram_plus" and len(statistics["models"]) == 3
 
 
-def test_demo_reports_the_seeded_agents(release: Release) -> None:
+def demo_reports_the_seeded_agents(release: Release) -> None:
     """What ``mergekit-ram demo`` printed and wrote, run from the wheel in the fresh environment."""
     with open(os.path.join(release.work, DEMO_OUTPUT), encoding="utf-8") as handle:
         lines = handle.read().splitlines()
@@ -117,7 +118,7 @@ def test_demo_reports_the_seeded_agents(release: Release) -> None:
     assert [round(m["lambda"], 4) for m in statistics["models"]] == [float(rows[name][-1]) for name in order]
 
 
-def test_both_distributions_hold_the_licence_texts(release: Release) -> None:
+def both_distributions_hold_the_licence_texts(release: Release) -> None:
     for name, heading in LICENCES.items():
         with open(os.path.join(ROOT, name), "rb") as handle:
             text = handle.read()
@@ -126,7 +127,7 @@ def test_both_distributions_hold_the_licence_texts(release: Release) -> None:
         assert wheel_member(release.wheel, f".dist-info/licenses/{name}") == text
 
 
-def test_metadata_names_licence_project_urls_and_authors(release: Release) -> None:
+def metadata_names_licence_project_urls_and_authors(release: Release) -> None:
     for found in (
         metadata(wheel_member(release.wheel, ".dist-info/METADATA")),
         metadata(sdist_member(release.sdist, "PKG-INFO")),
@@ -144,7 +145,7 @@ def test_metadata_names_licence_project_urls_and_authors(release: Release) -> No
         assert torch == ["torch>=2.2"]  # the CPU build is the installer's choice, never pinned here
 
 
-def test_contents_lists_are_exact(release: Release) -> None:
+def contents_lists_are_exact(release: Release) -> None:
     """Nothing unexpected and nothing missing; results and images stay out of the sdist."""
     expected = read_expected()
     sdist, wheel = sdist_files(release.sdist), wheel_files(release.wheel)
@@ -158,6 +159,18 @@ def test_contents_lists_are_exact(release: Release) -> None:
     assert not [f for f in wheel if f.startswith(("tests/", "benchmarks/", "docs/"))]
 
 
+@pytest.mark.process
+def test_the_release(release: Release, tmp_path: Path) -> None:
+    """The release check (``tests/release_check.py``: the distributions built, checked, installed into a fresh
+    environment where the demo runs), then what the distributions hold."""
+    release_check_passes(release)
+    demo_reports_the_seeded_agents(release)
+    both_distributions_hold_the_licence_texts(release)
+    metadata_names_licence_project_urls_and_authors(release)
+    contents_lists_are_exact(release)
+    links_resolve_in_the_unpacked_sdist(release, tmp_path)
+
+
 def test_contents_check_refuses_unexpected_and_missing_files() -> None:
     files = ["mergekit_ram/a.py", "mergekit_ram/sub/b.py", "docs/img/plot.png"]
     assert compare(files, ["mergekit_ram/*.py", "COPYING"]) == [
@@ -167,7 +180,7 @@ def test_contents_check_refuses_unexpected_and_missing_files() -> None:
     ]
 
 
-def test_links_resolve_in_the_unpacked_sdist(release: Release, tmp_path) -> None:
+def links_resolve_in_the_unpacked_sdist(release: Release, tmp_path: Path) -> None:
     """The sdist's pages link to what it holds; only links into what it leaves out are excused."""
     with tarfile.open(release.sdist) as archive:
         archive.extractall(tmp_path, filter="data")
@@ -185,6 +198,7 @@ def _editable_from_this_checkout() -> bool:
     return found.get("dir_info", {}).get("editable", False) and found.get("url") == f"file://{ROOT}"
 
 
+@pytest.mark.process
 def test_editable_install_exposes_only_mergekit_ram(tmp_path) -> None:
     """`pip install -e .` maps the package, not the repository root: no `tests` or `benchmarks`."""
     if not _editable_from_this_checkout():
