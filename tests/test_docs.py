@@ -278,9 +278,9 @@ def test_a_reworded_message_is_caught() -> None:
         unexplained(["model path <path> does not exist", "<model>: tensor <tensor> contains NaN or Inf"], templates)
         == []
     )
-    assert unexplained(["model path <path> is missing", "model path <path> does not exist today"], templates) == [
+    assert unexplained(["model path <path> is missing", "the model path <path> does not exist"], templates) == [
         "model path <path> is missing",
-        "model path <path> does not exist today",
+        "the model path <path> does not exist",
     ]
 
 
