@@ -55,7 +55,7 @@ def measure(numel: int, n: int, dtype: torch.dtype) -> dict[str, tuple[int, torc
     runs = {
         "mergekit ram (built-in)": lambda: builtin_ram.merge_group(group, epsilon=EPSILON),
         "mergekit ramplus_tl": lambda: builtin_ramplus_tl.merge_group(group, r=0.1, alpha=0.2, epsilon=EPSILON),
-        "mergekit-ram ram_plus": lambda: merge_tensors(base, finetunes, EPSILON, lambdas, workers=1).merged,
+        "mergekit-ram ram_plus": lambda: merge_tensors(base, finetunes, EPSILON, lambdas).merged,
     }
     results = {}
     for name, run in runs.items():

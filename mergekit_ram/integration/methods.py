@@ -15,7 +15,14 @@ import torch
 
 from mergekit_ram.errors import InputError
 from mergekit_ram.integration.internals import internal
-from mergekit_ram.kernel import MergeOverflowError, MergeResult, NonFiniteInputError, count_overlaps, merge_tensors
+from mergekit_ram.kernel import (
+    MergeOverflowError,
+    MergeResult,
+    NonFiniteInputError,
+    compute_dtype,
+    count_overlaps,
+    merge_tensors,
+)
 from mergekit_ram.lambdas import Resolved, merge_rule
 from mergekit_ram.parameters import METHOD_PARAMETERS, SHARED_RULES, ParameterError, ParameterInfo
 from mergekit_ram.rescaling import Rescaling
@@ -174,7 +181,6 @@ class RamMergeMethod(GroupMergeMethod):
                 [entry.tensor for entry in group.non_base],
                 parameters["epsilon"],
                 lambdas,
-                workers=torch.get_num_threads(),
                 count=count,
                 out_dtype=None if parameters.get(OUT_DTYPE) is None else getattr(torch, parameters[OUT_DTYPE]),
                 shared=SHARED_RULES[self.spec.name],
@@ -185,44 +191,21 @@ class RamMergeMethod(GroupMergeMethod):
             dtype = entry.tensor.dtype
             raise non_finite_error(entry.id, group.metadata.name, dtype, dtype, error.value) from None
         except MergeOverflowError as error:
-            raise self._overflow_error(group, parameters, lambdas, error) from None
+            raise self._overflow_error(group, error) from None
 
-    def _overflow_error(
-        self, group: Any, parameters: Mapping[str, Any], lambdas: list[float], error: MergeOverflowError
-    ) -> ParameterError:
-        """The tensor and the cause of an overflow (an update, a lambda, the sum, the output dtype), with its fix."""
-        name = group.metadata.name
+    def _overflow_error(self, group: Any, error: MergeOverflowError) -> ParameterError:
+        """The tensor and the fix of a NaN or Inf result from finite weights: a wider out_dtype where only the
+        rounding to it overflowed, else float64 arithmetic."""
         dtype = str(error.dtype).removeprefix("torch.")
-        wider = "merge with `dtype: float64` (arithmetic is then float64)"
-        if error.cause == "update" and error.index is not None:
+        inputs = compute_dtype(group.base.tensor.dtype, *(entry.tensor.dtype for entry in group.non_base))
+        if error.dtype != inputs:
             return ParameterError(
-                f"{self.spec.name}: tensor {name}: the update of {group.non_base[error.index].id} "
-                f"(its value minus the base's) overflows {dtype}; {wider}"
-            )
-        if error.cause == "lambda" and error.index is not None:
-            entry = group.non_base[error.index]
-            lam = lambdas[error.index]
-            pinned = "r" not in parameters or (
-                parameters["rho"].get(entry.id) is None and parameters["lambda"].get(entry.id) is not None
-            )
-            kind = "scale" if "scale" in parameters else "lambda"
-            setting = (
-                f"the pinned {kind} {lam!r} of {entry.id}"
-                if pinned
-                else f"lambda = 1 + r * clip(rho) = {lam!r} of {entry.id} (from r = {parameters['r']!r})"
-            )
-            return ParameterError(
-                f"{self.spec.name}: tensor {name}: {setting} times its update, added to the base, does not fit "
-                f"{dtype}; lower {kind if pinned else 'r'} (the paper's lambdas are about 1.2)"
-            )
-        if error.cause == "sum":
-            return ParameterError(
-                f"{self.spec.name}: tensor {name}: the merged update (the models' updates combined) overflows "
-                f"{dtype}; {wider}"
+                f"{self.spec.name}: tensor {group.metadata.name}: the merged values do not fit the output dtype "
+                f"{dtype} (out_dtype); choose a wider out_dtype"
             )
         return ParameterError(
-            f"{self.spec.name}: tensor {name}: the merged values do not fit the output dtype {dtype} "
-            "(out_dtype); choose a wider out_dtype"
+            f"{self.spec.name}: tensor {group.metadata.name}: the merged values overflow {dtype}; merge with "
+            "`dtype: float64` (arithmetic is then float64)"
         )
 
 
@@ -242,9 +225,7 @@ def count_tensors(
     original = [tensor.dtype for _, tensor in (base, *finetunes)]
     target = dtype or functools.reduce(torch.promote_types, original)
     try:
-        counted = count_overlaps(
-            base[1].to(target), [tensor.to(target) for _, tensor in finetunes], epsilon, workers=torch.get_num_threads()
-        )
+        counted = count_overlaps(base[1].to(target), [tensor.to(target) for _, tensor in finetunes], epsilon)
     except NonFiniteInputError as error:
         index = 0 if error.index is None else error.index + 1
         model = (base, *finetunes)[index][0]
