@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 #: Elements per step: the buffers stay in the CPU caches.
-CHUNK_ELEMENTS = 1 << 17
+CHUNK_ELEMENTS = 1 << 18
 #: On an accelerator each op is a kernel launch: larger chunks, still bounded scratch.
 _DEVICE_CHUNK_ELEMENTS = 1 << 24
 #: The radix select of the TIES thresholds reads 16 bits of the magnitudes per pass.
@@ -98,14 +98,15 @@ class _Scratch:
         self._buffers: dict[str, Tensor] = {}
 
     def __call__(self, name: str, rows: int = 0, dtype: Optional[torch.dtype] = None) -> Optional[Tensor]:
-        """The buffer ``name`` cut to the chunk's length (``rows`` > 0: that many rows of it)."""
+        """The buffer ``name`` for the chunk's length (``rows`` > 0: that many rows of it, contiguous)."""
         if not self.reuse:
             return None
         buffer = self._buffers.get(name)
         if buffer is None:
-            shape = (rows, self.size) if rows else (self.size,)
-            buffer = self._buffers[name] = torch.empty(shape, dtype=dtype or self.dtype, device=self.device)
-        return buffer[..., : self.length]
+            buffer = self._buffers[name] = torch.empty(
+                max(rows, 1) * self.size, dtype=dtype or self.dtype, device=self.device
+            )
+        return buffer[: rows * self.length].view(rows, self.length) if rows else buffer[: self.length]
 
 
 def count_overlaps(
@@ -364,33 +365,29 @@ def _digit_tables(
     """Per model, the histogram of the digit ``(bits >> shift) & 0xFFFF`` of |tau_t| at the shared positions (0
     elsewhere) among those under its prefix; and P. Inactive entries count too: at most epsilon, they change the
     k-th smallest only where it is raised above epsilon anyway."""
-    n, first = len(finetunes), shift == torch.finfo(dtype).bits - _DIGIT_BITS
-    tables = torch.zeros((n, 1 << _DIGIT_BITS), dtype=torch.int64, device=base.device)
-    shared = 0
+    n, width = len(finetunes), (1 << _DIGIT_BITS) + 2  # digit + 1; 0 below the prefix, 2**16 + 1 above it
     key_dtype = torch.int32 if dtype == torch.float32 else torch.int64
+    below = torch.tensor([(prefix << _DIGIT_BITS) - 1 for prefix in prefixes], dtype=key_dtype, device=base.device)
+    tables = torch.zeros((n, width), dtype=torch.int64, device=base.device)
+    shared = 0
     with torch.no_grad():
         for o, base_chunk, chunks in _chunks(base, finetunes, dtype, chunk_elements):
             base_c = _cast(base_chunk, dtype, o("base"))
+            magnitudes = o("masks", n)
+            assert magnitudes is not None
+            for index, finetune in enumerate(chunks):
+                torch.sub(finetune, base_c, out=magnitudes[index]).abs_()
+            if shift == torch.finfo(dtype).bits - _DIGIT_BITS and not math.isfinite(magnitudes.sum().item()):
+                _check_finite(base_chunk, chunks)  # NaN or Inf keys would not order
+                raise MergeOverflowError(dtype)  # an update, before any trimming
             c = None
-            for finetune in chunks:
-                tau = torch.sub(finetune, base_c, out=o("tau")).abs_()
-                if first and not math.isfinite(tau.sum().item()):  # NaN or Inf keys would not order
-                    _check_finite(base_chunk, chunks)
-                    if not bool(torch.isfinite(tau).all()):
-                        raise MergeOverflowError(dtype)  # an update, before any trimming
-                c = _accumulate(c, torch.gt(tau, epsilon, out=tau), None, 1.0, o("c"))
+            for magnitude in magnitudes:
+                c = _accumulate(c, torch.gt(magnitude, epsilon, out=o("mask")), None, 1.0, o("c"))
             assert c is not None
             sharing = torch.ge(c, 2, out=c)
             shared += int(sharing.sum().item())
-            keys = o("keys", dtype=key_dtype)
-            assert keys is not None
-            for index, finetune in enumerate(chunks):
-                magnitude = torch.sub(finetune, base_c, out=o("tau")).abs_().mul_(sharing)
-                torch.bitwise_right_shift(magnitude.view(key_dtype), shift, out=keys)
-                if first:  # every entry's top digit
-                    tables[index] += torch.bincount(keys, minlength=1 << _DIGIT_BITS)
-                    continue
-                # the digit + 1 under the prefix; 0 below it, 2**16 + 1 above
-                keys.sub_((prefixes[index] << _DIGIT_BITS) - 1).clamp_(0, (1 << _DIGIT_BITS) + 1)
-                tables[index] += torch.bincount(keys, minlength=(1 << _DIGIT_BITS) + 2)[1:-1]
-    return tables, shared
+            keys = magnitudes.mul_(sharing).view(key_dtype).bitwise_right_shift_(shift)
+            keys.sub_(below.view(n, 1)).clamp_(0, width - 1)
+            for index in range(n):
+                tables[index] += torch.bincount(keys[index], minlength=width)
+    return tables[:, 1:-1], shared
