@@ -88,6 +88,7 @@ class _Plan(NamedTuple):
     shared: SharedRule
     kept_from: tuple[float, ...]  # "ties": per model, the smallest kept magnitude (> epsilon)
     counting: bool
+    chunk_elements: int
 
 
 class _Scratch:
@@ -127,7 +128,7 @@ def count_overlaps(
             for index, finetune in enumerate(chunks):
                 torch.sub(finetune, base_c, out=magnitudes[index]).abs_()
             if not math.isfinite(magnitudes.sum().item()):  # a NaN or Inf input; a finite sum may overflow
-                _check_finite(base_chunk, chunks)
+                _check_finite(base_chunk, chunks, chunk_elements)
             masks = torch.gt(magnitudes, epsilon, out=magnitudes)
             tally += _tally(masks, torch.sum(masks, 0, out=scratch("c")), scratch)
     return OverlapCounts(histograms=_histograms(tally))
@@ -163,13 +164,13 @@ def merge_tensors(
     kept_from = (
         _ties_thresholds(base.detach(), detached, epsilon, density, dtype, chunk_elements) if shared == "ties" else ()
     )
-    plan = _Plan(epsilon, dtype, scales, shared, kept_from, count)
+    plan = _Plan(epsilon, dtype, scales, shared, kept_from, count, chunk_elements)
     out_dtype = out_dtype or base.dtype
     if torch.is_grad_enabled() and any(tensor.requires_grad for tensor in (base, *finetunes)):
         scratch = _Scratch(base.numel(), dtype, base.device, reuse=False)
         result, _ = _merge_chunk(base, finetunes, plan._replace(counting=False), scratch)
         merged = result.to(out_dtype)
-        _check_result(merged, result, base, finetunes)
+        _check_result(merged, result, base.detach(), detached, chunk_elements)
         histograms = count_overlaps(base.detach(), detached, epsilon).histograms if count else None
         return MergeResult(merged=merged.view(base.shape), histograms=histograms)
     merged = torch.empty(base.numel(), dtype=out_dtype, device=base.device)
@@ -180,7 +181,7 @@ def merge_tensors(
             out = merged[scratch.start : scratch.start + scratch.length]
             out.copy_(result)
             if not math.isfinite(out.sum(dtype=dtype).item()):  # a finite sum may overflow
-                _check_result(out, result, base_chunk, chunks)
+                _check_result(out, result, base.detach(), detached, chunk_elements)
             if counted is not None:
                 tally += counted
     return MergeResult(merged=merged.view(base.shape), histograms=_histograms(tally) if count else None)
@@ -289,7 +290,7 @@ def _combine(
         if shared is None:
             return unique.mul_(weight)
         return shared.addcmul_(shared, weight, value=-1.0).addcmul_(unique, weight)
-    _check_finite(base, finetunes)
+    _check_finite(base.detach(), [finetune.detach() for finetune in finetunes], plan.chunk_elements)
     chosen = weight.bool()
     if shared is None:
         return unique.masked_fill_(~chosen, 0.0)
@@ -309,18 +310,20 @@ def _histograms(tally: Tensor) -> Histograms:
     return tuple(tuple(row) for row in tally.tolist())
 
 
-def _check_finite(base: Tensor, finetunes: Sequence[Tensor]) -> None:
-    """Name the input holding NaN or Inf, the base first."""
-    for index, tensor in [(None, base), *enumerate(finetunes)]:
-        if not bool(torch.isfinite(tensor).all()):
-            raise NonFiniteInputError(index, "NaN" if bool(torch.isnan(tensor).any()) else "Inf")
+def _check_finite(base: Tensor, finetunes: Sequence[Tensor], chunk_elements: int) -> None:
+    """Name the input holding NaN or Inf in the first chunk that holds one, the base first: as the merge meets it."""
+    for _, base_chunk, chunks in _chunks(base, finetunes, base.dtype, chunk_elements):
+        for index, tensor in [(None, base_chunk), *enumerate(chunks)]:
+            if not bool(torch.isfinite(tensor).all()):
+                raise NonFiniteInputError(index, "NaN" if bool(torch.isnan(tensor).any()) else "Inf")
 
 
-def _check_result(out: Tensor, result: Tensor, base: Tensor, finetunes: Sequence[Tensor]) -> None:
-    """Raise where ``out`` (``result`` rounded) holds NaN or Inf: for an input that does, else for the overflow."""
+def _check_result(out: Tensor, result: Tensor, base: Tensor, finetunes: Sequence[Tensor], chunk_elements: int) -> None:
+    """Raise where ``out`` (``result`` rounded) holds NaN or Inf: for an input that does, wherever in the group (an
+    input's NaN before any overflow), else for the overflow."""
     if bool(torch.isfinite(out).all()):
         return
-    _check_finite(base, finetunes)
+    _check_finite(base, finetunes, chunk_elements)
     raise MergeOverflowError(out.dtype if bool(torch.isfinite(result).all()) else result.dtype)
 
 
@@ -382,7 +385,7 @@ def _digit_tables(
             for index, finetune in enumerate(chunks):
                 torch.sub(finetune, base_c, out=magnitudes[index]).abs_()
             if shift == torch.finfo(dtype).bits - _DIGIT_BITS and not math.isfinite(magnitudes.sum().item()):
-                _check_finite(base_chunk, chunks)  # NaN or Inf keys would not order
+                _check_finite(base, finetunes, chunk_elements)  # NaN or Inf keys would not order
                 raise MergeOverflowError(dtype)  # an update, before any trimming
             c = None
             for magnitude in magnitudes:

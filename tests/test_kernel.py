@@ -228,6 +228,22 @@ def test_non_finite_inputs_are_named(bad: float, rule: SharedRule, density: floa
         merge_tensors(poisoned, [], EPSILON)
 
 
+def test_a_non_finite_input_is_named_before_an_overflow_anywhere() -> None:
+    """An overflow in the first chunk, a NaN input in the last: the input is named, chunked or under autograd."""
+    base = torch.zeros(300)
+    finetunes = [torch.zeros(300), torch.zeros(300)]
+    finetunes[0][0], finetunes[1][0] = 3e38, 3e38  # their sum overflows float32
+    finetunes[1][-1] = math.nan
+    for leaves in (False, True):
+        inputs = [tensor.clone().requires_grad_(leaves) for tensor in (base, *finetunes)]
+        with pytest.raises(NonFiniteInputError) as error:
+            merge_tensors(inputs[0], inputs[1:], EPSILON, chunk_elements=100)
+        assert (error.value.index, error.value.value) == (1, "NaN")
+    finetunes[1][-1] = 0.0
+    with pytest.raises(MergeOverflowError):
+        merge_tensors(base, finetunes, EPSILON, chunk_elements=100)
+
+
 def test_finetune_equal_to_base_changes_nothing() -> None:
     base, finetunes, _ = designed_group(2)
     result = merge_tensors(base, [base.clone(), finetunes[1]], EPSILON, [1.2, 1.2], count=True)
