@@ -79,14 +79,11 @@ def variants(base: torch.Tensor, finetunes: list[torch.Tensor]) -> dict[str, Cal
     lambdas = list(LAMBDAS[:n])
     inputs = [base, *finetunes]
 
-    def workers() -> int:
-        return torch.get_num_threads()  # as the merge methods call the kernel (1 under the scratch measurement)
-
     return {
-        "ours: merge, RAM": lambda: merge_tensors(base, finetunes, EPSILON, workers=workers()),
-        "ours: merge, RAM+ (lambdas)": lambda: merge_tensors(base, finetunes, EPSILON, lambdas, workers=workers()),
-        "ours: merge + count (ram)": lambda: merge_tensors(base, finetunes, EPSILON, workers=workers(), count=True),
-        "ours: count only (pre-pass)": lambda: count_overlaps(base, finetunes, EPSILON, workers=workers()),
+        "ours: merge, RAM": lambda: merge_tensors(base, finetunes, EPSILON),
+        "ours: merge, RAM+ (lambdas)": lambda: merge_tensors(base, finetunes, EPSILON, lambdas),
+        "ours: merge + count (ram)": lambda: merge_tensors(base, finetunes, EPSILON, count=True),
+        "ours: count only (pre-pass)": lambda: count_overlaps(base, finetunes, EPSILON),
         BUILTIN_REFERENCE: lambda: mergekit_merge(inputs, builtin_ram, base_index=0),
         "built-in ram (dtype float32)": lambda: mergekit_merge(inputs, builtin_ram, base_index=0, dtype=torch.float32),
         "built-in ramplus_tl (bf16)": lambda: mergekit_merge(inputs, builtin_ramplus_tl, base_index=0),

@@ -4,31 +4,29 @@ For N fine-tunes of one bfloat16 tensor (the agents of ``benchmarks.kernel``), e
 ``mergekit_ram.kernel`` as the merge methods make it, on torch's thread count: ``ram`` (merge
 only, and merge + count as a ``ram`` merge runs it), ``ram_plus`` (lambdas != 1), the
 pre-pass (``count_overlaps``), ``ram_ties`` (density 0.1 and 1.0) and ``ram_unique``. With
-``--before REV``, the ram / ram_plus / pre-pass calls also run on the ``kernel.py`` of that git
-revision, loaded as a module of its own (it imports torch only). With ``--alternatives``, the
-ram merge + count also runs with each simplification of ``ALTERNATIVES`` (the kernel's pattern
-tiers and thread setting replaced for the call). Every round runs each call once, in turns,
-so that all see the same load on a shared machine.
+``--before REV``, every call also runs on the ``kernel.py`` of that git revision, loaded as a
+module of its own (it imports torch only; one that takes ``workers`` gets torch's thread
+count, as the merge methods called it). Every round runs each call once, in turns, so that
+all see the same load on a shared machine.
 
 Time per element: the fastest round and the median (after one warm-up call each). Scratch:
-the peak of torch's allocations during one call on one worker thread, the output excluded,
-per element of a chunk (``benchmarks.memory``).
+the peak of torch's allocations during one call on one thread, the output excluded, per
+element of a chunk (``benchmarks.memory``).
 
-    python -m benchmarks.kernel_rules --numel 16M --n 3 --repeats 7 --before HEAD~3 --alternatives
+    python -m benchmarks.kernel_rules --numel 16M --n 3 --repeats 7 --before HEAD~3
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib.util
+import inspect
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable, Optional, Sequence
-from unittest import mock
 
 import torch
 
@@ -41,14 +39,6 @@ from mergekit_ram.stats.render import markdown_table
 #: The denominators of the ratio column: the same call on the older kernel, or ram's merge.
 RAM = "ram, merge only"
 COUNTING_RAM = "ram, merge + count"
-#: Simplifications of the kernel, measured on a counting ram merge: its attributes replaced for the call.
-ALTERNATIVES: dict[str, dict[str, Any]] = {
-    "int32 codes (no int16 tier)": {"_INT16_MAX_MODELS": 0},
-    "int64 patterns (no float32 tier)": {"_FLOAT_PATTERN_MAX_MODELS": 0},
-    "torch.unique tally (no bincount tier)": {"_BINCOUNT_MAX_MODELS": 0},
-    "torch.set_num_threads (no ctypes)": {"_intra_op_setter": lambda: torch.set_num_threads},
-    "workers on torch's threads (no setting)": {"_one_intra_op_thread": contextlib.nullcontext},
-}
 
 
 def kernel_at(revision: str) -> ModuleType:
@@ -67,28 +57,27 @@ def kernel_at(revision: str) -> ModuleType:
     return module
 
 
-def calls(
-    module: ModuleType, base: torch.Tensor, finetunes: list[torch.Tensor], old: bool
-) -> dict[str, Callable[[], Any]]:
-    """Every call measured on ``module``, by label; the older kernel has no shared-region rules."""
+def calls(module: ModuleType, base: torch.Tensor, finetunes: list[torch.Tensor]) -> dict[str, Callable[[], Any]]:
+    """Every call measured on ``module``, by label."""
     lambdas = list(LAMBDAS[: len(finetunes)])
+    takes_workers = "workers" in inspect.signature(module.merge_tensors).parameters
+
+    def threads() -> dict[str, int]:
+        """An older kernel's worker threads: torch's count when called (1 under the scratch measurement)."""
+        return {"workers": torch.get_num_threads()} if takes_workers else {}
 
     def merge(*args: Any, **options: Any) -> Callable[[], Any]:
-        return lambda: module.merge_tensors(base, finetunes, EPSILON, *args, workers=torch.get_num_threads(), **options)
+        return lambda: module.merge_tensors(base, finetunes, EPSILON, *args, **threads(), **options)
 
-    measured = {
+    return {
         RAM: merge(),
         COUNTING_RAM: merge(count=True),
         "ram_plus, merge (lambdas)": merge(lambdas),
-        "pre-pass, count only": lambda: module.count_overlaps(
-            base, finetunes, EPSILON, workers=torch.get_num_threads()
-        ),
+        "pre-pass, count only": lambda: module.count_overlaps(base, finetunes, EPSILON, **threads()),
+        "ram_ties, density 0.1": merge(shared="ties", density=0.1),
+        "ram_ties, density 1.0": merge(shared="ties", density=1.0),
+        "ram_unique": merge(shared="base"),
     }
-    if not old:
-        measured["ram_ties, density 0.1"] = merge(shared="ties", density=0.1)
-        measured["ram_ties, density 1.0"] = merge(shared="ties", density=1.0)
-        measured["ram_unique"] = merge(shared="base")
-    return measured
 
 
 def scratch_per_chunk_element(function: Callable[[], Any], chunk: int) -> float:
@@ -104,25 +93,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--n", type=int, default=3, help="fine-tuned models (default 3)")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--before", help="git revision whose kernel.py runs beside this one")
-    parser.add_argument("--alternatives", action="store_true", help="also the simplifications of ALTERNATIVES")
     args = parser.parse_args(argv)
     numel = parse_size(args.numel)
     base, finetunes = kernel_inputs(numel, args.n)
-    ours = calls(kernel, base, finetunes, False)
+    ours = calls(kernel, base, finetunes)
     # label: (call, the label of the call its time is compared with)
     measured = {f"{name} (new)": (function, f"{RAM} (new)") for name, function in ours.items()}
     if args.before:
-        before = calls(kernel_at(args.before), base, finetunes, True)
+        before = calls(kernel_at(args.before), base, finetunes)
         measured |= {f"{name} (before)": (function, f"{name} (new)") for name, function in before.items()}
         measured |= {f"{name} (new)": (ours[name], f"{name} (before)") for name in before}
-    if args.alternatives:
-        measured |= {
-            f"{COUNTING_RAM} ({name})": (
-                mock.patch.multiple(kernel, **attributes)(ours[COUNTING_RAM]),
-                f"{COUNTING_RAM} (new)",
-            )
-            for name, attributes in ALTERNATIVES.items()
-        }
     times = measure({label: function for label, (function, _) in measured.items()}, args.repeats)
     rows = [
         [

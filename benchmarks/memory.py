@@ -3,10 +3,9 @@
 Test and benchmark instrumentation, not part of the package (the wheel does not ship it): the
 scratch measurement behind the kernel tests, docs/method.md and the benchmarks. The torch
 profiler records every CPU allocation and free; the peak of their running sum is the answer.
-Inputs allocated before the call are not counted; the result is. Only the calling thread is
-seen, so call the plugin's kernel with ``workers=1`` (and measure with ``threads=1``): it then
-does all its work in the calling thread (each further worker thread holds one more scratch of
-the same size).
+Inputs allocated before the call are not counted; the result is. Only the calling thread's
+allocations are seen: the plugin's kernel makes all of them there (torch's intra-op threads
+share its buffers).
 """
 
 from __future__ import annotations

@@ -151,9 +151,7 @@ def test_default_alpha_caps_ramplus_tl_lambda_at_1_02() -> None:
     second[1:10] = 0.03
     merged = merge_tensors([base, first, second], builtin_ramplus_tl, base_index=0)
     assert float(merged[0]) == pytest.approx(0.01 * 1.02, rel=1e-6)
-    ours = ram_merge_tensors(
-        base, [first, second], EPSILON, [Rescaling(0.1, 2.0, "clip").lambda_(9.0), 1.0], workers=1
-    ).merged
+    ours = ram_merge_tensors(base, [first, second], EPSILON, [Rescaling(0.1, 2.0, "clip").lambda_(9.0), 1.0]).merged
     assert float(ours[0]) == pytest.approx(0.01 * 1.2, rel=1e-6)
 
 
@@ -206,7 +204,7 @@ def test_ramplus_tl_gives_nan_with_epsilon_zero_where_a_model_changed_nothing() 
     third = torch.tensor([1.0, 1, 0, 0, 0, 0]) * 0.01
     merged = merge_tensors([base, first, untouched, third], builtin_ramplus_tl, base_index=0, parameters={"epsilon": 0})
     assert torch.isnan(merged).all()
-    ours = ram_merge_tensors(base, [first, untouched, third], 0.0, [1.1, 1.0, 1.1], workers=1).merged
+    ours = ram_merge_tensors(base, [first, untouched, third], 0.0, [1.1, 1.0, 1.1]).merged
     assert torch.isfinite(ours).all()
     expected = reference.merge(base, [first, untouched, third], 0.0, [1.1, 1.0, 1.1])
     assert torch.equal(ours, expected)
@@ -225,7 +223,7 @@ def test_scratch_bytes_per_element_builtin_vs_plugin() -> None:
         )
         - output,
     }
-    ours = peak_scratch_bytes(lambda: ram_merge_tensors(base, finetunes, EPSILON, [1.2, 1.1, 1.05], workers=1)) - output
+    ours = peak_scratch_bytes(lambda: ram_merge_tensors(base, finetunes, EPSILON, [1.2, 1.1, 1.05])) - output
     for scratch in builtin.values():
         assert 70 * numel <= scratch <= 85 * numel, builtin  # measured 77 bytes per element
     assert ours <= 24 * CHUNK_ELEMENTS + 4096, ours  # a chunk's buffers, whatever the tensor's size

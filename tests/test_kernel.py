@@ -1,16 +1,14 @@
-"""The tensor math against the independent reference, on active sets built per element.
+"""The tensor math against the independent reference (tests/reference.py), on active sets built per element.
 
-Both entry points: ``count_overlaps`` (the pre-pass) and ``merge_tensors`` (with or without
-counts). Tensors below one chunk run on one worker; the chunking and worker tests cut them.
+Both entry points: ``count_overlaps`` (the pre-pass) and ``merge_tensors`` (with or without counts), in one
+chunk and in many; under autograd on whole tensors, with the reference's gradients.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-import threading
-import time
-from typing import Callable
+from typing import Callable, Optional
 
 import pytest
 import torch
@@ -22,8 +20,7 @@ from mergekit_ram.kernel import (
     MergeOverflowError,
     NonFiniteInputError,
     SharedRule,
-    _kept_from,
-    _map_chunks,
+    _ties_thresholds,
     compute_dtype,
     count_overlaps,
     merge_tensors,
@@ -58,12 +55,24 @@ def designed_group(
     return base, finetunes, active
 
 
-@pytest.mark.parametrize("n", [1, 2, 3, 5])
+BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32, torch.float64: torch.int64}
+
+
+def same_bits(ours: torch.Tensor, expected: torch.Tensor) -> bool:
+    """The same dtype, shape and bytes (0.0 and -0.0 differ here)."""
+    return ours.dtype == expected.dtype and torch.equal(ours.view(BITS[ours.dtype]), expected.view(BITS[ours.dtype]))
+
+
+def reference_histograms(base: torch.Tensor, finetunes: list[torch.Tensor], epsilon: float = EPSILON) -> tuple:
+    return tuple(tuple(row) for row in reference.counts(base, finetunes, epsilon).histograms)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 26])
 @pytest.mark.parametrize("lambdas_kind", ["ram", "ram_plus"])
 def test_float32_merge_equals_reference(n: int, lambdas_kind: str) -> None:
-    base, finetunes, _ = designed_group(n)
+    base, finetunes, _ = designed_group(n, shape=(40, 30) if n > 5 else (64, 48))
     lambdas = [1.0] * n if lambdas_kind == "ram" else [1.0 + 0.07 * (i + 1) for i in range(n)]
-    result = merge_tensors(base, finetunes, EPSILON, lambdas, workers=1)
+    result = merge_tensors(base, finetunes, EPSILON, lambdas)
     expected = reference.merge(base, finetunes, EPSILON, lambdas)
     assert result.histograms is None
     assert result.merged.dtype == torch.float32
@@ -74,19 +83,19 @@ def test_float32_merge_equals_reference(n: int, lambdas_kind: str) -> None:
 def test_low_precision_output_is_reference_rounded(dtype: torch.dtype) -> None:
     base, finetunes, _ = designed_group(3, dtype=dtype)
     lambdas = [1.2, 1.145, 1.11]
-    result = merge_tensors(base, finetunes, EPSILON, lambdas, workers=1)
+    result = merge_tensors(base, finetunes, EPSILON, lambdas)
     expected = reference.merge(base, finetunes, EPSILON, lambdas).to(dtype)
     assert result.merged.dtype == dtype
     assert torch.equal(result.merged, expected)
 
 
-def test_counts_match_design_and_reference() -> None:
-    base, finetunes, active = designed_group(4)
-    result = count_overlaps(base, finetunes, EPSILON, workers=1)
-    ref = reference.counts(base, finetunes, EPSILON)
-    assert [list(row) for row in result.histograms] == ref.histograms
+@pytest.mark.parametrize("n", [4, 26])
+def test_counts_match_design_and_reference(n: int) -> None:
+    base, finetunes, active = designed_group(n, shape=(64, 48) if n < 5 else (40, 30))
+    result = count_overlaps(base, finetunes, EPSILON)
+    assert result.histograms == reference_histograms(base, finetunes)
     overlap = active.sum(0)
-    for index in range(4):
+    for index in range(n):
         assert sum(result.histograms[index]) == int(active[index].sum())  # the design, exactly
         assert result.histograms[index][0] == int((active[index] & (overlap == 1)).sum())
 
@@ -97,27 +106,14 @@ def test_merge_with_counts_equals_merge_and_count_overlaps(n: int, lambdas_kind:
     """count=True adds the histograms of count_overlaps (the reference's) and changes no merged bit."""
     base, finetunes, _ = designed_group(n, dtype=torch.bfloat16, seed=n)
     lambdas = None if lambdas_kind == "ram" else [1.0 + 0.1 * (i + 1) for i in range(n)]
-    both = merge_tensors(base, finetunes, EPSILON, lambdas, workers=1, count=True)
-    merged_only = merge_tensors(base, finetunes, EPSILON, lambdas, workers=1)
-    counted_only = count_overlaps(base, finetunes, EPSILON, workers=1)
-    expected = reference.counts(base, finetunes, EPSILON).histograms
-    assert [list(row) for row in counted_only.histograms] == expected
+    both = merge_tensors(base, finetunes, EPSILON, lambdas, count=True)
+    merged_only = merge_tensors(base, finetunes, EPSILON, lambdas)
+    counted_only = count_overlaps(base, finetunes, EPSILON)
+    assert counted_only.histograms == reference_histograms(base, finetunes)
     assert both.histograms == counted_only.histograms
     assert merged_only.histograms is None
     assert torch.equal(both.merged, merged_only.merged)
     assert torch.equal(both.merged, reference.merge(base, finetunes, EPSILON, lambdas or [1.0] * n).to(base.dtype))
-
-
-@pytest.mark.parametrize("n", [15, 17, 22, 26])
-def test_many_models_use_the_wider_pattern_paths(n: int) -> None:
-    """int16 and int32 bincounts (15, 17), the sparse table (22), the int64 pattern (26)."""
-    base, finetunes, _ = designed_group(n, shape=(40, 30))
-    expected = reference.counts(base, finetunes, EPSILON).histograms
-    result = count_overlaps(base, finetunes, EPSILON, workers=1)
-    assert [list(row) for row in result.histograms] == expected
-    merged = merge_tensors(base, finetunes, EPSILON, [1.1] * n, workers=1, count=True)
-    assert [list(row) for row in merged.histograms] == expected
-    assert torch.equal(merged.merged, reference.merge(base, finetunes, EPSILON, [1.1] * n))
 
 
 @pytest.mark.parametrize("epsilon", [1e-5, 1e-3])
@@ -126,74 +122,138 @@ def test_epsilon_is_strict_and_compared_in_float32(epsilon: float) -> None:
     (above 1e-3, so a comparison with the exact epsilon would count it)."""
     base = torch.zeros(4)
     finetune = torch.tensor([epsilon, 2 * epsilon, -epsilon, -3 * epsilon])
-    result = merge_tensors(base, [finetune], epsilon, workers=1, count=True)
+    result = merge_tensors(base, [finetune], epsilon, count=True)
     assert result.histograms == ((2,),)
-    assert count_overlaps(base, [finetune], epsilon, workers=1).histograms == ((2,),)
+    assert count_overlaps(base, [finetune], epsilon).histograms == ((2,),)
     assert torch.equal(result.merged, torch.tensor([0.0, 2 * epsilon, 0.0, -3 * epsilon]))
 
 
 def test_epsilon_zero_counts_every_change() -> None:
     base, finetunes, _ = designed_group(2)
-    result = merge_tensors(base, finetunes, 0.0, workers=1, count=True)
+    result = merge_tensors(base, finetunes, 0.0, count=True)
     assert [sum(row) for row in result.histograms] == [int((f != base).sum()) for f in finetunes]
     torch.testing.assert_close(result.merged, reference.merge(base, finetunes, 0.0, [1.0, 1.0]), rtol=0, atol=0)
 
 
-def test_sum_overflow_is_an_error_never_nan_or_inf() -> None:
-    """Finite inputs whose float32 sum overflows: an error naming the cause, in float64 the exact result."""
-    big = 3.0e38
-    base = torch.zeros(6)
-    finetunes = [
-        torch.tensor([big, big, 0.0, big, 1.0, -big]),
-        torch.tensor([big, 0.0, big, 0.0, 1.0, -big]),
-    ]
-    with pytest.raises(MergeOverflowError) as error:
-        merge_tensors(base, finetunes, EPSILON, [1.0, 1.0], workers=1, count=True)
-    assert (error.value.cause, error.value.dtype) == ("sum", torch.float32)
-    wide = merge_tensors(base.double(), [f.double() for f in finetunes], EPSILON, workers=1)
-    big32 = torch.tensor(big).item()  # 3e38 as float32
-    assert wide.merged.tolist() == [big32, big32, big32, big32, 1.0, -big32]
+RULES = [("mean", 1.0), ("ties", 0.5), ("ties", 1.0), ("base", 1.0)]
 
 
-@pytest.mark.parametrize("lam", [1e300, 1e38])
-def test_lambda_overflow_names_the_model(lam: float) -> None:
-    """lambda beyond float32 (1e300) or lambda * tau beyond it (1e38 * 5): an error naming the model."""
-    base = torch.zeros(4)
-    finetunes = [torch.tensor([5.0, 0.0, 1.0, 0.0]), torch.tensor([0.0, 2.0, 1.0, 0.0])]  # unique: 5 and 2
-    with pytest.raises(MergeOverflowError) as error:
-        merge_tensors(base, finetunes, EPSILON, [lam, 1.2], workers=1)
-    assert (error.value.cause, error.value.index, error.value.dtype) == ("lambda", 0, torch.float32)
-    if lam == 1e300:  # refused before any work, whichever model
+@pytest.mark.parametrize(("rule", "density"), RULES)
+def test_an_overflow_is_an_error_that_float64_merges(rule: SharedRule, density: float) -> None:
+    """Finite inputs whose float32 merge overflows, never NaN or Inf: an update (3e38 - -3e38, where model 1 alone
+    changed the base), lambda times an update, the sum of the shared updates (two of 3e38: their mean fits).
+    float64, the fix the error names, merges them; unique-only keeps the base where several changed it."""
+    base = torch.tensor([-3e38, 2e38, 0.0, 1.0])
+    finetunes = [torch.tensor([-3e38, 2e38, 3e38, 1.0]), torch.tensor([3e38, 2e38, 3e38, 1.5])]
+    for lambdas in ([1.0, 1.0], [1.0, 1e-3]):  # model 1's update overflows, then only [2]'s sum
         with pytest.raises(MergeOverflowError) as error:
-            merge_tensors(base, finetunes, EPSILON, [1.2, lam], workers=1)
-        assert (error.value.cause, error.value.index) == ("lambda", 1)
-    else:  # 1e38 * 2 fits: applied exactly, and no NaN from 0 * lambda on inactive elements
-        fits = merge_tensors(base, finetunes, EPSILON, [1.2, lam], workers=1)
-        assert fits.merged.tolist() == [6.0, (torch.tensor(lam) * 2).item(), 1.0, 0.0]
-        assert torch.equal(fits.merged, reference.merge(base, finetunes, EPSILON, [1.2, lam]))
+            merge_tensors(base, finetunes, EPSILON, lambdas, count=True, shared=rule, density=density)
+        assert error.value.dtype == torch.float32
+        if rule == "base":
+            break
+        base[0], finetunes[1][0] = 0.0, 0.0
+    scaled = [torch.tensor([0.0, 3.3e38, 0.0, 1.0]), torch.tensor([0.0, 2e38, 0.0, 1.5])]  # model 0 alone at [1]
+    with pytest.raises(MergeOverflowError):
+        merge_tensors(torch.tensor([0.0, 2e38, 0.0, 1.0]), scaled, EPSILON, [1.2, 1.0], shared=rule, density=density)
+    base[0], finetunes[1][0] = -3e38, 3e38
+    wide = merge_tensors(base.double(), [f.double() for f in finetunes], EPSILON, shared=rule, density=density)
+    big = torch.tensor(3e38).item()  # 3e38 as float32
+    assert wide.merged.tolist() == [big, torch.tensor(2e38).item(), 0.0 if rule == "base" else big, 1.5]
 
 
-def test_cast_overflow_is_an_error() -> None:
+@pytest.mark.parametrize("lam", [1e300, -1e300, math.nan])
+def test_a_lambda_beyond_the_arithmetic_dtype_is_refused(lam: float) -> None:
+    base, finetunes, _ = designed_group(2)
+    with pytest.raises(MergeOverflowError) as error:
+        merge_tensors(base, finetunes, EPSILON, [1.2, lam])
+    assert error.value.dtype == torch.float32
+
+
+def test_large_lambdas_that_fit_are_applied_exactly() -> None:
+    """1e38 * 2 fits float32: no NaN from 0 * lambda where the model is inactive."""
+    base = torch.zeros(4)
+    finetunes = [torch.tensor([5.0, 0.0, 1.0, 0.0]), torch.tensor([0.0, 2.0, 1.0, 0.0])]
+    fits = merge_tensors(base, finetunes, EPSILON, [1.2, 1e38])
+    assert fits.merged.tolist() == [6.0, (torch.tensor(1e38) * 2).item(), 1.0, 0.0]
+    assert torch.equal(fits.merged, reference.merge(base, finetunes, EPSILON, [1.2, 1e38]))
+
+
+def test_an_overflow_of_the_output_dtype_alone_names_it() -> None:
     base = torch.tensor([60000.0, 1.0])
     finetune = torch.tensor([70000.0, 1.5])
     with pytest.raises(MergeOverflowError) as error:
-        merge_tensors(base, [finetune], EPSILON, workers=1, out_dtype=torch.float16)
-    assert (error.value.cause, error.value.dtype) == ("cast", torch.float16)
+        merge_tensors(base, [finetune], EPSILON, out_dtype=torch.float16)
+    assert error.value.dtype == torch.float16
+    assert str(error.value) == "the merged values do not fit float16"
+
+
+def test_finite_sums_far_apart_are_no_overflow() -> None:
+    """Shared mean -1e38 beside a scaled sum of 2.7e38 (their difference overflows): blended exactly, no error."""
+    base = torch.zeros(2)
+    finetunes = [torch.tensor([3e38, 1.0]), torch.tensor([-3e38, 0.0]), torch.tensor([-3e38, 0.0])]
+    lambdas = [1.1, 0.1, 0.1]
+    result = merge_tensors(base, finetunes, EPSILON, lambdas).merged
+    assert same_bits(result, reference.merge(base, finetunes, EPSILON, lambdas))
+    assert result.tolist() == [(torch.tensor(-3e38) / 3).item(), torch.tensor(1.1).item()]
+
+
+def test_large_finite_values_are_not_mistaken_for_inf() -> None:
+    base = torch.full((1000,), 3e35)
+    finetune = base.clone()
+    finetune[:500] = -3e35  # |tau| = 6e35; the sum of magnitudes overflows float32
+    result = merge_tensors(base, [finetune], EPSILON)
+    assert torch.isfinite(result.merged).all()
+    assert torch.equal(result.merged, reference.merge(base, [finetune], EPSILON, [1.0]))
+    assert torch.equal(result.merged, finetune)  # one model changed each element: its change at full strength
+    assert count_overlaps(base, [finetune], EPSILON).histograms == ((500,),)
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize(("rule", "density"), RULES)
+def test_non_finite_inputs_are_named(bad: float, rule: SharedRule, density: float) -> None:
+    """Whichever rule, and where the other models changed the base (unique-only keeps the base there)."""
+    base, finetunes, _ = designed_group(3)
+    finetunes = [base + 0.01, finetunes[1].clone(), base - 0.01]
+    finetunes[1][3, 4] = bad
+    with pytest.raises(NonFiniteInputError) as error:
+        merge_tensors(base, finetunes, EPSILON, [1.2, 1.0, 1.0], shared=rule, density=density, chunk_elements=1000)
+    assert (error.value.index, error.value.value) == (1, "NaN" if math.isnan(bad) else "Inf")
+    poisoned = base.clone()
+    poisoned[0, 0] = bad
+    for call in (count_overlaps, functools.partial(merge_tensors, shared=rule, density=density)):
+        with pytest.raises(NonFiniteInputError) as error:
+            call(poisoned, finetunes[:1], EPSILON)
+        assert error.value.index is None
+    with pytest.raises(NonFiniteInputError):
+        merge_tensors(poisoned, [], EPSILON)
+
+
+def test_a_non_finite_input_is_named_before_an_overflow_anywhere() -> None:
+    """An overflow in the first chunk, a NaN input in the last: the input is named, chunked or under autograd."""
+    base = torch.zeros(300)
+    finetunes = [torch.zeros(300), torch.zeros(300)]
+    finetunes[0][0], finetunes[1][0] = 3e38, 3e38  # their sum overflows float32
+    finetunes[1][-1] = math.nan
+    for leaves in (False, True):
+        inputs = [tensor.clone().requires_grad_(leaves) for tensor in (base, *finetunes)]
+        with pytest.raises(NonFiniteInputError) as error:
+            merge_tensors(inputs[0], inputs[1:], EPSILON, chunk_elements=100)
+        assert (error.value.index, error.value.value) == (1, "NaN")
+    finetunes[1][-1] = 0.0
+    with pytest.raises(MergeOverflowError):
+        merge_tensors(base, finetunes, EPSILON, chunk_elements=100)
 
 
 def test_finetune_equal_to_base_changes_nothing() -> None:
     base, finetunes, _ = designed_group(2)
-    result = merge_tensors(base, [base.clone(), finetunes[1]], EPSILON, [1.2, 1.2], workers=1, count=True)
+    result = merge_tensors(base, [base.clone(), finetunes[1]], EPSILON, [1.2, 1.2], count=True)
     assert result.histograms[0] == (0, 0)
-    assert not torch.isnan(result.merged).any()
-    torch.testing.assert_close(
-        result.merged, reference.merge(base, [base, finetunes[1]], EPSILON, [1.2, 1.2]), rtol=0, atol=0
-    )
+    assert torch.equal(result.merged, reference.merge(base, [base, finetunes[1]], EPSILON, [1.2, 1.2]))
 
 
 def test_identical_finetunes_average_to_themselves_without_nan() -> None:
     base, finetunes, _ = designed_group(1)
-    result = merge_tensors(base, [finetunes[0], finetunes[0].clone()], EPSILON, [1.2, 1.2], workers=1, count=True)
+    result = merge_tensors(base, [finetunes[0], finetunes[0].clone()], EPSILON, [1.2, 1.2], count=True)
     assert result.histograms[0][0] == 0  # nothing unique
     assert not torch.isnan(result.merged).any()
     changed = (finetunes[0] - base).abs() > EPSILON
@@ -202,154 +262,46 @@ def test_identical_finetunes_average_to_themselves_without_nan() -> None:
 
 def test_single_model_resets_subthreshold_changes() -> None:
     base, finetunes, active = designed_group(1)
-    result = merge_tensors(base, finetunes, EPSILON, [1.0], workers=1)
+    result = merge_tensors(base, finetunes, EPSILON, [1.0])
     assert torch.equal(result.merged[active[0]], finetunes[0][active[0]])
     assert torch.equal(result.merged[~active[0]], base[~active[0]])
 
 
-def test_no_finetunes_returns_the_base() -> None:
+def test_no_finetunes_and_empty_tensors() -> None:
     base = torch.randn(5, 3)
-    result = merge_tensors(base, [], EPSILON, workers=1, count=True)
+    result = merge_tensors(base, [], EPSILON, count=True)
     assert torch.equal(result.merged, base)
     assert result.histograms == ()
-    assert count_overlaps(base, [], EPSILON, workers=1).histograms == ()
-
-
-@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
-def test_non_finite_inputs_are_named(bad: float) -> None:
-    base, finetunes, _ = designed_group(3)
-    finetunes[2] = finetunes[2].clone()
-    finetunes[2][3, 4] = bad
-    with pytest.raises(NonFiniteInputError) as error:
-        merge_tensors(base, finetunes, EPSILON, workers=1)
-    assert error.value.index == 2
-    poisoned = base.clone()
-    poisoned[0, 0] = bad
-    with pytest.raises(NonFiniteInputError) as error:
-        count_overlaps(poisoned, finetunes[:2], EPSILON, workers=1)
-    assert error.value.index is None
-
-
-def test_large_finite_values_are_not_mistaken_for_inf() -> None:
-    base = torch.full((1000,), 3e35)
-    finetune = base.clone()
-    finetune[:500] = -3e35  # |tau| = 6e35; the sum of magnitudes overflows float32
-    result = merge_tensors(base, [finetune], EPSILON, workers=1)
-    assert torch.isfinite(result.merged).all()
-    assert torch.equal(result.merged, reference.merge(base, [finetune], EPSILON, [1.0]))
-    assert torch.equal(result.merged, finetune)  # one model changed each element: its change at full strength
-
-
-def peak_scratch_bytes(function) -> int:
-    """Measured with one thread: the profiler sees the calling thread's allocations only."""
-    return peak_allocated_bytes(function, threads=1)[0]
-
-
-#: Scratch bytes per chunk element of a bfloat16 group, by what the kernel is asked for: the
-#: call on one worker (base, fine-tunes, N), whether it returns a bfloat16 output, the bound.
-SCRATCH_BOUNDS: dict[str, tuple[Callable[[torch.Tensor, list[torch.Tensor], int], object], bool, int]] = {
-    "ram without statistics": (lambda base, fts, n: merge_tensors(base, fts, EPSILON, workers=1), True, 20),
-    "ram with statistics": (lambda base, fts, n: merge_tensors(base, fts, EPSILON, workers=1, count=True), True, 26),
-    "ram_plus merge after the pre-pass": (
-        lambda base, fts, n: merge_tensors(base, fts, EPSILON, [1.1] * n, workers=1),
-        True,
-        24,
-    ),
-    "ram_plus with pinned statistics": (
-        lambda base, fts, n: merge_tensors(base, fts, EPSILON, [1.1] * n, workers=1, count=True),
-        True,
-        30,
-    ),
-    "pre-pass (count only)": (lambda base, fts, n: count_overlaps(base, fts, EPSILON, workers=1), False, 14),
-    "ram_ties merge pass": (
-        lambda base, fts, n: merge_tensors(base, fts, EPSILON, workers=1, shared="ties", density=1.0),
-        True,
-        36,
-    ),
-    "ram_ties with statistics": (
-        lambda base, fts, n: merge_tensors(base, fts, EPSILON, workers=1, count=True, shared="ties", density=1.0),
-        True,
-        42,
-    ),
-    "ram_unique": (
-        lambda base, fts, n: merge_tensors(base, fts, EPSILON, [0.5] * n, workers=1, shared="base"),
-        True,
-        20,
-    ),
-}
-
-
-@pytest.mark.parametrize("mode", SCRATCH_BOUNDS)
-def test_scratch_memory_is_bounded_and_independent_of_n(mode: str) -> None:
-    """Beyond the output, a few float32 buffers of one chunk, whatever N and the tensor size.
-
-    Measured with one worker thread (the profiler sees the calling thread's allocations);
-    each further worker has its own scratch of the same size.
-    """
-    call, has_output, bytes_per_element = SCRATCH_BOUNDS[mode]
-    scratch = {}
-    for numel in (2 * CHUNK_ELEMENTS, 5 * CHUNK_ELEMENTS):
-        for n in (2, 3, 5):
-            base, finetunes, _ = designed_group(n, shape=(numel,), dtype=torch.bfloat16)
-            peak = peak_scratch_bytes(functools.partial(call, base, finetunes, n))
-            scratch[numel, n] = peak - (2 * numel if has_output else 0)  # minus the bfloat16 output
-    assert max(scratch.values()) - min(scratch.values()) < 4096, scratch  # a bincount of 2**N counters at most
-    assert max(scratch.values()) <= bytes_per_element * CHUNK_ELEMENTS + 4096, scratch
-    assert max(scratch.values()) > (bytes_per_element - 2) * CHUNK_ELEMENTS, scratch  # the bound is tight
-
-
-def test_ties_radix_scratch_memory_is_bounded() -> None:
-    """The threshold search: 16 bytes per chunk element and 2**16 counters per model and one more, whatever the size."""
-    for numel in (2 * CHUNK_ELEMENTS, 5 * CHUNK_ELEMENTS):
-        for n in (2, 5):
-            base, finetunes, _ = designed_group(n, shape=(numel,), dtype=torch.bfloat16)
-            scratch = peak_scratch_bytes(
-                functools.partial(_kept_from, base, finetunes, EPSILON, 0.1, CHUNK_ELEMENTS, 1)
-            )
-            assert abs(scratch - 16 * CHUNK_ELEMENTS - (n + 1) * (8 << 16)) < 4096, (numel, n, scratch)
+    assert count_overlaps(base, [], EPSILON).histograms == ()
+    empty = torch.empty(0, 4, dtype=torch.bfloat16)
+    merged = merge_tensors(empty, [empty, empty], EPSILON, count=True, shared="ties", density=0.1)
+    assert merged.merged.shape == (0, 4) and merged.merged.dtype == torch.bfloat16
+    assert merged.histograms == ((0, 0), (0, 0)) == count_overlaps(empty, [empty, empty], EPSILON).histograms
 
 
 def test_chunk_boundaries_do_not_change_results() -> None:
+    """Chunks of 1 element, a size dividing nothing, and one chunk: the same bits and counts."""
     base, finetunes, _ = designed_group(3, shape=(1000, 7), dtype=torch.bfloat16)
-    whole = merge_tensors(base, finetunes, EPSILON, [1.2, 1.1, 1.0], workers=1, count=True)
+    whole = merge_tensors(base, finetunes, EPSILON, [1.2, 1.1, 1.0], count=True)
     for chunk in (1, 997, 4096):
-        chunked = merge_tensors(base, finetunes, EPSILON, [1.2, 1.1, 1.0], workers=1, count=True, chunk_elements=chunk)
+        chunked = merge_tensors(base, finetunes, EPSILON, [1.2, 1.1, 1.0], count=True, chunk_elements=chunk)
         assert torch.equal(chunked.merged, whole.merged)
         assert chunked.histograms == whole.histograms
-        assert count_overlaps(base, finetunes, EPSILON, workers=1, chunk_elements=chunk).histograms == whole.histograms
-
-
-@pytest.mark.parametrize("lambdas", [None, [1.2, 1.1, 1.0]])
-def test_two_workers_are_bit_identical_to_one(lambdas: list[float] | None) -> None:
-    """Chunks shared out to a pool of two threads: the same merged bits and histograms as one worker."""
-    base, finetunes, _ = designed_group(3, shape=(1000, 7), dtype=torch.bfloat16)
-    one = merge_tensors(base, finetunes, EPSILON, lambdas, workers=1, count=True, chunk_elements=499)
-    two = merge_tensors(base, finetunes, EPSILON, lambdas, workers=2, count=True, chunk_elements=499)
-    assert torch.equal(two.merged, one.merged)
-    assert two.histograms == one.histograms
-    assert [list(row) for row in one.histograms] == reference.counts(base, finetunes, EPSILON).histograms
-    counted = count_overlaps(base, finetunes, EPSILON, workers=2, chunk_elements=499)
-    assert counted.histograms == count_overlaps(base, finetunes, EPSILON, workers=1, chunk_elements=499).histograms
-    assert counted.histograms == one.histograms
+        assert count_overlaps(base, finetunes, EPSILON, chunk_elements=chunk).histograms == whole.histograms
 
 
 def test_bad_calls_are_refused() -> None:
-    """No worker, a lambda per model missing, more models than the pattern's bits when counting."""
     base, finetunes, _ = designed_group(2)
-    for call in (count_overlaps, merge_tensors):
-        with pytest.raises(ValueError, match="workers must be at least 1, got 0"):
-            call(base, finetunes, EPSILON, workers=0)
     with pytest.raises(ValueError, match="expected 2 lambda values, got 1"):
-        merge_tensors(base, finetunes, EPSILON, [1.2], workers=1)
-    with pytest.raises(ValueError, match="shape"):
-        count_overlaps(base, [finetunes[0].T], EPSILON, workers=1)
-    many = [finetunes[index % 2] for index in range(63)]
-    with pytest.raises(ValueError, match="at most 62 fine-tuned models, got 63"):
-        count_overlaps(base, many, EPSILON, workers=1)
-    with pytest.raises(ValueError, match="at most 62 fine-tuned models, got 63"):
-        merge_tensors(base, many, EPSILON, workers=1, count=True)
-    merged = merge_tensors(base, many, EPSILON, workers=1).merged  # merging needs no pattern
-    assert torch.equal(merged, reference.merge(base, many, EPSILON, [1.0] * 63))
+        merge_tensors(base, finetunes, EPSILON, [1.2])
+    for call in (count_overlaps, merge_tensors):
+        with pytest.raises(ValueError, match="shape"):
+            call(base, [finetunes[0].T], EPSILON)
+    for density in (0.0, 1.5, -0.1, math.nan):
+        with pytest.raises(ValueError, match=r"density must be in \(0, 1\]"):
+            merge_tensors(base, finetunes, EPSILON, shared="ties", density=density)
+    with pytest.raises(ValueError, match="shared must be one of mean, ties, base, got 'median'"):
+        merge_tensors(base, finetunes, EPSILON, shared="median")  # type: ignore[arg-type]
 
 
 def one_step_group(dtype: torch.dtype) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -364,14 +316,12 @@ def one_step_group(dtype: torch.dtype) -> tuple[torch.Tensor, list[torch.Tensor]
 def test_out_dtype_rounds_once(out_dtype: torch.dtype) -> None:
     """From the float32 result straight to out_dtype: 1.01171875, not bfloat16's 1.015625 cast again."""
     base, finetunes = one_step_group(torch.bfloat16)
-    assert merge_tensors(base, finetunes, EPSILON, workers=1).merged.tolist() == [1.015625, 1.0078125, 1.0]  # bfloat16
-    result = merge_tensors(base, finetunes, EPSILON, [1.5, 1.0], workers=1, out_dtype=out_dtype).merged
+    assert merge_tensors(base, finetunes, EPSILON).merged.tolist() == [1.015625, 1.0078125, 1.0]  # bfloat16
+    result = merge_tensors(base, finetunes, EPSILON, [1.5, 1.0], out_dtype=out_dtype).merged
     assert result.dtype == out_dtype
     assert result.tolist() == [1.01171875, 1 + 1.5 * 2**-7, 1.0]
     base, finetunes, _ = designed_group(3, dtype=torch.bfloat16)
-    merged = merge_tensors(
-        base, finetunes, EPSILON, [1.2, 1.1, 1.0], workers=1, out_dtype=out_dtype, chunk_elements=999
-    ).merged
+    merged = merge_tensors(base, finetunes, EPSILON, [1.2, 1.1, 1.0], out_dtype=out_dtype, chunk_elements=999).merged
     assert torch.equal(merged, reference.merge(base, finetunes, EPSILON, [1.2, 1.1, 1.0]).to(out_dtype))
 
 
@@ -382,28 +332,79 @@ def test_float64_inputs_are_merged_in_float64() -> None:
     a[0], b[0] = 1.25, 1.5  # shared
     a[1] = 1.000030000001  # unique to a; float32 would round both ends
     b[2, :7] = 0.75
-    result = merge_tensors(base, [a, b], EPSILON, [1.2, 1.1], workers=1, count=True, chunk_elements=256)
+    result = merge_tensors(base, [a, b], EPSILON, [1.2, 1.1], count=True, chunk_elements=256)
     assert result.merged.dtype == torch.float64
     assert torch.equal(result.merged[3:], base[3:])
-    assert result.merged[3, 0].item() == 1.000000000001
     expected = reference.merge(base, [a, b], EPSILON, [1.2, 1.1])
     assert expected.dtype == torch.float64
     assert torch.equal(result.merged, expected)
     assert result.merged[1, 0].item() == 1.000000000001 + 1.2 * (1.000030000001 - 1.000000000001)
     assert result.histograms == ((300, 300), (7, 300))
-    as_float32 = merge_tensors(base, [a, b], EPSILON, [1.2, 1.1], workers=1, out_dtype=torch.float32).merged
+    as_float32 = merge_tensors(base, [a, b], EPSILON, [1.2, 1.1], out_dtype=torch.float32).merged
     assert torch.equal(as_float32, expected.float())  # one rounding, from float64
 
 
+def peak_scratch_bytes(function: Callable[[], object]) -> int:
+    """Torch's peak allocations during the call, on one thread."""
+    return peak_allocated_bytes(function, threads=1)[0]
+
+
+#: Scratch bytes per chunk element of a bfloat16 group of N models, by what the kernel is asked for: the call
+#: (base, fine-tunes, N) and the bound: float32 buffers, each model's mask and k's indicator where counting.
+SCRATCH_BOUNDS: dict[str, tuple[Callable[[torch.Tensor, list[torch.Tensor], int], object], Callable[[int], int]]] = {
+    "ram without statistics": (lambda base, fts, n: merge_tensors(base, fts, EPSILON), lambda n: 20),
+    "ram with statistics": (lambda base, fts, n: merge_tensors(base, fts, EPSILON, count=True), lambda n: 16 + 8 * n),
+    "ram_plus merge after the pre-pass": (
+        lambda base, fts, n: merge_tensors(base, fts, EPSILON, [1.1] * n),
+        lambda n: 24,
+    ),
+    "pre-pass (count only)": (lambda base, fts, n: count_overlaps(base, fts, EPSILON), lambda n: 8 + 8 * n),
+    "ram_ties merge pass": (
+        lambda base, fts, n: merge_tensors(base, fts, EPSILON, shared="ties", density=1.0),
+        lambda n: 36,
+    ),
+    "ram_unique": (lambda base, fts, n: merge_tensors(base, fts, EPSILON, [0.5] * n, shared="base"), lambda n: 20),
+}
+
+
+@pytest.mark.parametrize("mode", SCRATCH_BOUNDS)
+def test_scratch_memory_is_bounded_by_the_chunk(mode: str) -> None:
+    """Beyond the bfloat16 output, a few buffers of one chunk, whatever the tensor's size."""
+    call, bytes_per_element = SCRATCH_BOUNDS[mode]
+    for n in (2, 5):
+        scratch = []
+        for numel in (2 * CHUNK_ELEMENTS, 5 * CHUNK_ELEMENTS):
+            base, finetunes, _ = designed_group(n, shape=(numel,), dtype=torch.bfloat16)
+            output = 0 if mode.startswith("pre-pass") else 2 * numel
+            scratch.append(peak_scratch_bytes(functools.partial(call, base, finetunes, n)) - output)
+        bound = bytes_per_element(n) * CHUNK_ELEMENTS
+        assert max(scratch) - min(scratch) < 4096, scratch
+        assert bound - 2 * CHUNK_ELEMENTS < max(scratch) <= bound + 4096, (n, scratch, bound)  # the bound is tight
+
+
+def test_ties_radix_scratch_memory_is_bounded() -> None:
+    """The threshold search: 12 + 4 N bytes per chunk element and 2**16 + 2 counters per model and one more, whatever
+    the size."""
+    for numel in (2 * CHUNK_ELEMENTS, 5 * CHUNK_ELEMENTS):
+        for n in (2, 5):
+            base, finetunes, _ = designed_group(n, shape=(numel,), dtype=torch.bfloat16)
+            threshold = functools.partial(
+                _ties_thresholds, base, finetunes, EPSILON, 0.1, torch.float32, CHUNK_ELEMENTS
+            )
+            scratch = peak_scratch_bytes(threshold)
+            expected = (12 + 4 * n) * CHUNK_ELEMENTS + (n + 1) * 8 * ((1 << 16) + 2)
+            assert abs(scratch - expected) < 4096, (numel, n, scratch, expected)
+
+
 def test_inputs_that_require_grad_merge_with_history() -> None:
-    """Values bit-identical to the kernel without autograd; gradients equal the reference's."""
+    """Values bit-identical to the chunked kernel; gradients torch's autograd's, equal to the reference's."""
     base, finetunes, _ = designed_group(3, shape=(300, 7))
     lambdas = [1.2, 1.1, 1.0]
     leaves = [tensor.clone().requires_grad_(True) for tensor in (base, *finetunes)]
-    result = merge_tensors(leaves[0], leaves[1:], EPSILON, lambdas, workers=2, count=True, chunk_elements=500)
-    plain = merge_tensors(base, finetunes, EPSILON, lambdas, workers=1, count=True)
+    result = merge_tensors(leaves[0], leaves[1:], EPSILON, lambdas, count=True, chunk_elements=500)
+    plain = merge_tensors(base, finetunes, EPSILON, lambdas, count=True, chunk_elements=500)
     assert result.merged.grad_fn is not None
-    assert torch.equal(result.merged.detach(), plain.merged)
+    assert same_bits(result.merged.detach(), plain.merged)
     assert result.histograms == plain.histograms
     weights = torch.randn(base.shape, generator=torch.Generator().manual_seed(1))
     (result.merged * weights).sum().backward()
@@ -411,102 +412,13 @@ def test_inputs_that_require_grad_merge_with_history() -> None:
     (reference.merge(references[0], references[1:], EPSILON, lambdas) * weights).sum().backward()
     for ours, theirs in zip(leaves[1:], references[1:]):
         assert torch.equal(ours.grad, theirs.grad)  # w_t * g: lambda_t * g or g / c
-    # d/d base = 1 - sum_t w_t: exactly 0 where c >= 2 here; the reference sums c rounded terms g / c
+    # d/d base = 1 - sum_t w_t, each summed in its own order
     torch.testing.assert_close(leaves[0].grad, references[0].grad, rtol=0, atol=4e-7)
     with torch.no_grad():
-        assert merge_tensors(leaves[0], leaves[1:], EPSILON, lambdas, workers=1).merged.grad_fn is None
-
-
-def test_concurrent_callers_keep_their_thread_counts() -> None:
-    """Each caller's torch thread count is its own before, during and after merging."""
-    base, finetunes, _ = designed_group(3, shape=(6 * CHUNK_ELEMENTS,), dtype=torch.bfloat16)
-    saved = torch.get_num_threads()
-    seen: dict[int, set[int]] = {}
-    errors: list[BaseException] = []
-    start = threading.Barrier(2)
-
-    def caller(threads: int) -> None:
-        try:
-            torch.get_num_threads()  # torch initialises a new thread's count on first use, then keeps a set one
-            torch.set_num_threads(threads)
-            start.wait()
-            counts = set()
-            for _ in range(4):
-                merge_tensors(base, finetunes, EPSILON, [1.1, 1.2, 1.3], workers=2)
-                counts.add(torch.get_num_threads())
-            seen[threads] = counts
-        except BaseException as error:  # noqa: BLE001 - reported below
-            errors.append(error)
-
-    try:
-        callers = [threading.Thread(target=caller, args=(threads,)) for threads in (3, 5)]
-        for thread in callers:
-            thread.start()
-        for thread in callers:
-            thread.join()
-    finally:
-        torch.set_num_threads(saved)
-    assert not errors, errors
-    assert seen == {3: {3}, 5: {5}}
-
-
-def test_the_caller_takes_chunks_and_every_worker_runs_on_one_intra_op_thread() -> None:
-    """Half the threads start per call: the caller is one of the workers, on one thread meanwhile."""
-    caller = threading.current_thread()
-    saved = torch.get_num_threads()
-    ran: list[tuple[bool, int]] = []
-
-    def run(start: int, state: object) -> None:
-        ran.append((threading.current_thread() is caller, torch.get_num_threads()))
-        time.sleep(0.002)  # long enough for both workers to take chunks
-
-    try:
-        torch.set_num_threads(3)
-        states = _map_chunks(run, object, range(40), workers=2)
-        assert torch.get_num_threads() == 3  # the caller's own count is back
-    finally:
-        torch.set_num_threads(saved)
-    assert len(ran) == 40 and len(states) == 2
-    assert {threads for _, threads in ran} == {1}
-    assert {on_caller for on_caller, _ in ran} == {True, False}
-
-
-def test_a_failing_chunk_stops_every_worker() -> None:
-    ran: list[int] = []
-
-    def run(start: int, state: object) -> None:
-        if start == 3:
-            raise RuntimeError("chunk 3")
-        ran.append(start)
-        time.sleep(0.002)
-
-    with pytest.raises(RuntimeError, match="chunk 3"):
-        _map_chunks(run, object, range(1000), workers=2)
-    assert len(ran) < 10  # the other worker took at most the chunk it held
-
-
-def test_pool_threads_leave_the_process_default_alone() -> None:
-    """A thread started after a merge gets torch's default, not the pool threads' single thread."""
-    base, finetunes, _ = designed_group(2, shape=(4 * CHUNK_ELEMENTS,))
-    saved = torch.get_num_threads()
-    merge_tensors(base, finetunes, EPSILON, workers=2)
-    count_overlaps(base, finetunes, EPSILON, workers=2)
-    assert torch.get_num_threads() == saved
-    later: list[int] = []
-    thread = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
-    thread.start()
-    thread.join()
-    assert later == [saved]
+        assert merge_tensors(leaves[0], leaves[1:], EPSILON, lambdas).merged.grad_fn is None
 
 
 # --- The shared region's rules: "ties" (ram_ties) and "base" (ram_unique) -------------------------
-
-BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32, torch.float64: torch.int64}
-
-
-def same_bits(ours: torch.Tensor, expected: torch.Tensor) -> bool:
-    """The same dtype, shape and bytes (0.0 and -0.0 differ here)."""
-    return ours.dtype == expected.dtype and torch.equal(ours.view(BITS[ours.dtype]), expected.view(BITS[ours.dtype]))
 
 
 def hand_group() -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -545,13 +457,13 @@ HAND_TIES = {
 def test_ties_by_hand(density: float) -> None:
     """Trimming with equal magnitudes at the threshold, an elected sign, a sign tie, all trimmed, lambdas."""
     base, finetunes = hand_group()
-    result = merge_tensors(base, finetunes, EPSILON, HAND_LAMBDAS, workers=1, shared="ties", density=density)
+    result = merge_tensors(base, finetunes, EPSILON, HAND_LAMBDAS, shared="ties", density=density)
     expected = base + torch.tensor(HAND_TIES[density])  # 2 / 3 rounded once to float32, then added
     assert same_bits(result.merged, expected)
     assert result.merged[7] == base[7] and result.merged[0] == base[0]  # a sign tie, and no change, keep the base
     assert same_bits(result.merged, reference.ties_merge(base, finetunes, EPSILON, density, HAND_LAMBDAS))
     many_chunks = merge_tensors(
-        base, finetunes, EPSILON, HAND_LAMBDAS, workers=2, shared="ties", density=density, chunk_elements=2
+        base, finetunes, EPSILON, HAND_LAMBDAS, shared="ties", density=density, chunk_elements=2
     )
     assert same_bits(many_chunks.merged, expected)
 
@@ -560,7 +472,7 @@ def test_unique_by_hand() -> None:
     """ram_unique: the scaled unique updates (scale 0 keeps the base), the base at every shared position."""
     base, finetunes = hand_group()
     for scales, unique in (([1.5, 1.0, 2.0], [3.0, -1.0]), ([0.0, 1 / 3, 1.0], [0.0, -0.5]), (None, [2.0, -0.5])):
-        result = merge_tensors(base, finetunes, EPSILON, scales, workers=1, shared="base").merged
+        result = merge_tensors(base, finetunes, EPSILON, scales, shared="base").merged
         expected = base.clone()
         expected[1:3] += torch.tensor(unique)
         assert same_bits(result, expected)
@@ -568,16 +480,17 @@ def test_unique_by_hand() -> None:
 
 
 def test_ties_gradients_by_hand() -> None:
-    """d merged / d theta_t: 1 / n where t's kept entry agrees with the elected sign, lambda_t where only t changed."""
+    """d merged / d theta_t: 1 / n where t's kept entry agrees with the elected sign, lambda_t where only t changed;
+    d merged / d theta_pre: 1 minus their sum."""
     base, finetunes = hand_group()
     leaves = [tensor.clone().requires_grad_(True) for tensor in (base, *finetunes)]
-    result = merge_tensors(leaves[0], leaves[1:], EPSILON, HAND_LAMBDAS, workers=1, shared="ties", density=0.5)
+    result = merge_tensors(leaves[0], leaves[1:], EPSILON, HAND_LAMBDAS, shared="ties", density=0.5)
     result.merged.sum().backward()
     third = (torch.tensor(1.0) / 3).item()
     assert leaves[1].grad.tolist() == [0.0, 1.5, 0.0, 0.0, third, 0.5, 1.0, 0.0, 0.0]
     assert leaves[2].grad.tolist() == [0.0, 0.0, 0.0, 1.0, third, 0.5, 0.0, 0.0, 0.0]
     assert leaves[3].grad.tolist() == [0.0, 0.0, 2.0, 0.0, third, 0.0, 0.0, 0.0, 0.0]
-    assert leaves[0].grad.tolist() == [1.0, -0.5, -1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 1.0]  # 1 - the sum, exactly
+    assert leaves[0].grad.tolist() == pytest.approx([1.0, -0.5, -1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 1.0], abs=2.5e-7)
 
 
 def kth_magnitudes(base: torch.Tensor, finetunes: list[torch.Tensor], density: float) -> list[float]:
@@ -593,7 +506,7 @@ def kth_magnitudes(base: torch.Tensor, finetunes: list[torch.Tensor], density: f
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("density", [0.1, 0.5, 1e-4, 0.9])
 def test_ties_thresholds_are_kthvalue_bit_for_bit(dtype: torch.dtype, density: float) -> None:
-    """The radix select over many chunks on two workers gives torch.kthvalue's magnitude exactly.
+    """The radix select over many chunks gives torch.kthvalue's magnitude exactly.
 
     Four models each changing 80% of 3000 elements, by changes of different sizes, the others
     by noise under epsilon (float32, float64); the bfloat16 ones repeat magnitudes a lot, so
@@ -611,8 +524,25 @@ def test_ties_thresholds_are_kthvalue_bit_for_bit(dtype: torch.dtype, density: f
     above_epsilon = torch.nextafter(torch.tensor(EPSILON, dtype=arithmetic), torch.tensor(1.0, dtype=arithmetic))
     expected = [max(kth, above_epsilon.item()) for kth in kth_magnitudes(base, finetunes, density)]
     assert len(set(expected)) == (1 if density == 0.9 else 4)  # one threshold per model, or epsilon's
-    assert _kept_from(base, finetunes, EPSILON, density, 333, 2) == tuple(expected)
-    assert _kept_from(base, finetunes, EPSILON, 1.0, 333, 2) == (above_epsilon.item(),) * 4  # k == 0
+    assert _ties_thresholds(base, finetunes, EPSILON, density, arithmetic, 333) == tuple(expected)
+    assert _ties_thresholds(base, finetunes, EPSILON, 1.0, arithmetic, 333) == (above_epsilon.item(),) * 4  # k == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_ties_passes(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Radix passes over the chunks: 16 bits each (2 in float32, 4 in float64), none when k == 0, one when P == 0."""
+    calls: list[int] = []
+    digit_tables = kernel._digit_tables
+    monkeypatch.setattr(kernel, "_digit_tables", lambda *args: calls.append(args[5]) or digit_tables(*args))
+    base, finetunes, _ = designed_group(3, shape=(10, 10), dtype=dtype)
+    for density, finetunes_, shifts in (
+        (0.1, finetunes, {torch.float32: [16, 0], torch.float64: [48, 32, 16, 0]}[dtype]),
+        (1.0, finetunes, []),
+        (0.1, [finetunes[0], base], [16 if dtype == torch.float32 else 48]),
+    ):
+        calls.clear()
+        merge_tensors(base, finetunes_, EPSILON, shared="ties", density=density, chunk_elements=50)
+        assert calls == shifts
 
 
 RULE_CASES = {
@@ -626,15 +556,13 @@ RULE_CASES = {
 @pytest.mark.parametrize("n", [2, 3, 5])
 @pytest.mark.parametrize("rule", RULE_CASES)
 def test_rules_equal_the_reference_bit_for_bit(dtype: torch.dtype, n: int, rule: str) -> None:
-    """Every density (tiny, 0.1, 0.5, 1: no trimming), with lambdas, one chunk or many, one or two workers."""
+    """Every density (tiny, 0.1, 0.5, 1: no trimming), with lambdas, one chunk or many."""
     base, finetunes, _ = designed_group(n, shape=(50, 41), dtype=dtype, seed=n)
     lambdas = [[1.0, 0.0, 1 / 3, 1.2, 0.9][index] for index in range(n)]
     for density in (1e-3, 0.1, 0.5, 1.0):
         expected = RULE_CASES[rule](base, finetunes, lambdas, density).to(dtype)
-        whole = merge_tensors(base, finetunes, EPSILON, lambdas, workers=1, shared=rule, density=density)
-        chunked = merge_tensors(
-            base, finetunes, EPSILON, lambdas, workers=2, shared=rule, density=density, chunk_elements=97
-        )
+        whole = merge_tensors(base, finetunes, EPSILON, lambdas, shared=rule, density=density)
+        chunked = merge_tensors(base, finetunes, EPSILON, lambdas, shared=rule, density=density, chunk_elements=97)
         assert same_bits(whole.merged, expected), (density, int((whole.merged != expected).sum()))
         assert same_bits(chunked.merged, expected)
         if rule != "ties":
@@ -647,8 +575,8 @@ def test_ties_without_shared_positions_is_the_unique_rule() -> None:
     first, second = base.clone(), base.clone()
     first[:4] += 0.25
     second[6:8] -= 0.5
-    ties = merge_tensors(base, [first, second], EPSILON, [2.0, 3.0], workers=1, shared="ties", density=0.1)
-    unique = merge_tensors(base, [first, second], EPSILON, [2.0, 3.0], workers=1, shared="base")
+    ties = merge_tensors(base, [first, second], EPSILON, [2.0, 3.0], shared="ties", density=0.1)
+    unique = merge_tensors(base, [first, second], EPSILON, [2.0, 3.0], shared="base")
     expected = base.clone()
     expected[:4] += 0.5
     expected[6:8] -= 1.5
@@ -658,154 +586,34 @@ def test_ties_without_shared_positions_is_the_unique_rule() -> None:
 
 def test_histograms_are_the_same_for_every_rule() -> None:
     base, finetunes, _ = designed_group(3, shape=(1000, 7), dtype=torch.bfloat16)
-    expected = count_overlaps(base, finetunes, EPSILON, workers=1).histograms
-    assert [list(row) for row in expected] == reference.counts(base, finetunes, EPSILON).histograms
+    expected = reference_histograms(base, finetunes)
     for rule in RULE_CASES:
-        for workers, chunk in ((1, CHUNK_ELEMENTS), (2, 499)):
+        for chunk in (CHUNK_ELEMENTS, 499):
             result = merge_tensors(
-                base,
-                finetunes,
-                EPSILON,
-                [1.2, 0.5, 1.0],
-                workers=workers,
-                count=True,
-                shared=rule,
-                chunk_elements=chunk,
+                base, finetunes, EPSILON, [1.2, 0.5, 1.0], count=True, shared=rule, chunk_elements=chunk
             )
-            plain = merge_tensors(base, finetunes, EPSILON, [1.2, 0.5, 1.0], workers=1, shared=rule)
+            plain = merge_tensors(base, finetunes, EPSILON, [1.2, 0.5, 1.0], shared=rule)
             assert result.histograms == expected
             assert same_bits(result.merged, plain.merged)
 
 
 @pytest.mark.parametrize("rule", RULE_CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rule_gradients_equal_the_reference(rule: str, dtype: torch.dtype) -> None:
-    """Chunked gradients on two workers: the fine-tunes' exactly the reference's, the base's 1 - their sum."""
+@pytest.mark.parametrize("lambdas", [None, [1.2, 0.0, 1 / 3]])
+def test_rule_gradients_equal_the_reference(rule: str, dtype: torch.dtype, lambdas: Optional[list[float]]) -> None:
+    """The fine-tunes' gradients exactly the reference's, the base's 1 - their sum; the values the chunked ones."""
     base, finetunes, _ = designed_group(3, shape=(300, 7), dtype=dtype)
-    lambdas = [1.2, 0.0, 1 / 3]
     leaves = [tensor.clone().requires_grad_(True) for tensor in (base, *finetunes)]
-    result = merge_tensors(
-        leaves[0], leaves[1:], EPSILON, lambdas, workers=2, shared=rule, density=0.3, chunk_elements=500
-    )
+    result = merge_tensors(leaves[0], leaves[1:], EPSILON, lambdas, shared=rule, density=0.3)
     assert result.merged.grad_fn is not None
-    plain = merge_tensors(base, finetunes, EPSILON, lambdas, workers=1, shared=rule, density=0.3)
+    plain = merge_tensors(base, finetunes, EPSILON, lambdas, shared=rule, density=0.3, chunk_elements=500)
     assert same_bits(result.merged.detach(), plain.merged)
     weights = torch.randn(base.shape, generator=torch.Generator().manual_seed(1))
     (result.merged.float() * weights).sum().backward()
     references = [tensor.clone().requires_grad_(True) for tensor in (base, *finetunes)]
-    (RULE_CASES[rule](references[0], references[1:], lambdas, 0.3).to(dtype).float() * weights).sum().backward()
+    (
+        RULE_CASES[rule](references[0], references[1:], lambdas or [1.0] * 3, 0.3).to(dtype).float() * weights
+    ).sum().backward()
     for ours, theirs in zip(leaves[1:], references[1:]):
         assert torch.equal(ours.grad, theirs.grad)  # equal values; a zero's sign may differ
     torch.testing.assert_close(leaves[0].grad.float(), references[0].grad.float(), rtol=0, atol=2.5e-7)
-
-
-def test_rule_errors_name_the_input_or_the_overflow() -> None:
-    """A NaN input is named under every rule; an overflow is an error where it reaches the result.
-
-    The unique rule's shared region keeps the base: the sum of the updates there may overflow.
-    """
-    base, finetunes, _ = designed_group(3)
-    finetunes = [base + 0.01, finetunes[1].clone(), base - 0.01]
-    finetunes[1][5, 5] = math.nan  # where the other two changed the base: a shared position
-    for rule, density in (("ties", 0.1), ("ties", 1.0), ("base", 0.1)):
-        with pytest.raises(NonFiniteInputError) as error:
-            merge_tensors(base, finetunes, EPSILON, workers=1, shared=rule, density=density)
-        assert error.value.index == 1
-    big = 3.0e38
-    base = torch.zeros(4)
-    overflowing = [torch.tensor([big, big, 0.0, 5.0]), torch.tensor([big, 0.0, 0.0, 0.0])]  # shared 0; unique 1, 3
-    unique = merge_tensors(base, overflowing, EPSILON, workers=1, shared="base").merged
-    assert unique.tolist() == [0.0, torch.tensor(big).item(), 0.0, 5.0]
-    for density in (0.1, 1.0):
-        with pytest.raises(MergeOverflowError) as error:
-            merge_tensors(base, overflowing, EPSILON, workers=1, shared="ties", density=density)
-        assert (error.value.cause, error.value.dtype) == ("sum", torch.float32)
-    assert same_bits(merge_tensors(base, overflowing, EPSILON, [1.0, 1e38], workers=1, shared="base").merged, unique)
-    with pytest.raises(MergeOverflowError) as error:  # 1e38 * 5 where only model 0 changed
-        merge_tensors(base, overflowing, EPSILON, [1e38, 1.0], workers=1, shared="base")
-    assert (error.value.cause, error.value.index) == ("lambda", 0)
-    apart = [torch.tensor([3e38, 0.0]), torch.tensor([0.0, 0.0])]
-    with pytest.raises(MergeOverflowError) as error:  # tau = 3e38 - (-3e38) overflows before any trimming
-        merge_tensors(torch.tensor([-3e38, 0.0]), apart, EPSILON, workers=1, shared="ties", density=0.5)
-    assert (error.value.cause, error.value.index) == ("update", 0)
-
-
-RULES = [("mean", 1.0), ("ties", 0.5), ("ties", 1.0), ("base", 1.0)]
-
-
-@pytest.mark.parametrize(("rule", "density"), RULES)
-@pytest.mark.parametrize("lam", [1.0, 1.2])
-def test_an_overflowing_update_is_named_under_every_rule(rule: SharedRule, density: float, lam: float) -> None:
-    """theta_t - theta_pre beyond float32 from finite inputs: that model's update is the cause, whatever
-    the lambdas (not lambda times the update), also for ties with a trim (whose radix select broke on
-    it); the float64 merge it points to is finite. Model 0's update overflows where model 2 also changed
-    the base (shared: the unique rule keeps the base there, no error), model 1's where it alone did."""
-    base = torch.tensor([-3e38, -3e38, 1.0, 2.0])
-    finetunes = [
-        torch.tensor([3e38, -3e38, 1.0, 2.5]),
-        torch.tensor([-3e38, 3e38, 1.0, 2.0]),
-        torch.tensor([1.0, -3e38, 0.0, 2.0]),
-    ]
-    with pytest.raises(MergeOverflowError) as error:
-        merge_tensors(base, finetunes, EPSILON, [lam] * 3, workers=1, shared=rule, density=density, count=True)
-    expected = ("update", 1 if rule == "base" else 0, torch.float32)
-    assert (error.value.cause, error.value.index, error.value.dtype) == expected
-    wide = merge_tensors(base.double(), [f.double() for f in finetunes], EPSILON, [lam] * 3, workers=1, shared=rule)
-    assert torch.isfinite(wide.merged).all()
-    assert wide.merged[1].item() == pytest.approx(-3e38 + lam * 6e38)  # model 1 alone, scaled
-
-
-@pytest.mark.parametrize(("rule", "density"), RULES)
-def test_a_lambda_is_named_only_where_it_is_the_cause(rule: SharedRule, density: float) -> None:
-    """An update that fits, whose base + lambda * update does not: that model's lambda (lambda 1 gives the
-    model's own value, which fits). A lambda of 1 or less never is: there the merged update is the cause."""
-    base = torch.tensor([2e38, 0.0, 1.0])
-    finetunes = [torch.tensor([3.3e38, 0.0, 1.0]), torch.tensor([2e38, 0.0, 1.5])]  # model 0 alone changed [0]
-    with pytest.raises(MergeOverflowError) as error:
-        merge_tensors(base, finetunes, EPSILON, [1.2, 1.0], workers=1, shared=rule, density=density)
-    assert (error.value.cause, error.value.index) == ("lambda", 0)
-    fits = merge_tensors(base, finetunes, EPSILON, [1.0, 1.2], workers=1, shared=rule, density=density)
-    assert fits.merged.tolist()[0] == torch.tensor(3.3e38).item()
-    if rule != "base":  # both changed [0] by 3e38: their mean fits, their sum does not
-        shared = [torch.tensor([3e38, 0.0, 1.0]), torch.tensor([3e38, 0.0, 1.5])]
-        with pytest.raises(MergeOverflowError) as error:
-            merge_tensors(torch.zeros(3), shared, EPSILON, [0.5, 1.0], workers=1, shared=rule, density=density)
-        assert (error.value.cause, error.value.index) == ("sum", None)
-
-
-def test_bad_rules_are_refused() -> None:
-    base, finetunes, _ = designed_group(2)
-    for density in (0.0, 1.5, -0.1, math.nan):
-        with pytest.raises(ValueError, match=r"density must be in \(0, 1\]"):
-            merge_tensors(base, finetunes, EPSILON, workers=1, shared="ties", density=density)
-    with pytest.raises(ValueError, match="shared must be one of mean, ties, base, got 'median'"):
-        merge_tensors(base, finetunes, EPSILON, workers=1, shared="median")  # type: ignore[arg-type]
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_ties_passes(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Radix passes over the chunks: 16 bits each (2 in float32, 4 in float64), none when k == 0, one when P == 0."""
-    calls: list[int] = []
-    run_chunk = kernel._RadixScratch.run_chunk
-    monkeypatch.setattr(
-        kernel._RadixScratch, "run_chunk", lambda *args, **kw: calls.append(kw["shift"]) or run_chunk(*args, **kw)
-    )
-    base, finetunes, _ = designed_group(3, shape=(10, 10), dtype=dtype)
-    for density, finetunes_, shifts in (
-        (0.1, finetunes, {torch.float32: [16, 16, 0, 0], torch.float64: [48, 48, 32, 32, 16, 16, 0, 0]}[dtype]),
-        (1.0, finetunes, []),
-        (0.1, [finetunes[0], base], [16 if dtype == torch.float32 else 48] * 2),
-    ):
-        calls.clear()
-        merge_tensors(base, finetunes_, EPSILON, workers=1, shared="ties", density=density, chunk_elements=50)
-        assert calls == shifts
-
-
-def test_finite_sums_far_apart_are_no_overflow() -> None:
-    """Shared mean -1e38 beside a scaled sum of 2.7e38 (their difference overflows): blended exactly, no error."""
-    base = torch.zeros(2)
-    finetunes = [torch.tensor([3e38, 1.0]), torch.tensor([-3e38, 0.0]), torch.tensor([-3e38, 0.0])]
-    lambdas = [1.1, 0.1, 0.1]
-    result = merge_tensors(base, finetunes, EPSILON, lambdas, workers=1).merged
-    assert same_bits(result, reference.merge(base, finetunes, EPSILON, lambdas))
-    assert result.tolist() == [(torch.tensor(-3e38) / 3).item(), torch.tensor(1.1).item()]

@@ -53,13 +53,13 @@ def make_updates(generator: torch.Generator, base: torch.Tensor) -> dict[str, to
 
 def active_mask(base: torch.Tensor, finetune: torch.Tensor, epsilon: float) -> torch.Tensor:
     """The kernel's own mask, recovered as ``merged != base`` (a unit update, lambda 1)."""
-    merged = merge_tensors(base.float(), [finetune.float()], epsilon, workers=torch.get_num_threads()).merged
+    merged = merge_tensors(base.float(), [finetune.float()], epsilon).merged
     return merged != base.float()
 
 
 def density(base: torch.Tensor, finetune: torch.Tensor, epsilon: float) -> float:
     """Share of elements the kernel counts as changed (its histogram, as in the pre-pass)."""
-    histograms = count_overlaps(base, [finetune], epsilon, workers=torch.get_num_threads()).histograms
+    histograms = count_overlaps(base, [finetune], epsilon).histograms
     return histograms[0][0] / base.numel()
 
 

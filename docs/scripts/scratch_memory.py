@@ -3,7 +3,7 @@
     python docs/scripts/scratch_memory.py
 
 Backs the memory row of docs/method.md. Same measurement as
-``tests/test_kernel.py::test_scratch_memory_is_bounded_and_independent_of_n``
+``tests/test_kernel.py::test_scratch_memory_is_bounded_by_the_chunk``
 (``benchmarks.memory.peak_allocated_bytes``): the torch profiler records every CPU
 allocation and free while one group is merged; the peak of the
 running sum, minus the bytes of the returned tensor, is the scratch. Inputs are allocated
@@ -12,8 +12,7 @@ before profiling, so they are not counted.
 The built-in kernels are called as mergekit calls them for one group (``merge_group`` on a
 ``TensorGroup``), whatever is registered under their names; ours is
 ``mergekit_ram.kernel.merge_tensors`` as the merge runs it (merge only, no counting; with
-counting, as in ``ram`` merges, its buffers grow by 6 bytes per chunk element), with one
-worker so the profiler sees its buffers.
+counting, as in ``ram`` merges, its buffers grow by 8 bytes per chunk element and model).
 """
 
 from __future__ import annotations
@@ -55,7 +54,7 @@ def measure(numel: int, n: int, dtype: torch.dtype) -> dict[str, tuple[int, torc
     runs = {
         "mergekit ram (built-in)": lambda: builtin_ram.merge_group(group, epsilon=EPSILON),
         "mergekit ramplus_tl": lambda: builtin_ramplus_tl.merge_group(group, r=0.1, alpha=0.2, epsilon=EPSILON),
-        "mergekit-ram ram_plus": lambda: merge_tensors(base, finetunes, EPSILON, lambdas, workers=1).merged,
+        "mergekit-ram ram_plus": lambda: merge_tensors(base, finetunes, EPSILON, lambdas).merged,
     }
     results = {}
     for name, run in runs.items():

@@ -38,7 +38,7 @@ def main() -> None:
     base = torch.tensor(BASE, dtype=torch.float32)
     finetunes = [base + torch.tensor(tau, dtype=torch.float32) for tau in TASK_VECTORS]
 
-    counted = count_overlaps(base, finetunes, EPSILON, workers=1)  # eight elements: one chunk
+    counted = count_overlaps(base, finetunes, EPSILON)  # eight elements: one chunk
     masks = [((finetune - base).abs() > EPSILON).int().tolist() for finetune in finetunes]
     counts = [sum(column) for column in zip(*masks)]
     print("mask", *(f"{name}={mask}" for name, mask in zip(NAMES, masks)))
@@ -59,7 +59,7 @@ def main() -> None:
         )
 
     for label, values in (("ram", None), ("clip", lambdas["clip"]), ("soft", lambdas["soft"])):
-        merged = merge_tensors(base, finetunes, EPSILON, values, workers=1).merged
+        merged = merge_tensors(base, finetunes, EPSILON, values).merged
         tau = (merged - base).tolist()
         assert all(math.isclose(a, b, abs_tol=1e-7) for a, b in zip(tau, EXPECTED_TAU[label])), (label, tau)
         print(f"tau_merged ({label}):", [round(value, 6) for value in tau])

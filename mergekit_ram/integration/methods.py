@@ -206,7 +206,8 @@ def non_finite_error(
 
 
 def overflow_error(method: str, name: Optional[str], dtype: torch.dtype, arithmetic: torch.dtype) -> ParameterError:
-    """Finite inputs, a merged value that does not fit ``dtype``: a wider arithmetic, or a wider output dtype."""
+    """Finite inputs, a NaN or Inf result: a wider out_dtype where only the rounding to it overflowed (``dtype``
+    is then the output's, not the ``arithmetic`` dtype), else float64 arithmetic."""
     where = str(dtype).removeprefix("torch.")
     if dtype != arithmetic:
         return ParameterError(
@@ -214,6 +215,6 @@ def overflow_error(method: str, name: Optional[str], dtype: torch.dtype, arithme
             "choose a wider out_dtype"
         )
     return ParameterError(
-        f"{method}: tensor {name}: the merged values overflow {where} (an update, lambda times an update, or "
-        "their sum); merge with `dtype: float64` (arithmetic is then float64), or lower r or the pinned lambdas"
+        f"{method}: tensor {name}: the merged values overflow {where}; merge with `dtype: float64` (arithmetic is "
+        "then float64)"
     )
