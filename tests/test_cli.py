@@ -110,6 +110,9 @@ def test_every_error_a_user_can_meet_is_a_ram_error() -> None:
 
     classes = {cls.__name__: cls for cls in (InputError, ParameterError, MergekitMovedError, OutputBusyError)}
     classes["OutputFolderError"] = OutputFolderError
+    from mergekit_ram.bounded_yaml import UnreadableYaml
+
+    classes["UnreadableYaml"] = classes["bounded_yaml.UnreadableYaml"] = UnreadableYaml
     classes |= {name: getattr(errors, name) for name in dir(errors) if name.endswith("Error")}
     # ``raise make_error(...)``: functions that build an error; their return annotation must be a RamError
     factories = {

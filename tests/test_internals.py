@@ -85,7 +85,8 @@ def _mergekit_names(tree: ast.AST) -> list[tuple[str, str, int]]:
         if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "mergekit":
             found += [(f"import {node.module}", alias.name, node.lineno) for alias in node.names]
         elif isinstance(node, ast.Import):
-            found += [("import", alias.name, node.lineno) for alias in node.names if alias.name.startswith("mergekit")]
+            mergekit = [alias for alias in node.names if alias.name.split(".")[0] == "mergekit"]
+            found += [("import", alias.name, node.lineno) for alias in mergekit]
         elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "internal":
             literal = [a.value for a in node.args[:2] if isinstance(a, ast.Constant) and isinstance(a.value, str)]
             found.append((*(literal if len(literal) == 2 else ("", "")), node.lineno))

@@ -54,24 +54,26 @@ def merge_state_dicts(
         for index, name in enumerate(merged_names)
     ]
     rule = merge_rule(method, resolved, whole_merge_defaults(method))
-    session = Session(out_dtype=out_dtype, counting=not rule.needs_counts(map(str, finetunes)))
-    if not session.counting:
-        counts = [
-            count_tensors(
-                name,
-                (base, states[base][name]),
-                [(model, states[model][name]) for model in finetunes],
-                tensor.shared["epsilon"],
-                dtype,
-            )
-            for name, tensor in zip(merged_names, resolved)
-        ]
-        statistics = rule.statistics(counts, "pre-pass")
+    needs_counts = rule.needs_counts(map(str, finetunes))
+    # Counted first, in memory: the inputs as given name a cast's harm (``non_finite_error``), and the lambdas
+    # that need the global rho are then pinned for mergekit's own call.
+    counts = [
+        count_tensors(
+            name,
+            (base, states[base][name]),
+            [(model, states[model][name]) for model in finetunes],
+            tensor.shared["epsilon"],
+            dtype,
+        )
+        for name, tensor in zip(merged_names, resolved)
+    ]
+    statistics = rule.statistics(counts, "pre-pass" if needs_counts else "merge")
+    if needs_counts:
         applied = rule.applied([str(model) for model in finetunes], statistics)
         supplied["lambda"] = {model: applied[str(model)].lambda_ for model in finetunes}
     merged = mergekit_merge_state_dicts(
         models,
-        declared(Kernels(session))[method],  # this call's own methods, bound to its session
+        declared(Kernels(Session(out_dtype=out_dtype)))[method],  # this call's own methods, its output dtype
         parameters=supplied,
         base=base,
         strict=strict,
@@ -79,8 +81,6 @@ def merge_state_dicts(
         out_dtype=out_dtype,
         batch_options=batch_options,
     )
-    if session.counting:
-        statistics = rule.statistics(session.counts, "merge")
     return merged, statistics
 
 
