@@ -8,6 +8,7 @@ they drift (``UPDATE_RELIABILITY_DOC=1`` rewrites the doc's table from the cases
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import logging
@@ -37,6 +38,8 @@ from tests.conftest import (
     command_refusal,
     load_statistics,
     merge_in_process,
+    mergekit_alone,
+    run_process,
     run_script,
     script,
     write_recipe,
@@ -591,6 +594,7 @@ def _files(folder: str) -> dict[str, bytes]:
     return found
 
 
+@pytest.mark.process
 def test_the_folder_is_byte_identical_whatever_the_hash_seed(bf16_models: ModelSet, tmp_path) -> None:
     """One recipe of six fine-tunes merged by mergekit-yaml under another PYTHONHASHSEED than this
     process's, and in this process: every file equal, the card included (mergekit lists the models in
@@ -602,7 +606,9 @@ def test_the_folder_is_byte_identical_whatever_the_hash_seed(bf16_models: ModelS
     )
     seed = os.environ.get("PYTHONHASHSEED", "")
     other = str(int(seed) + 1) if seed.isdigit() else "0"  # this process's is random unless the variable is set
-    run_script("mergekit-yaml", recipe, str(tmp_path / "a" / "out"), "--quiet", env={"PYTHONHASHSEED": other})
+    out = str(tmp_path / "a" / "out")  # the hash seed is the interpreter's, taken at its start
+    completed = run_process([script("mergekit-yaml"), recipe, out, "--quiet"], {"PYTHONHASHSEED": other})
+    assert completed.returncode == 0, completed.stderr[-3000:]
     merge_in_process(recipe, str(tmp_path / "b" / "out"))
     first, second = _files(str(tmp_path / "a" / "out")), _files(str(tmp_path / "b" / "out"))
     assert sorted(first) == sorted(second) and "README.md" in first
@@ -619,7 +625,7 @@ OTHER_METHODS = {
 @pytest.fixture(scope="module")
 def other_methods(bf16_models: ModelSet, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """Each method of OTHER_METHODS merged by mergekit-multi as a stage of one file, with the plugin
-    and without it (MERGEKIT_RAM_AUTOLOAD=0): {"on": stages folder, "off": stages folder}."""
+    and as mergekit alone: {"on": stages folder, "off": stages folder}."""
     root = tmp_path_factory.mktemp("other-methods")
     stages = []
     for method, parameters in OTHER_METHODS.items():
@@ -632,9 +638,10 @@ def other_methods(bf16_models: ModelSet, tmp_path_factory: pytest.TempPathFactor
     with open(config, "w", encoding="utf-8") as handle:
         yaml.safe_dump_all(stages, handle, sort_keys=False)
     folders = {}
-    for name, env in (("on", {}), ("off", {"MERGEKIT_RAM_AUTOLOAD": "0"})):
+    for name, alone in (("on", False), ("off", True)):
         folders[name] = str(root / name)
-        run_script("mergekit-multi", config, "--intermediate-dir", folders[name], env=env)
+        with mergekit_alone() if alone else contextlib.nullcontext():
+            run_script("mergekit-multi", config, "--intermediate-dir", folders[name])
     return folders
 
 
