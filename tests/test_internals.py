@@ -17,9 +17,10 @@ import torch
 from mergekit.merge_methods import merge_tensors
 
 from mergekit_ram._autoload import HOOKS
-from mergekit_ram.errors import MergekitMovedError
+from mergekit_ram.errors import MergekitMovedError, ResourceError
 from mergekit_ram.integration import internals
 from mergekit_ram.integration.internals import INTERNALS, internal, version_refusal
+from mergekit_ram.integration import methods
 from mergekit_ram.integration.methods import Kernels, declared
 
 PACKAGE = Path(__file__).resolve().parents[1] / "mergekit_ram"
@@ -129,3 +130,26 @@ def test_the_touch_points_stay_few() -> None:
                     f"{path.name}:{node.name}({base})" for base in bases if "Merge" in base or "Task" in base
                 ]
     assert subclasses == []
+
+
+def test_a_merge_binds_the_methods_for_its_length_only(bf16_models, tmp_path) -> None:
+    """The seam binds the registry's methods to the merge's session (the counts of a merge without a pre-pass,
+    the output dtype) and gives the registered ones back after it, whether it published or failed."""
+    from mergekit_ram.integration.registration import ours
+    from tests.conftest import load_statistics, merge_in_process
+
+    registered = {name: ours(name) for name in ("ram", "ram_plus", "ram_ties", "ram_unique")}
+    assert all(kernels is not None and kernels.session is None for kernels in registered.values())
+    out = str(tmp_path / "out")
+    merge_in_process(bf16_models.recipe("ram", out_dtype="float32"), out)
+    assert load_statistics(out)["source"] == "merge"  # counted by the methods as they merged, through the session
+    assert {name: ours(name) for name in registered} == registered
+    with pytest.raises(ResourceError, match="out of memory"), pytest.MonkeyPatch.context() as patch:
+
+        def failing(*args: object, **kwargs: object) -> None:
+            assert ours("ram") is not registered["ram"] and ours("ram").session is not None  # bound meanwhile
+            raise MemoryError
+
+        patch.setattr(methods, "merge_tensors", failing)  # fails inside mergekit's merge
+        merge_in_process(bf16_models.recipe("ram"), str(tmp_path / "failed"))
+    assert {name: ours(name) for name in registered} == registered
