@@ -18,9 +18,8 @@ from mergekit.merge_methods import merge_tensors
 
 from mergekit_ram._autoload import HOOKS
 from mergekit_ram.errors import MergekitMovedError, ResourceError
-from mergekit_ram.integration import internals
+from mergekit_ram.integration import internals, methods
 from mergekit_ram.integration.internals import INTERNALS, internal, version_refusal
-from mergekit_ram.integration import methods
 from mergekit_ram.integration.methods import Kernels, declared
 
 PACKAGE = Path(__file__).resolve().parents[1] / "mergekit_ram"
