@@ -37,13 +37,12 @@ LOCAL_LINE = (
     "name them by their Hub ids."
 )
 #: mergekit's card: its line ``This model was merged using the <method> merge method using <model> as a base.``,
-#: and the recipe it quotes (group 1).
+#: and where it quotes the recipe (group 1: its text and a line end).
 _BASE_LINE = ("This model was merged using the ", " merge method using ", " as a base.")
-_RECIPE_BLOCK = re.compile(
+RECIPE_BLOCK = re.compile(
     r"^The following YAML configuration was used to produce this model:\n\n```yaml\n(.*?)^```$", re.M | re.S
 )
 _BEFORE, _AFTER = r"(?<![^\s(\[|`'\"])", r"(?=[\s)\]|`'\",:;]|$)"  # around a path mentioned in text (not "base.")
-_SHOWN = 5  # local models named in one message at most
 
 
 def parse_hub_id(text: str) -> tuple[str, str]:
@@ -209,16 +208,11 @@ def renamed_mentions(text: str, renames: dict[str, str]) -> str:
     return re.sub(f"{_BEFORE}(?:{paths}){_AFTER}", lambda found: renames[found[0]], text) if renames else text
 
 
-def recipe_block(body: str) -> Optional[re.Match[str]]:
-    """Where mergekit's card quotes the recipe: its group 1 is the recipe's text (and a line end)."""
-    return _RECIPE_BLOCK.search(body)
-
-
 def renamed_body(body: str, renames: dict[str, str], ids: list[str]) -> str:
     """The card's text renamed: the recipe it quotes as the recipe file is (word by word where it does not parse);
     mergekit's base line and model list (sorted again) linking the ids as it links Hub models; other mentions the
     ids; ``LOCAL_LINE`` after the model list (else before the plugin's section, or last)."""
-    block = recipe_block(body)
+    block = RECIPE_BLOCK.search(body)
     start, end = block.span(1) if block is not None else (len(body), len(body))
     try:
         quoted = renamed_recipe(body[start:end], renames)
@@ -270,13 +264,12 @@ def strict_json(text: Optional[str]) -> Any:
     return None
 
 
-def readable_statistics(data: Any) -> bool:
-    """Whether the statistics file's reader (``statistics_from_dict``) takes ``data``."""
-    try:
+def readable_statistics(data: Any) -> Any:
+    """``data`` where the statistics file's reader (``statistics_from_dict``) takes it, else None."""
+    with contextlib.suppress(Exception):  # whatever a stranger's file makes the reader raise: it does not take it
         statistics_from_dict(data)
-    except Exception:  # whatever a stranger's file makes the reader raise: it does not take it
-        return False
-    return True
+        return data
+    return None
 
 
 class Parsed(NamedTuple):
@@ -302,10 +295,10 @@ def parse(texts: dict[str, Optional[str]]) -> Parsed:
     except bounded_yaml.UnreadableYaml as error:
         errors[RECIPE] = str(error)
     data = strict_json(statistics_text)
-    block = recipe_block(card.body) if card is not None else None
+    block = RECIPE_BLOCK.search(card.body) if card is not None else None
     with contextlib.suppress(bounded_yaml.UnreadableYaml):
         quoted = recipe_paths(block[1]) if block is not None else []
-    return Parsed(card, recipe, data if readable_statistics(data) else None, quoted, errors)
+    return Parsed(card, recipe, readable_statistics(data), quoted, errors)
 
 
 def folder_paths(files: Parsed) -> list[list[str]]:
@@ -325,9 +318,9 @@ def renames_for(places: list[list[str]], hub_ids: dict[str, str], out: str) -> d
     paths = all_paths(places)
     renames = {path: hub_ids[resolved(path)] for path in paths if resolved(path) in hub_ids}
     if missing := [path for path in paths if is_local(path) and path not in renames]:
-        more = f" and {len(missing) - _SHOWN} more" if len(missing) > _SHOWN else ""
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""  # five named at most
         raise MergedFolderError(
-            f"{out} names local models without a Hub id: {', '.join(missing[:_SHOWN])}{more}; give each one: --hub-id "
+            f"{out} names local models without a Hub id: {', '.join(missing[:5])}{more}; give each one: --hub-id "
             f"{missing[0]}=ORG/NAME (or a --hub-id-file of them all); nothing was changed"
         )
     named, local = {hub_path(renames.get(path, path)) for path in paths}, [path for path in paths if is_local(path)]
@@ -364,7 +357,7 @@ def prepared_texts(
     renames = renames_for(folder_paths(files), hub_ids, out) if hub_ids else {}
     new = {**texts, RECIPE: renamed_recipe(texts[RECIPE], renames) if texts[RECIPE] is not None else None}
     renamed = renamed_statistics(files.statistics, renames)
-    if files.statistics is not None and not readable_statistics(renamed):
+    if readable_statistics(renamed) is None and files.statistics is not None:
         raise MergedFolderError(f"renaming the models of {out}/{STATISTICS_FILE} breaks it: report it as a bug")
     if renamed != files.statistics:
         new[STATISTICS_FILE] = json.dumps(renamed, indent=2, allow_nan=False) + "\n"  # as the merge writes it

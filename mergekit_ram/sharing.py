@@ -321,7 +321,7 @@ def consistency(recipe: Optional[str], files: hub.Parsed) -> list[Finding]:
     """Whether the card, the recipe and the statistics describe one merge: a write into the folder while a merge
     published (an earlier ``--set-license``) could leave another merge's card beside the new recipe and statistics."""
     found, card, statistics = [], files.card, files.statistics
-    block = hub.recipe_block(card.body) if card is not None else None
+    block = hub.RECIPE_BLOCK.search(card.body) if card is not None else None
     if block is not None and recipe is not None and block[1].strip() != recipe.strip():
         found.append(f"{CARD} quotes another recipe than {RECIPE}: {ANOTHER_MERGE}")
     if card is not None and statistics is not None and "## RAM statistics" in card.body:
