@@ -108,9 +108,6 @@ def names_models(key: Any, value: Any) -> bool:
     return key in REFERENCE_KEYS | PATH_KEYS and isinstance(value, str) and not words
 
 
-# The recipe, the statistics, the card -------------------------------------------------------------------------
-
-
 def references(text: str) -> list[tuple[str, yaml.ScalarNode]]:
     """(key, scalar node) of every model reference of a recipe, at any depth, in the text's order (an alias once)."""
     found: dict[int, tuple[str, yaml.ScalarNode]] = {}
@@ -245,9 +242,6 @@ def _renamed_text(text: str, renames: dict[str, str]) -> str:
         "".join(lines),
     )
     return renamed_mentions(text, renames)
-
-
-# The folder ----------------------------------------------------------------------------------------------------
 
 
 def read_text(folder: int, name: str) -> Optional[str]:
