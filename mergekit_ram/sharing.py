@@ -98,9 +98,8 @@ def check_folder(out: str, accept_warnings: bool = False, changed: Optional[list
         raise MergedFolderError(f"cannot open the folder {out} ({error.strerror or error})") from None
     try:
         names = set(os.listdir(folder))
-        found = (
-            incomplete(names) + weights(folder, names) + config(folder) + tokenizer(folder) + uploaded(folder, names)
-        )
+        found = incomplete(names) + weights(folder, names) + config(folder) + tokenizer(folder)
+        found += uploaded(folder, names)
         read = [
             read_file(folder, name, check) for name, check in zip(hub.NAMING_FILES, ("card", "recipe", "statistics"))
         ]
@@ -249,15 +248,11 @@ def statistics_findings(text: Optional[str], data: Any, accept_warnings: bool) -
     """``data``: the file's object where its reader takes it."""
     if text is None:
         return [Finding("statistics", "no ram_statistics.json: not a merge with mergekit-ram's methods", note=True)]
-    warnings = data.get("warnings") if isinstance(data, dict) else None
-    if (
-        data is None
-        or not isinstance(warnings, (list, type(None)))
-        or not all(isinstance(w, str) for w in warnings or [])
-    ):
+    warnings = data.get("warnings", []) if isinstance(data, dict) else None
+    if not isinstance(warnings, list) or not all(isinstance(warning, str) for warning in warnings):
         return [Finding("statistics", "ram_statistics.json is not the statistics file a merge writes: merge again")]
     hint = "" if accept_warnings else " (--accept-warnings once it is understood)"
-    return [Finding("statistics", f"statistics warning: {w}{hint}", note=accept_warnings) for w in warnings or []]
+    return [Finding("statistics", f"statistics warning: {w}{hint}", note=accept_warnings) for w in warnings]
 
 
 def shown(value: Any) -> str:
