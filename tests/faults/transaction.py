@@ -6,16 +6,18 @@ runs ``mergekit_ram.staging.output_transaction(OUT)`` and writes what mergekit w
 staging folder (shards with mergekit's index, config, tokenizer, card), each file's bytes naming
 GENERATION; ``fail`` raises before publishing; ``user-file`` adds a user's file to OUT while the
 "merge" runs; ``pause`` waits, before writing, until the file named by
-``MERGEKIT_RAM_TEST_RELEASE`` exists (touching ``<it>.waiting`` first); ``plain`` writes the same
-files straight into OUT with no transaction, as a merge with another mergekit method does. Faults
-come from tests/faults/sitecustomize.py on PYTHONPATH. Standard library and mergekit_ram.staging
-only, so a run takes a few tens of milliseconds.
+``MERGEKIT_RAM_TEST_RELEASE`` exists (touching ``<it>.waiting`` first), or, called in a test's
+process, runs ``meanwhile`` there; ``plain`` writes the same files straight into OUT with no
+transaction, as a merge with another mergekit method does. Faults come from
+tests/faults/sitecustomize.py. Standard library and mergekit_ram.staging only, so a run takes a
+few milliseconds.
 """
 
 import json
 import os
 import sys
 import time
+from typing import Callable
 
 from mergekit_ram.staging import output_transaction
 
@@ -40,7 +42,7 @@ def pause() -> None:
         time.sleep(0.02)
 
 
-def main(out: str, generation: str, *flags: str) -> None:
+def main(out: str, generation: str, *flags: str, meanwhile: Callable[[], None] = pause) -> None:
     shards = 2 if generation == "new" else 3
     if "plain" in flags:
         os.makedirs(out, exist_ok=True)
@@ -48,7 +50,7 @@ def main(out: str, generation: str, *flags: str) -> None:
         return
     with output_transaction(out) as staged:
         if "pause" in flags:
-            pause()
+            meanwhile()
         write_merge(staged, generation, shards)
         if "user-file" in flags:
             with open(os.path.join(out, "notes-written-during-the-merge.txt"), "w", encoding="utf-8") as handle:
