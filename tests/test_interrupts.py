@@ -27,9 +27,9 @@ FAULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "faults")
 NOTES = {"notes.txt": b"my notes\n"}
 
 
-def interrupted(command: list[str], fault: str, **extra: str) -> subprocess.CompletedProcess:
+def interrupted(command: list[str], fault: str) -> subprocess.CompletedProcess:
     """``command`` (a console script and its arguments) run with the fault hook and SIGINT at its default."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "MERGEKIT_RAM_TEST_FAULT": fault, **extra}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "MERGEKIT_RAM_TEST_FAULT": fault}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [FAULTS, os.environ.get("PYTHONPATH")]))
     return subprocess.run(
         command,

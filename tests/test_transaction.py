@@ -836,7 +836,7 @@ def _another_users_marker_in_a_sticky_folder_is_refused_first(shared_root: str, 
     Root's completed merge there is refused the same way; a folder of their own files is not."""
     out = _marked(shared_root, "sticky", 0o1777)
     before = snapshot(out)
-    status, error = merged_by_nobody(out, "new", "pause")  # its body would fail: MERGEKIT_RAM_TEST_RELEASE unset
+    status, error = merged_by_nobody(out, "new", "pause")  # its body would fail: nothing to run meanwhile
     assert status == 1 and snapshot(out) == before
     assert error == (
         f"mergekit_ram.staging.OutputFolderError: {os.path.join(out, MARKER_FILE)} is root's (a merge of theirs was "

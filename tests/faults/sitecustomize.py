@@ -7,22 +7,18 @@
   (the file is complete), so a signal lands between two of mergekit's writes;
 - ``fsop:any``: the output transaction's N-th file-system operation (``os.open``, ``mkdir``, ``replace``,
   ``rename``, ``link``, ``unlink``, ``rmdir``, ``fsync`` called from ``mergekit_ram/staging.py``, directly or
-  through ``mergekit_ram/files.py``); ACTION runs after it (``OSError`` instead of it). With
-  ``MERGEKIT_RAM_TEST_COUNT=FILE`` and no fault, the number of such operations is written to FILE
-  at exit, and each (its number, call and first argument) to FILE.trace (``counted`` lists them in
-  this process);
+  through ``mergekit_ram/files.py``); ACTION runs after it (``OSError`` instead of it). ``counted``
+  lists them (each its call and first argument), in this process;
 - ``kernel:prepass`` / ``kernel:merge``: the RAM kernel counting (``count_overlaps``, the pre-pass)
   or merging (``merge_tensors``) a tensor;
 - ``import:MODULE``: the module MODULE starting to import (a Ctrl-C during mergekit's imports);
 - ``stderr:TEXT``: a write of TEXT to the standard error; ACTION runs after it (a Ctrl-C once a line is shown).
 
 ACTION: a signal's name (``SIGINT``, ``SIGHUP``, ``SIGKILL``, ...: sent to this process), ``ENOSPC``
-(raise ``OSError(ENOSPC)`` instead, as a full disk does), ``wait`` (block until the file named by
-``MERGEKIT_RAM_TEST_RELEASE`` exists, touching ``MERGEKIT_RAM_TEST_RELEASE.waiting`` first), or, in this
-process, a function called with no argument (a test pausing the merge there, or copying its folder).
+(raise ``OSError(ENOSPC)`` instead, as a full disk does), or, in this process, a function called with no
+argument (a test running a second merge there, or copying the output folder as a kill there leaves it).
 """
 
-import atexit
 import builtins
 import contextlib
 import errno
@@ -42,12 +38,6 @@ def _act(action):
         return
     if action == "ENOSPC":
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-    if action == "wait":
-        release = os.environ["MERGEKIT_RAM_TEST_RELEASE"]
-        open(release + ".waiting", "w").close()
-        while not os.path.exists(release):
-            time.sleep(0.02)
-        return
     os.kill(os.getpid(), int(action) if action.isdigit() else getattr(signal, action))  # handled at the next bytecode
     if action == "SIGKILL":
         time.sleep(5)
@@ -198,26 +188,11 @@ def counted(thread=None):
 
 
 def install_faults():
-    """The fault or the count that the environment names, at start-up."""
+    """The fault that the environment names, at start-up."""
     spec = os.environ.get("MERGEKIT_RAM_TEST_FAULT")
     if spec:
         where, what, target, action = spec.split(":")
         _install(where, what, int(target), action)
-    elif os.environ.get("MERGEKIT_RAM_TEST_COUNT"):
-        operations = []
-
-        def count(operation):
-            operations.append(operation)
-            return False
-
-        def write_count():
-            with open(os.environ["MERGEKIT_RAM_TEST_COUNT"], "w") as handle:
-                handle.write(str(len(operations)))
-            with open(os.environ["MERGEKIT_RAM_TEST_COUNT"] + ".trace", "w") as handle:
-                handle.writelines(f"{number} {operation}\n" for number, operation in enumerate(operations, 1))
-
-        file_system_calls(count, "none")
-        atexit.register(write_count)
 
 
 if __name__ == "sitecustomize":  # loaded at start-up: not when a test imports it

@@ -5,10 +5,9 @@
 runs ``mergekit_ram.staging.output_transaction(OUT)`` and writes what mergekit writes into its
 staging folder (shards with mergekit's index, config, tokenizer, card), each file's bytes naming
 GENERATION; ``fail`` raises before publishing; ``user-file`` adds a user's file to OUT while the
-"merge" runs; ``pause`` waits, before writing, until the file named by
-``MERGEKIT_RAM_TEST_RELEASE`` exists (touching ``<it>.waiting`` first), or, called in a test's
-process, runs ``meanwhile`` there; ``plain`` writes the same files straight into OUT with no
-transaction, as a merge with another mergekit method does. Faults come from
+"merge" runs; ``pause`` runs ``meanwhile`` (a test's function: ``main`` called in its process)
+before writing, a second merge while this one holds OUT; ``plain`` writes the same files straight
+into OUT with no transaction, as a merge with another mergekit method does. Faults come from
 tests/faults/sitecustomize.py. Standard library and mergekit_ram.staging only, so a run takes a
 few milliseconds.
 """
@@ -16,7 +15,6 @@ few milliseconds.
 import json
 import os
 import sys
-import time
 from typing import Callable
 
 from mergekit_ram.staging import output_transaction
@@ -36,10 +34,7 @@ def write_merge(folder: str, generation: str, shards: int) -> None:
 
 
 def pause() -> None:
-    release = os.environ["MERGEKIT_RAM_TEST_RELEASE"]
-    open(release + ".waiting", "w").close()
-    while not os.path.exists(release):
-        time.sleep(0.02)
+    raise SystemExit("pause: nothing to run meanwhile (call main in a test's process, with meanwhile)")
 
 
 def main(out: str, generation: str, *flags: str, meanwhile: Callable[[], None] = pause) -> None:
