@@ -4,7 +4,9 @@ the merge is published, after its table is shown. Other programs and other metho
 
 Each run is the real console script in a new interpreter (signals and start-up are the subject), sent a real
 SIGINT at a named moment by ``tests/faults/sitecustomize.py`` (its kill of its own process). SIGINT starts at
-its default there, as in a terminal, whatever this test run inherited (a background job ignores it).
+its default there, as in a terminal, whatever this test run inherited (a background job ignores it). The
+merges it is compared with, and the count of the transaction's operations that finds its last rename, run in
+this process (``run_script``), one interpreter a case.
 """
 
 from __future__ import annotations
@@ -17,16 +19,17 @@ import sys
 
 import pytest
 
-from tests.conftest import ModelSet, merge_in_process, script, write_recipe
+from tests.conftest import ModelSet, merge_in_process, run_script, script, write_recipe
+from tests.faults import sitecustomize as faults
 from tests.test_prepass import save_tokenizer
 
 FAULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "faults")
 NOTES = {"notes.txt": b"my notes\n"}
 
 
-def interrupted(command: list[str], fault: str, **extra: str) -> subprocess.CompletedProcess:
+def interrupted(command: list[str], fault: str) -> subprocess.CompletedProcess:
     """``command`` (a console script and its arguments) run with the fault hook and SIGINT at its default."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "MERGEKIT_RAM_TEST_FAULT": fault, **extra}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "MERGEKIT_RAM_TEST_FAULT": fault}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [FAULTS, os.environ.get("PYTHONPATH")]))
     return subprocess.run(
         command,
@@ -106,9 +109,10 @@ def test_ctrl_c_in_a_ram_merge_is_one_line(
     if command == ["mergekit-multi"]:
         recipe = {"name": "agents", **recipe}
     path = write_recipe(str(tmp_path / "r.yml"), recipe)
+    multi = command == ["mergekit-multi"]
     stages = str(tmp_path / "stages")
-    out = os.path.join(stages, "agents") if command == ["mergekit-multi"] else str(tmp_path / "out")
-    output = ["-I", stages, "--no-lazy"] if command == ["mergekit-multi"] else [out]  # --lazy: skip what is there
+    out = os.path.join(stages, "agents") if multi else str(tmp_path / "out")
+    output = ["-I", stages, "--no-lazy"] if multi else [out]  # --lazy: skip what is there
     run = [script(command[0]), *command[1:], path, *output]
     if holds == "untouched":
         one_line(
@@ -117,20 +121,13 @@ def test_ctrl_c_in_a_ram_merge_is_one_line(
         assert not os.path.exists(out)
         return
     before = earlier_merge(models, out)
-    reference = str(tmp_path / "reference" / "out")
+    into = str(tmp_path / "reference")  # the same merge over the same folder, not interrupted, in this process
+    reference = os.path.join(into, "agents" if multi else "out")
     earlier_merge(models, reference)
-    count = str(tmp_path / "count")
-    into_reference = (
-        [*run[:-3], "-I", os.path.dirname(reference), "--no-lazy"] if "-I" in run else [*run[:-1], reference]
-    )
-    if "-I" in run:
-        reference = os.path.join(os.path.dirname(reference), "agents")
-        earlier_merge(models, reference)
-    merged = interrupted(into_reference, "", MERGEKIT_RAM_TEST_COUNT=count)
-    assert merged.returncode == 0, merged.stderr[-3000:]
-    if moment == "published":
-        with open(count + ".trace", encoding="utf-8") as handle:
-            moment = "fsop:any:" + [line.split()[0] for line in handle if line.split()[1] == "rename"][-1]
+    with faults.counted() as made:
+        run_script(command[0], *command[1:], path, *(["-I", into, "--no-lazy"] if multi else [reference]))
+    if moment == "published":  # the transaction's last rename
+        moment = f"fsop:any:{max(number for number, call in enumerate(made, 1) if call.startswith('rename '))}"
     completed = interrupted(run, f"{moment}:SIGINT")
     if holds == "old":
         one_line(completed, f"Interrupted: nothing was published; {out} holds what it held before", out)

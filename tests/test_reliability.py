@@ -15,9 +15,6 @@ import logging
 import os
 import re
 import shutil
-import signal
-import subprocess
-import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -30,8 +27,7 @@ from safetensors.torch import load_file, save_file
 
 from mergekit_ram import cli
 from mergekit_ram.errors import InputError
-from mergekit_ram.staging import LOCK_FILE, MARKER_FILE, PRIVATE_PREFIX
-from mergekit_ram.synthetic import build_agents, build_base, tiny_config
+from mergekit_ram.synthetic import build_base, tiny_config
 from tests.conftest import (
     Merged,
     ModelSet,
@@ -41,7 +37,6 @@ from tests.conftest import (
     mergekit_alone,
     run_process,
     run_script,
-    script,
     write_recipe,
 )
 from tests.test_cli import one_line_error
@@ -513,44 +508,6 @@ def test_degenerate_finetunes_merge_without_nan(bf16_models: ModelSet, tmp_path,
             f"{bf16_models.base} changed no parameter by more than epsilon: is it the base model itself, "
             "or a wrong path?"
         ]
-
-
-@pytest.mark.process
-def test_interrupted_merge_leaves_nothing_that_looks_finished(tmp_path) -> None:
-    """Kill mergekit-yaml while it writes shards: no weights, no config in the output folder."""
-    config = tiny_config("llama", hidden_size=256, intermediate_size=768, num_layers=6, vocab_size=4096)
-    base, agents, _ = build_agents(str(tmp_path / "models"), config, {(0,): 0.1, (1,): 0.1, (0, 1): 0.1}, ["a", "b"])
-    recipe = write_recipe(
-        str(tmp_path / "r.yml"),
-        {"merge_method": "ram_plus", "base_model": base, "models": [{"model": p} for p in agents]},
-    )
-    out = tmp_path / "out"
-    process = subprocess.Popen(
-        [script("mergekit-yaml"), recipe, str(out), "--out-shard-size", "200K"],
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 120
-    staged: list[str] = []
-    while time.monotonic() < deadline and process.poll() is None:
-        staged = glob.glob(str(out / (PRIVATE_PREFIX + "*") / "staged" / "out"))  # the transaction's private folder
-        if staged and len(os.listdir(staged[0])) >= 2:
-            break
-        time.sleep(0.005)
-    assert process.poll() is None, "the merge finished before it could be interrupted"
-    process.send_signal(signal.SIGKILL)
-    process.wait()
-    private = os.path.dirname(os.path.dirname(staged[0]))
-    # nothing but the hidden private folder and the lock file (empty: the next merge takes it over)
-    assert sorted(os.listdir(out)) == sorted([os.path.basename(private), LOCK_FILE])
-    kept = sorted(glob.glob(os.path.join(staged[0], "*.safetensors")))
-    assert kept  # the partial shards are there
-    merge_in_process(recipe, str(out))  # the killed run's lock died with it; its folder is reported, not used
-    left = sorted(os.listdir(out))
-    assert MARKER_FILE not in left and LOCK_FILE not in left and "config.json" in left
-    assert os.path.basename(private) in left
-    assert sorted(glob.glob(os.path.join(staged[0], "*.safetensors"))) == kept
 
 
 def test_same_inputs_give_byte_identical_files(ram_plus_merge: Merged, tmp_path) -> None:

@@ -5,17 +5,17 @@
 runs ``mergekit_ram.staging.output_transaction(OUT)`` and writes what mergekit writes into its
 staging folder (shards with mergekit's index, config, tokenizer, card), each file's bytes naming
 GENERATION; ``fail`` raises before publishing; ``user-file`` adds a user's file to OUT while the
-"merge" runs; ``pause`` waits, before writing, until the file named by
-``MERGEKIT_RAM_TEST_RELEASE`` exists (touching ``<it>.waiting`` first); ``plain`` writes the same
-files straight into OUT with no transaction, as a merge with another mergekit method does. Faults
-come from tests/faults/sitecustomize.py on PYTHONPATH. Standard library and mergekit_ram.staging
-only, so a run takes a few tens of milliseconds.
+"merge" runs; ``pause`` runs ``meanwhile`` (a test's function: ``main`` called in its process)
+before writing, a second merge while this one holds OUT; ``plain`` writes the same files straight
+into OUT with no transaction, as a merge with another mergekit method does. Faults come from
+tests/faults/sitecustomize.py. Standard library and mergekit_ram.staging only, so a run takes a
+few milliseconds.
 """
 
 import json
 import os
 import sys
-import time
+from typing import Callable
 
 from mergekit_ram.staging import output_transaction
 
@@ -34,13 +34,10 @@ def write_merge(folder: str, generation: str, shards: int) -> None:
 
 
 def pause() -> None:
-    release = os.environ["MERGEKIT_RAM_TEST_RELEASE"]
-    open(release + ".waiting", "w").close()
-    while not os.path.exists(release):
-        time.sleep(0.02)
+    raise SystemExit("pause: nothing to run meanwhile (call main in a test's process, with meanwhile)")
 
 
-def main(out: str, generation: str, *flags: str) -> None:
+def main(out: str, generation: str, *flags: str, meanwhile: Callable[[], None] = pause) -> None:
     shards = 2 if generation == "new" else 3
     if "plain" in flags:
         os.makedirs(out, exist_ok=True)
@@ -48,7 +45,7 @@ def main(out: str, generation: str, *flags: str) -> None:
         return
     with output_transaction(out) as staged:
         if "pause" in flags:
-            pause()
+            meanwhile()
         write_merge(staged, generation, shards)
         if "user-file" in flags:
             with open(os.path.join(out, "notes-written-during-the-merge.txt"), "w", encoding="utf-8") as handle:
