@@ -250,6 +250,36 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file's order kept
 
 
+#: The audit events by which Python starts another program (or a copy of this one).
+PROCESS_EVENTS = frozenset(
+    {"subprocess.Popen", "os.fork", "os.forkpty", "os.posix_spawn", "os.spawn", "os.exec", "os.system"}
+)
+
+
+class ProcessAudit:
+    """Refuses a new process in a test without the ``process`` mark, so the marked tests are every test that
+    starts one (``pytest -m process`` runs them alone; at most 20 such functions)."""
+
+    def __init__(self) -> None:
+        self.item: Optional[pytest.Item] = None
+
+    def __call__(self, event: str, args: tuple[Any, ...]) -> None:
+        if event in PROCESS_EVENTS and self.item is not None and self.item.get_closest_marker("process") is None:
+            raise RuntimeError(f"{self.item.nodeid} starts a process ({event}): mark it @pytest.mark.process")
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(self, item: pytest.Item) -> Iterator[None]:
+        self.item = item
+        yield
+        self.item = None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    audit = ProcessAudit()
+    sys.addaudithook(audit)
+    config.pluginmanager.register(audit, "mergekit-ram-process-audit")
+
+
 @pytest.fixture(scope="session")
 def run_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A folder of this test run that every xdist worker shares (the session's own without xdist)."""

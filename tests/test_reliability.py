@@ -37,6 +37,7 @@ from tests.conftest import (
     mergekit_alone,
     run_process,
     run_script,
+    script,
     write_recipe,
 )
 from tests.test_cli import one_line_error
