@@ -228,20 +228,18 @@ def _build(directory: str, dtype: torch.dtype, architecture: str = "llama") -> M
 #: The test files that take longest in ``make test``, longest first (measured): with ``--dist loadfile
 #: --no-loadscope-reorder`` pytest-xdist hands them out first, so no worker is left alone with one at the end.
 SLOWEST_FIRST = (
-    "test_cli.py",
-    "test_interrupts.py",
-    "test_moved_mergekit.py",
     "test_output.py",
-    "test_entry_points.py",
     "test_transaction.py",
-    "test_reliability.py",
+    "test_interrupts.py",
+    "test_resources.py",
+    "test_entry_points.py",
     "test_layers.py",
-    "test_inputs.py",
-    "test_packaging.py",
+    "test_moved_mergekit.py",
     "test_kernel.py",
-    "test_recipe_checks.py",
+    "test_reliability.py",
+    "test_packaging.py",
     "test_statistics.py",
-    "test_check.py",
+    "test_variants.py",
 )
 
 
