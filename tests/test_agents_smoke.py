@@ -61,6 +61,7 @@ def run_forked(
     return {"returncode": completed.returncode, "wall_s": time.perf_counter() - started, "log_tail": completed.stderr}
 
 
+@pytest.mark.process  # the pipeline asks a child interpreter which mergekit_ram it imports (benchmarks.common)
 def test_smoke_pipeline(tmp_path, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(merges, "run_measured", run_forked)
     out, cache, doc = tmp_path / "results", tmp_path / "cache", tmp_path / "quality.md"
