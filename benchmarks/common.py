@@ -59,6 +59,8 @@ def child_env(plugin: Optional[Path] = None, extra: Optional[Mapping[str, str]] 
     ahead of the editable install); by default the checkout holding these benchmarks. The
     pre-pass cache is off: a cached pre-pass would skip the work being measured.
     """
+    if plugin is not None and not (plugin / "mergekit_ram" / "__init__.py").is_file():
+        raise SystemExit(f"--plugin {plugin}: no mergekit_ram/ there; name a checkout of mergekit-ram")
     env = {**os.environ, **OFFLINE_ENV}
     paths = [str(plugin or REPO_ROOT), str(REPO_ROOT), *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))

@@ -17,6 +17,7 @@ from benchmarks.agents.evaluate import EvalConfig, eval_sets
 from benchmarks.agents.model import ModelSize, completion_text, greedy_correct, new_model, sample, save_model
 from benchmarks.agents.run import main
 from benchmarks.agents.tasks import TASKS, Problem, sample_problems, split_of
+from benchmarks.common import REPO_ROOT, child_env
 from tests.conftest import run_script
 
 
@@ -129,3 +130,10 @@ def test_region_controls_split_each_agents_changes_into_unique_and_shared(tmp_pa
     sizes = {t: (c["changed"], c["unique"]["elements"], c["shared"]["elements"]) for t, c in controls.items()}
     assert sizes == {"add": (30, 20, 10), "rev": (40, 30, 10), "tool": (0, 0, 0)}
     assert controls["add"]["random"]["elements"] == 20 and len(controls["add"]["random"]["accuracies"]) == 3
+
+
+def test_a_plugin_checkout_without_the_package_is_refused(tmp_path: Path) -> None:
+    """``--plugin`` naming a folder without ``mergekit_ram/`` would measure the editable install instead."""
+    with pytest.raises(SystemExit, match="no mergekit_ram/ there"):
+        child_env(tmp_path)
+    assert child_env(REPO_ROOT)["PYTHONPATH"].split(os.pathsep)[0] == str(REPO_ROOT)
