@@ -7,6 +7,7 @@ import fcntl
 import functools
 import glob
 import importlib
+import io
 import json
 import logging
 import os
@@ -15,6 +16,7 @@ import resource
 import signal
 import subprocess
 import sys
+import threading
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -161,6 +163,25 @@ def merge_in_process(recipe: dict[str, Any] | str, out: str, **options: Any) -> 
     config = MergeConfiguration.model_validate(recipe)
     fresh_loaders()
     run_merge(config, out, options=MergeOptions(quiet=True, **options), config_source=source)
+
+
+@contextlib.contextmanager
+def plugin_log(level: int = logging.INFO, this_thread: bool = False) -> Iterator[io.StringIO]:
+    """What mergekit-ram logs at ``level`` and above meanwhile (INFO: what -v shows; WARNING: what a new
+    interpreter prints), only this thread's records where asked."""
+    logger, text, thread = logging.getLogger("mergekit_ram"), io.StringIO(), threading.get_ident()
+    handler, previous = logging.StreamHandler(text), logger.level
+    handler.setLevel(level)
+    if this_thread:
+        handler.addFilter(lambda record: record.thread == thread)
+    logger.addHandler(handler)
+    if logger.getEffectiveLevel() > level:
+        logger.setLevel(level)
+    try:
+        yield text
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(previous)
 
 
 def command_refusal(command: Any, *args: str) -> str:

@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
-import io
 import json
-import logging
 import os
 import shutil
 import signal
@@ -40,6 +38,7 @@ from tests.conftest import (
     ModelSet,
     command_refusal,
     merge_in_process,
+    plugin_log,
     run_process,
     run_script,
     script,
@@ -142,20 +141,6 @@ def fault_env(fault: Optional[str] = None, **extra: str) -> dict[str, str]:
     if fault:
         env["MERGEKIT_RAM_TEST_FAULT"] = fault
     return env
-
-
-@contextlib.contextmanager
-def plugin_log() -> Iterator[io.StringIO]:
-    """What mergekit-ram logs at INFO meanwhile (what -v shows)."""
-    logger, text = logging.getLogger("mergekit_ram"), io.StringIO()
-    handler, level = logging.StreamHandler(text), logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    try:
-        yield text
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
 
 
 class World:

@@ -57,7 +57,7 @@ from mergekit_ram.staging import (
     folder_writer,
     output_transaction,
 )
-from tests.conftest import hang_fails
+from tests.conftest import hang_fails, plugin_log
 from tests.faults import sitecustomize as faults
 from tests.faults.transaction import main as merge_as_driver
 from tests.faults.transaction import write_merge
@@ -122,7 +122,7 @@ def drive(
     thread = threading.current_thread()
     installed = faults.installed(f"fsop:any:{fault[0]}", fault[1], thread) if fault else contextlib.nullcontext()
     code, printed = 0, ""
-    with warnings_logged() as logged:
+    with plugin_log(logging.WARNING, this_thread=True) as logged:
         try:
             with installed:
                 merge_as_driver(out, *arguments, **({"meanwhile": meanwhile} if meanwhile else {}))
@@ -133,23 +133,6 @@ def drive(
         except Exception as error:
             code, printed = 1, "".join(traceback.format_exception(error))
     return subprocess.CompletedProcess(["driver", out, *arguments], code, "", logged.getvalue() + printed)
-
-
-@contextlib.contextmanager
-def warnings_logged() -> Iterator[io.StringIO]:
-    """The plugin's WARNING records and above made in this thread meanwhile, as a new interpreter prints them."""
-    logger, text, thread = logging.getLogger("mergekit_ram"), io.StringIO(), threading.get_ident()
-    handler, level = logging.StreamHandler(text), logger.level
-    handler.setLevel(logging.WARNING)
-    handler.addFilter(lambda record: record.thread == thread)
-    logger.addHandler(handler)
-    if logger.getEffectiveLevel() > logging.WARNING:
-        logger.setLevel(logging.WARNING)
-    try:
-        yield text
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
 
 
 def forked(out: str, *arguments: str, fault: tuple[int, str], nohup: bool = False) -> subprocess.CompletedProcess:
