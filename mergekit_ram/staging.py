@@ -301,9 +301,8 @@ class _Folder:
         self.moves.append((source, target, name))
 
     def _undo(self, marker: Optional[os.stat_result]) -> None:
-        """This publish's renames backwards (a kept earlier marker back over this run's: OUT stays marked), then
-        this run's ``marker`` removed if still there. Without ``marker`` (another user's could not be kept aside)
-        this run's stays: OUT was marked."""
+        """This publish's renames backwards (a kept earlier marker back over this run's), then this run's ``marker``
+        removed if still there; without it (another user's could not be kept aside) this run's stays: OUT was marked."""
         try:
             for source, target, name in reversed(self.moves):
                 os.rename(name, name, src_dir_fd=target, dst_dir_fd=source)
@@ -315,8 +314,7 @@ class _Folder:
             LOG.error("could not undo the publish into %s (%s)", self.path, _reason(error))
 
     def end(self) -> None:
-        """Remove this run's private folder, its lock file and the empty folders it created; let go of OUT. Never
-        raises."""
+        """Remove this run's private folder, lock file and the empty folders it made; let go of OUT. Never raises."""
         holds, opened = self.holds(), self.out >= 0
         for handle in self.spare:
             os.close(handle)
@@ -497,9 +495,8 @@ def _user(uid: int) -> str:
 
 
 def _content(name: str, folder: int) -> Optional[dict[str, Any]]:
-    """A weight's size and the SHA-256 of the whole file (its git-LFS and Hub object id): its bytes on any machine
-    (invariant 4); None for what is not a regular file (never followed). Not sampled: an edit anywhere keeps the file
-    (the cost, one read of each file, is in docs/reliability.md)."""
+    """A weight's size and the SHA-256 of the whole file (git-LFS's and the Hub's id; not sampled: an edit anywhere
+    keeps the file), which identify it on any machine (invariant 4); None for what is not a regular file."""
     digest, size = hashlib.sha256(), 0
     try:
         with open_regular(name, dir_fd=folder, follow_symlinks=False) as (handle, _):
@@ -526,8 +523,7 @@ def _manifest(out: int, out_path: str) -> dict[str, Any]:
 
 def _recorded_weights(out: int, out_path: str, skip: Collection[str]) -> list[str]:
     """Plain weight names OUT's manifest records whose bytes are still as recorded (invariant 4), but for ``skip``
-    (the new merge's: replaced whatever they hold). An error other than a missing file or another user's that this
-    one may not read (a failing disk) is raised: the merge then publishes nothing."""
+    (replaced anyway). An error but a missing or unreadable file (a failing disk) is raised: nothing is published."""
     weights = _manifest(out, out_path).get("weights")
     found = []
     for name, recorded in weights.items() if isinstance(weights, dict) else ():
