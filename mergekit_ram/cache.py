@@ -30,9 +30,7 @@ SHARED_VARIABLE = "MERGEKIT_RAM_CACHE_SHARED"
 ENTRIES_DIR = "prepass"
 #: A folder of the cache's path: opened only to reach the next one (no read permission needed), never through a link.
 _FOLDER_FLAGS = getattr(os, "O_PATH", os.O_RDONLY) | os.O_DIRECTORY | os.O_NOFOLLOW
-_HEAD_BYTES = 1 << 20
-_SAMPLES = 16
-_SAMPLE_BYTES = 1 << 16
+_HEAD_BYTES, _SAMPLES, _SAMPLE_BYTES = 1 << 20, 16, 1 << 16
 #: Entries hold one item per planned merge task, null where the task has no counts.
 _FORMAT = "entries aligned with merge tasks, with a checksum (3)"
 _ADVICE = f"{MODE_VARIABLE}=off skips the cache"
@@ -62,12 +60,7 @@ class CacheSettings:
         return cls(mode, directory, shared == "1")
 
     def entry(self, key: str) -> str:
-        return os.path.join(self.directory, ENTRIES_DIR, entry_name(key))
-
-
-def entry_name(key: str) -> str:
-    """An entry's file name in its folder."""
-    return f"{key}.json"
+        return os.path.join(self.directory, ENTRIES_DIR, f"{key}.json")
 
 
 class UntrustedFolder(Exception):
@@ -116,27 +109,24 @@ def checksum(tensors: Any) -> str:
 @contextlib.contextmanager
 def opened(settings: CacheSettings, planned: Sequence[PlannedTensor]) -> Iterator[Optional[CacheEntry]]:
     """The merge's entry, its folder opened once and checked; None where the merge goes on without the cache."""
-    if settings.mode == "off":
-        yield None
-        return
-    key = cache_key(planned)
-    try:
-        folder = _open_entries(settings)
-    except UntrustedFolder as untrusted:
-        LOG.warning(
-            "not using the pre-pass cache %s: %s; the merge goes on without it (%s)",
-            settings.directory,
-            *untrusted.args,
-        )
-    except OSError as error:
-        _not_written(settings.entry(key), error)
-    else:
+    folder, path = -1, ""
+    if settings.mode != "off":
+        path = settings.entry(cache_key(planned))
         try:
-            yield CacheEntry(settings, folder, key)
-        finally:
+            folder = _open_entries(settings)
+        except UntrustedFolder as untrusted:
+            LOG.warning(
+                "not using the pre-pass cache %s: %s; the merge goes on without it (%s)",
+                settings.directory,
+                *untrusted.args,
+            )
+        except OSError as error:
+            _not_written(path, error)
+    try:
+        yield CacheEntry(settings.mode, folder, path) if folder >= 0 else None
+    finally:
+        if folder >= 0:
             os.close(folder)
-        return
-    yield None
 
 
 def _not_written(path: str, error: OSError) -> None:
@@ -144,7 +134,8 @@ def _not_written(path: str, error: OSError) -> None:
 
 
 def _open_entries(settings: CacheSettings) -> int:
-    """``<dir>/prepass``: each folder from / down opened in the one above (no link followed), made, checked."""
+    """``<dir>/prepass``: each folder from / down opened in the one above (no link followed), made if missing,
+    checked."""
     names = [name for name in os.path.realpath(settings.directory).split(os.sep) if name] + [ENTRIES_DIR]
     folder = os.open(os.sep, _FOLDER_FLAGS)
     path = os.sep
@@ -192,23 +183,19 @@ def _check(folder: int, path: str, settings: CacheSettings) -> None:
 
 @dataclass(frozen=True)
 class CacheEntry:
-    """One merge's entry, read and written relative to its checked folder, never through a link."""
+    """One merge's entry, read and written relative to its checked ``folder``, never through a link; ``path`` for
+    messages."""
 
-    settings: CacheSettings
+    mode: str
     folder: int
-    key: str
-
-    @property
-    def path(self) -> str:
-        """Where the entry is, for messages (it is opened relative to ``folder``)."""
-        return self.settings.entry(self.key)
+    path: str
 
     def load(self, planned: Sequence[PlannedTensor], headers: HeaderCache) -> Optional[list[Optional[TensorCounts]]]:
         """The cached counts (one per merge task), or None: missing, refreshing, or unusable."""
-        if self.settings.mode != "on":
+        if self.mode != "on":
             return None
         try:
-            data = read_json(entry_name(self.key), dir_fd=self.folder, follow_symlinks=False)
+            data = read_json(os.path.basename(self.path), dir_fd=self.folder, follow_symlinks=False)
         except FileNotFoundError:
             return None
         except (OSError, UnreadableFile) as error:
@@ -227,7 +214,7 @@ class CacheEntry:
         tensors = [None if c is None else counts_to_dict(c) for c in counts]
         text = json.dumps({"tensors": tensors, "sha256": checksum(tensors)})
         try:
-            write_atomically(entry_name(self.key), text, dir_fd=self.folder)
+            write_atomically(os.path.basename(self.path), text, dir_fd=self.folder)
         except OSError as error:
             return _not_written(self.path, error)
         LOG.info("ram_plus pre-pass: counts cached in %s", self.path)

@@ -7,12 +7,9 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
-import logging
 import os
 import stat
 from typing import Any, Iterator, Optional
-
-LOG = logging.getLogger(__name__)
 
 JSON_LIMIT = 64 << 20  # the largest JSON file read (manifest, index, cache entry, config): above any real one
 
@@ -78,37 +75,25 @@ def read_json(path: str, *, dir_fd: Optional[int] = None, follow_symlinks: bool 
         raise UnreadableFile(f"it is not valid JSON ({error})") from None
 
 
+def write_new(name: str, text: str, *, dir_fd: Optional[int] = None) -> os.stat_result:
+    """A new file (never through a link or over a file), synced; its status."""
+    handle = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dir_fd)
+    with open(handle, "w", encoding="utf-8") as stream:
+        stream.write(text)
+        stream.flush()
+        os.fsync(handle)
+        return os.fstat(handle)
+
+
 def write_atomically(path: str, text: str, *, dir_fd: Optional[int] = None) -> None:
     """A new file renamed onto ``path``: all or nothing, a link there replaced, not followed."""
     partial = f"{path}.{os.getpid()}.partial"
     with contextlib.suppress(FileNotFoundError):
         os.unlink(partial, dir_fd=dir_fd)  # left by a killed process that had this pid
-    handle = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644, dir_fd=dir_fd)
     try:
-        with os.fdopen(handle, "w", encoding="utf-8") as stream:
-            stream.write(text)
-            stream.flush()
-            os.fsync(stream.fileno())
+        write_new(partial, text, dir_fd=dir_fd)
         os.replace(partial, path, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(partial, dir_fd=dir_fd)
-        raise
-
-
-@contextlib.contextmanager
-def removed_if_failed(path: Optional[str]) -> Iterator[None]:
-    """The folders of ``path`` the block creates are removed, innermost first, while empty, if it fails."""
-    missing = []
-    folder = os.path.abspath(path) if path else ""
-    while folder and not os.path.lexists(folder):
-        missing.append(folder)
-        folder = os.path.dirname(folder)
-    try:
-        yield
-    except BaseException:
-        for folder in missing:
-            with contextlib.suppress(OSError):
-                os.rmdir(folder)
-                LOG.info("removed %s, which the merge had created", folder)
         raise

@@ -1,8 +1,7 @@
 """The output transaction: a RAM merge's output folder holds its old content or the complete new merge.
 
-A RAM merge into ``OUT`` (``run_merge``, ``mergekit-pytorch``) runs inside ``output_transaction(OUT)``; a write
-into a merged folder outside a merge (the card tool) inside ``folder_writer(OUT)``. While either runs, ``OUT``
-holds besides the user's files:
+A RAM merge into ``OUT`` runs inside ``output_transaction(OUT)``, a write into a merged folder outside a merge (the
+card tool) inside ``folder_writer(OUT)``. While either runs, ``OUT`` holds besides the user's files:
 
     .mergekit-ram.lock               the one-writer lock, removed when the merge (or the card tool) ends
     .mergekit-ram-<random>/          this run's private folder, made by this process (mode 0700)
@@ -11,42 +10,29 @@ holds besides the user's files:
     MERGE_INCOMPLETE                 only while files move into OUT
     .mergekit-ram-manifest.json      published with the merge: its files, its weights' sizes and SHA-256
 
-Who can do what to OUT (the rest of the threat model is in docs/reliability.md):
-
-- its owner, and a group member where OUT is group-writable: anything, so the transaction guards against
-  mistakes (``rm -rf OUT/.*``, ``git clean -fdx``, a second merge, a kill at any step), not against them;
-- a user who may only read OUT: open OUT and its files, ``flock`` any descriptor they can open, including
-  one of OUT itself; never create, rename or remove an entry of OUT, nor open the lock file;
-- another user in a folder shared with the sticky bit (``/tmp``, a team's folder): create files, but rename
-  or remove only their own (the kernel's rule); hard-link only files they own or may read and write
-  (``fs.protected_hardlinks``, on by default);
-- anyone: SIGKILL a merge at any step (so can the kernel: out of memory, a power cut).
+Who may do what to OUT is in docs/reliability.md ("Threat model", "Other users"): its writers anything (guarded
+against mistakes: ``rm -rf OUT/.*``, a second merge, a kill at any step); a reader may open and ``flock`` but not
+change an entry; in a sticky folder a user renames or removes, and hard-links, only their own files.
 
 Invariants, each held by tests/test_transaction.py (T) or tests/test_output.py (O):
 
 1. No replay: what another process left is named in one warning, never completed, restored or undone. [T, O]
-2. A private folder per run, of a fresh unpredictable name; mergekit writes through ``/proc/self/fd``, so
-   after ``rm -rf OUT`` or a swapped parent its writes fail instead of landing elsewhere. Without ``/proc``
-   it writes by the plain path, checked to name that folder when the merge starts. [T, O]
-3. Nothing outside OUT: every operation is relative to a descriptor of OUT or of the private folder, with a
-   plain name; links are moved or removed, never followed; the manifest is read bounded. [T]
-4. Only ours is removed: what this run wrote, files of the names it replaces, and weights an earlier merge
-   recorded whose size and SHA-256 still match (whatever machine or copy holds them); folders only when
-   empty, OUT and its parents only if this run created them. [T, O]
-5. One writer: an exclusive ``flock`` on ``LOCK_FILE``, an empty regular file of OUT opened read-write, which
-   only those who may write OUT can create, and whose mode lets only them open it (owner; the group if OUT
-   is group-writable; others if OUT is): a reader cannot hold it. Taken by opening it, locking it, then
-   checking that its name still names the file locked (else again); removed while still locked when the run
-   ends. A lock file that is a link, a FIFO, a folder or not empty is refused, never followed or opened; one
-   found locked whose mode lets a non-writer open it is made anew. A merge whose OUT or lock file was removed
-   or replaced meanwhile publishes nothing (``rm -rf OUT/.*`` also removes its private folder). [T, O]
-6. Old or new: the ending signals are held while files move; an error while publishing is undone. Only
-   SIGKILL, a crash or a power cut stops a publish half-way: OUT is then marked MERGE_INCOMPLETE (never
-   config.json beside a mix) and the next merge writes its own complete result. [T]
-7. Others' files: where the sticky bit keeps this user from renaming another user's file the publish would
-   replace (their marker, manifest, config, card, weights), the merge is refused before it starts, in one
-   line naming the file and its owner; another user's marker elsewhere is replaced (kept aside for an undo
-   where the kernel lets this user link it; else an undo leaves this run's marker, of the same text). [T]
+2. A private folder per run, of a fresh unpredictable name; mergekit writes through ``/proc/self/fd``, so after
+   ``rm -rf OUT`` or a swapped parent its writes fail, else by the plain path, checked when the merge starts. [T, O]
+3. Nothing outside OUT: every operation is relative to a descriptor of OUT or of the private folder, with a plain
+   name; links are moved or removed, never followed; the manifest is read bounded. [T]
+4. Only ours is removed: what this run wrote, files of the names it replaces, and weights an earlier merge recorded
+   whose size and SHA-256 still match; folders only when empty, OUT and its parents only if this run made them. [T, O]
+5. One writer: an exclusive ``flock`` on ``LOCK_FILE``, an empty regular file of OUT opened read-write, whose mode
+   lets only OUT's writers open it. Opened, locked, then its name checked to still name it (else again); removed,
+   still locked, at the end. A link, FIFO, folder or non-empty file there is refused, never opened; one found locked
+   but too open is made anew. A run whose OUT or lock file was removed or replaced meanwhile publishes nothing. [T, O]
+6. Old or new: the ending signals are held while files move; an error while publishing is undone. Only SIGKILL, a
+   crash or a power cut stops a publish half-way: OUT is then marked MERGE_INCOMPLETE (never config.json beside a
+   mix) and the next merge writes its own complete result. [T]
+7. Others' files: in a sticky OUT, another user's file the publish would replace refuses the merge before it starts,
+   in one line naming it and its owner; another user's marker elsewhere is replaced (kept aside for an undo where
+   the kernel lets this user link it; else an undo leaves this run's marker, of the same text). [T]
 """
 
 from __future__ import annotations
@@ -61,11 +47,11 @@ import pwd
 import re
 import secrets
 import stat
-from typing import Any, Collection, Iterable, Iterator, Optional
+from typing import Any, Collection, Iterator, Optional
 
 from mergekit_ram._version import __version__
 from mergekit_ram.errors import RamError
-from mergekit_ram.files import UnreadableFile, descriptor_path, open_regular, plain_name, read_json
+from mergekit_ram.files import UnreadableFile, descriptor_path, open_regular, plain_name, read_json, write_new
 from mergekit_ram.signals import HeldSignals
 
 LOG = logging.getLogger(__name__)
@@ -85,7 +71,8 @@ _WEIGHT = re.compile(r"(?s:.*)\.(safetensors|bin)(\.index\.json)?")
 _LOADED = re.compile(r"(model|pytorch_model)(-\d+-of-\d+)?\.(safetensors|bin)(\.index\.json)?")
 #: Files every mergekit-yaml merge writes (the card and recipe unless told not to), besides the weights.
 _ALWAYS_WRITTEN = (_CONFIG, "README.md", "mergekit_config.yml", "ram_statistics.json")
-_FOLDER = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_OUT = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+_FOLDER = _OUT | os.O_NOFOLLOW
 _NEW_LOCK = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 #: Tries at taking the lock while its file is replaced between the open and the lock (by another merge's end).
 _LOCK_TRIES = 20
@@ -129,12 +116,11 @@ def output_transaction(out_path: str) -> Iterator[str]:
 
 @contextlib.contextmanager
 def folder_writer(out_path: str) -> Iterator[int]:
-    """OUT opened and locked as a merge locks it, for a write into a merged folder outside a merge (the card
-    tool): ``OutputBusyError`` while a merge holds it, ``OutputFolderError`` while ``MARKER_FILE`` or a private
-    folder is there (a killed or running merge's), or where this user may not write OUT. Yields OUT's
-    descriptor; write only plain names through it."""
+    """OUT opened and locked as a merge locks it, for a write outside a merge (the card tool): ``OutputBusyError``
+    while a merge holds it, ``OutputFolderError`` while a killed or running merge's files are there or where this
+    user may not write OUT. Yields OUT's descriptor; write only plain names through it."""
     try:
-        out = os.open(out_path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        out = os.open(out_path, _OUT)
     except OSError as error:
         raise OutputFolderError(f"cannot open {out_path} ({_reason(error)})") from None
     lock = -1
@@ -143,8 +129,7 @@ def folder_writer(out_path: str) -> Iterator[int]:
             lock = _take_lock(out, out_path)
         except OSError as error:
             raise OutputFolderError(f"cannot change {out_path} ({_reason(error)})") from None
-        left = sorted(name for name in os.listdir(out) if name == MARKER_FILE or name.startswith(PRIVATE_PREFIX))
-        if left := [name for name in left if name != MANIFEST_FILE]:
+        if left := _left_over(out):
             raise OutputFolderError(
                 f"{out_path} holds {', '.join(left)}: a merge into it was killed or has not finished; merge into it "
                 "again (or wait for that merge) before changing its files"
@@ -181,13 +166,30 @@ class _Folder:
         try:
             if self.created:
                 os.makedirs(self.path, exist_ok=True)
-            self.out = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            self.out = os.open(self.path, _OUT)
             self.lock = _take_lock(self.out, self.path)
             self.spare = [os.dup(self.out) for _ in range(3)]
-            _check_left_over(self.out, self.path)
-            if _sticky_for_me(self.out):
-                _refuse_others_files(self.out, self.path, _names_a_merge_replaces(self.out, self.path))
-            self.private_name = _make_private(self.out)
+            for name in (MARKER_FILE, MANIFEST_FILE):
+                if _kind(name, self.out) == "folder":
+                    raise OutputFolderError(
+                        f"{os.path.join(self.path, name)} is a folder: it is mergekit-ram's own name; remove it or "
+                        "choose another output folder"
+                    )
+            if left := _left_over(self.out):
+                LOG.warning(
+                    "%s holds %s, left by a mergekit-ram merge that did not finish (killed, or its clean-up failed): "
+                    "this merge neither uses nor removes them; remove them once you have checked them (a hidden "
+                    "folder may hold that merge's files and files the folder held before)",
+                    self.path,
+                    ", ".join(left),
+                )
+            _refuse_others_files(self.out, self.path)
+            while True:  # a fresh unpredictable name, made by this process
+                name = PRIVATE_PREFIX + secrets.token_hex(8)
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(name, 0o700, dir_fd=self.out)
+                    break
+            self.private_name = name
             self.private = os.open(self.private_name, _FOLDER, dir_fd=self.out)
             for folder in (_REPLACED, _STAGED, os.path.join(_STAGED, self.name)):
                 os.mkdir(folder, 0o700, dir_fd=self.private)
@@ -212,20 +214,22 @@ class _Folder:
         return False
 
     def record(self) -> None:
-        """The manifest written beside the staged files; the earlier merge's weights to remove found. Both read
-        whole files (``_content``), so they run before the publish, whose signals are held (invariant 4)."""
+        """The manifest written beside the staged files, the earlier merge's weights to remove found: both read
+        whole files, so they run before the publish holds the signals (invariant 4)."""
         staged = -1
         try:
             staged = os.open(os.path.join(_STAGED, self.name), _FOLDER, dir_fd=self.private)
-            self.names = _publish_order({*os.listdir(staged), MANIFEST_FILE})
+            # The manifest first (once in, it records every new weight present), config.json last.
+            names = {*os.listdir(staged), MANIFEST_FILE}
+            self.names = sorted(names, key=lambda name: (name != MANIFEST_FILE, name == _CONFIG, name))
             weights = {name: _content(name, staged) for name in self.names if _WEIGHT.fullmatch(name)}
             manifest = {
                 "written_by": f"mergekit-ram {__version__}",
                 "files": self.names,
                 "weights": {name: content for name, content in weights.items() if content is not None},
             }
-            _write_new(MANIFEST_FILE, json.dumps(manifest, indent=1), staged)
-            self.stale = recorded_weights(self.out, self.path, skip=set(self.names))
+            write_new(MANIFEST_FILE, json.dumps(manifest, indent=1), dir_fd=staged)
+            self.stale = _recorded_weights(self.out, self.path, skip=set(self.names))
         except OSError as error:
             raise OutputFolderError(
                 f"could not publish into {self.path} ({_reason(error)}); it holds what it held before"
@@ -247,8 +251,7 @@ class _Folder:
         names, stale = self.names, self.stale
         kept_aside = True  # no earlier marker, or one kept aside: an undo removes this run's
         try:
-            if _sticky_for_me(self.out):  # the same rule, with the names known now
-                _refuse_others_files(self.out, self.path, [MARKER_FILE, *names, *stale])
+            _refuse_others_files(self.out, self.path, [MARKER_FILE, *names, *stale])  # with the names known now
             for name in (_STAGED, _REPLACED, os.path.join(_STAGED, self.name)):
                 handles.append(os.open(name, _FOLDER, dir_fd=self.private))
             replaced, staged = handles[1:]
@@ -258,10 +261,12 @@ class _Folder:
                     self.moves.append((self.out, replaced, MARKER_FILE))
                 except PermissionError:  # another user's (fs.protected_hardlinks): an undo leaves this run's
                     kept_aside = False
-            marker = _write_new(MARKER_FILE, MARKER_TEXT, self.private)
+            marker = write_new(MARKER_FILE, MARKER_TEXT, dir_fd=self.private)
             os.rename(MARKER_FILE, MARKER_FILE, src_dir_fd=self.private, dst_dir_fd=self.out)  # not undone: see _undo
             _sync(self.out)
-            for name in _aside_order(names, stale):
+            # config.json first, the earlier manifest last (until then it records every old weight present).
+            others = sorted((set(names) | set(stale)) - {_CONFIG, MANIFEST_FILE})
+            for name in [_CONFIG] * (_CONFIG in names) + others + [MANIFEST_FILE]:
                 if _kind(name, self.out) == "file":
                     self._move(self.out, replaced, name)
             for name in names:
@@ -280,16 +285,24 @@ class _Folder:
         finally:
             for handle in handles:
                 os.close(handle)
-        _log_published(self.out, self.path, names, stale)
+        removed = f"; removed {', '.join(stale)}, which an earlier merge recorded" if stale else ""
+        LOG.info("published %s into %s%s", ", ".join(names), self.path, removed)
+        if loaded := sorted(name for name in os.listdir(self.out) if _LOADED.fullmatch(name) and name not in names):
+            LOG.warning(
+                "kept %s in %s: this merge did not write them and no earlier mergekit-ram merge recorded them as they "
+                "are, but a loader may read them instead of the new weights; remove them if they belong to an old "
+                "model",
+                ", ".join(loaded),
+                self.path,
+            )
 
     def _move(self, source: int, target: int, name: str) -> None:
         os.rename(name, name, src_dir_fd=source, dst_dir_fd=target)
         self.moves.append((source, target, name))
 
     def _undo(self, marker: Optional[os.stat_result]) -> None:
-        """This publish's renames backwards (the earlier marker, if kept aside, renamed back over this run's: OUT
-        stays marked), then this run's ``marker`` removed if still there: OUT as it was, marked until it is.
-        Without ``marker`` (another user's marker could not be kept aside) this run's stays: OUT was marked."""
+        """This publish's renames backwards (a kept earlier marker back over this run's), then this run's ``marker``
+        removed if still there; without it (another user's could not be kept aside) this run's stays: OUT was marked."""
         try:
             for source, target, name in reversed(self.moves):
                 os.rename(name, name, src_dir_fd=target, dst_dir_fd=source)
@@ -301,8 +314,7 @@ class _Folder:
             LOG.error("could not undo the publish into %s (%s)", self.path, _reason(error))
 
     def end(self) -> None:
-        """Remove this run's private folder, its lock file and the empty folders it created; let go of OUT.
-        Never raises."""
+        """Remove this run's private folder, lock file and the empty folders it made; let go of OUT. Never raises."""
         holds, opened = self.holds(), self.out >= 0
         for handle in self.spare:
             os.close(handle)
@@ -321,7 +333,6 @@ class _Folder:
             if handle >= 0:
                 with contextlib.suppress(OSError):
                     os.close(handle)
-        self.private = self.out = self.lock = -1
         for path in self.created if holds or not opened else ():
             with contextlib.suppress(OSError):
                 os.rmdir(path)
@@ -329,20 +340,28 @@ class _Folder:
 
 
 def _take_lock(out: int, out_path: str) -> int:
-    """OUT's lock file, opened read-write and locked (invariant 5); ``OutputBusyError`` at once while another
-    merge holds it. Open, lock, then check that the name still names the file locked; else again."""
+    """OUT's lock file, opened read-write and locked, then checked to be what its name still names, else again
+    (invariant 5); ``OutputBusyError`` at once while another merge holds it."""
     for _ in range(_LOCK_TRIES):
-        opened = _open_lock(out, out_path)
-        if opened is None:
+        if (opened := _open_lock(out, out_path)) is None:
             continue
         lock, found = opened
         try:
             if not _locked(lock, out_path):
-                if found is None or not _too_open(found, os.fstat(out)):
+                if found is None or not stat.S_IMODE(found.st_mode) & 0o066 & ~_lock_mode(os.fstat(out), found.st_gid):
                     raise OutputBusyError(
                         f"another merge is writing to {out_path}; wait for it to finish or choose another output folder"
                     )
-                _remove_lock(out, out_path, found)  # whoever holds it may be a reader of OUT: made anew
+                try:  # its mode lets a reader of OUT hold it: made anew
+                    os.unlink(LOCK_FILE, dir_fd=out)
+                except FileNotFoundError:
+                    pass
+                except PermissionError:
+                    raise OutputFolderError(
+                        f"{os.path.join(out_path, LOCK_FILE)} is {_user(found.st_uid)}'s, and its mode lets users who "
+                        f"may not write {out_path} open it (and so hold the lock): ask {_user(found.st_uid)} to remove "
+                        "it, or choose another output folder"
+                    ) from None
             elif _is_lock(out, lock):
                 return lock
         except BaseException:
@@ -357,8 +376,7 @@ def _take_lock(out: int, out_path: str) -> int:
 
 def _open_lock(out: int, out_path: str) -> Optional[tuple[int, Optional[os.stat_result]]]:
     """The lock file opened read-write, and its status when found (None: made now, its mode set from OUT's);
-    None where it changed meanwhile (try again). Refused if it is anything but an empty regular file of one
-    link, which is never opened."""
+    None where it changed meanwhile. Anything but an empty regular file of one link is refused, never opened."""
     path = os.path.join(out_path, LOCK_FILE)
     try:
         found = os.stat(LOCK_FILE, dir_fd=out, follow_symlinks=False)
@@ -407,28 +425,9 @@ def _locked(lock: int, out_path: str) -> bool:
     return True
 
 
-def _too_open(found: os.stat_result, folder: os.stat_result) -> bool:
-    """Whether the lock file's mode lets someone who may not write OUT open it (left when OUT was more open)."""
-    return bool(stat.S_IMODE(found.st_mode) & 0o066 & ~_lock_mode(folder, found.st_gid))
-
-
-def _remove_lock(out: int, out_path: str, found: os.stat_result) -> None:
-    """Remove a lock file held by someone who may not write OUT, so that the next try makes it anew."""
-    try:
-        os.unlink(LOCK_FILE, dir_fd=out)
-    except FileNotFoundError:
-        pass
-    except PermissionError:
-        raise OutputFolderError(
-            f"{os.path.join(out_path, LOCK_FILE)} is {_user(found.st_uid)}'s, and its mode lets users who may not "
-            f"write {out_path} open it (and so hold the lock): ask {_user(found.st_uid)} to remove it, or choose "
-            "another output folder"
-        ) from None
-
-
 def _lock_mode(folder: os.stat_result, group: int) -> int:
-    """The lock file's mode (invariant 5): read and write for its owner, for its group where that is OUT's group
-    and OUT is group-writable, for everyone where OUT is writable by all."""
+    """Read and write for the owner; for the group where it is OUT's and OUT is group-writable; for everyone
+    where OUT is writable by all."""
     if folder.st_mode & stat.S_IWOTH:
         return 0o666
     return 0o660 if folder.st_mode & stat.S_IWGRP and group == folder.st_gid else 0o600
@@ -442,8 +441,8 @@ def _is_lock(out: int, lock: int) -> bool:
 
 
 def _release_lock(out: int, lock: int, out_path: str) -> None:
-    """Remove the lock file while it is still locked (a process that opened it meanwhile finds it replaced and
-    tries again), then unlock it. Another user's in a sticky folder stays (the next merge takes it over)."""
+    """Remove the lock file while still locked (one who opened it meanwhile finds it replaced and tries again), then
+    unlock it. Another user's in a sticky folder stays (the next merge takes it over)."""
     try:
         if _is_lock(out, lock):
             os.unlink(LOCK_FILE, dir_fd=out)
@@ -455,62 +454,38 @@ def _release_lock(out: int, lock: int, out_path: str) -> None:
         os.close(lock)
 
 
-def _check_left_over(out: int, out_path: str) -> None:
-    """Refuse a folder of the marker's or the manifest's name; name what killed runs left (invariant 1)."""
-    for name in (MARKER_FILE, MANIFEST_FILE):
-        if _kind(name, out) == "folder":
-            raise OutputFolderError(
-                f"{os.path.join(out_path, name)} is a folder: it is mergekit-ram's own name; remove it or choose "
-                "another output folder"
-            )
-    left = (name for name in sorted(os.listdir(out)) if name.startswith(PRIVATE_PREFIX) or name == MARKER_FILE)
-    if found := [name for name in left if name != MANIFEST_FILE]:
-        LOG.warning(
-            "%s holds %s, left by a mergekit-ram merge that did not finish (killed, or its clean-up failed): this "
-            "merge neither uses nor removes them; remove them once you have checked them (a hidden folder may hold "
-            "that merge's files and files the folder held before)",
-            out_path,
-            ", ".join(found),
-        )
+def _left_over(out: int) -> list[str]:
+    """What a killed or running merge leaves in OUT: its marker and private folder (not the manifest)."""
+    found = (name for name in os.listdir(out) if name == MARKER_FILE or name.startswith(PRIVATE_PREFIX))
+    return sorted(name for name in found if name != MANIFEST_FILE)
 
 
-def _names_a_merge_replaces(out: int, out_path: str) -> list[str]:
+def _replaced_names(out: int, out_path: str) -> list[str]:
     """Before the merge, the names its publish will or may replace: the marker, the manifest and every name it
     lists, the files every merge writes, and weights a loader reads."""
     manifest = _manifest(out, out_path)
-    listed = [name for key in ("files", "weights") for name in _names(manifest, key)]
+    values = [manifest.get(key) for key in ("files", "weights")]
+    listed = [name for names in values if isinstance(names, (list, dict)) for name in names if isinstance(name, str)]
     loaded = [name for name in os.listdir(out) if _LOADED.fullmatch(name)]
     return [MARKER_FILE, MANIFEST_FILE, *_ALWAYS_WRITTEN, *loaded, *listed]
 
 
-def _names(manifest: Any, key: str) -> list[str]:
-    """The names a manifest lists under ``key`` (a list, or a mapping's keys); none from a malformed one."""
-    value = manifest.get(key) if isinstance(manifest, dict) else None
-    return [name for name in value if isinstance(name, str)] if isinstance(value, (list, dict)) else []
-
-
-def _sticky_for_me(out: int) -> bool:
-    """Whether OUT has the sticky bit and is not this user's: then only a file's owner, the folder's owner or
-    root may rename or remove the file (invariant 7)."""
-    folder, me = os.fstat(out), os.geteuid()
-    return bool(folder.st_mode & stat.S_ISVTX) and me not in (0, folder.st_uid)
-
-
-def _refuse_others_files(out: int, out_path: str, names: Iterable[str]) -> None:
-    """Refuse, before anything changes, a sticky OUT that holds another user's file of one of ``names``."""
-    me = os.geteuid()
-    for name in dict.fromkeys(name for name in names if plain_name(name)):
-        try:
+def _refuse_others_files(out: int, out_path: str, names: Optional[list[str]] = None) -> None:
+    """Where OUT has the sticky bit and is not this user's (only a file's owner, OUT's or root may rename or remove
+    it: invariant 7), refuse another user's file of ``names`` (by default the names a merge will or may replace)."""
+    folder = os.fstat(out)
+    if not folder.st_mode & stat.S_ISVTX or os.geteuid() in (0, folder.st_uid):
+        return
+    for name in dict.fromkeys(name for name in names or _replaced_names(out, out_path) if plain_name(name)):
+        with contextlib.suppress(FileNotFoundError):
             owner = os.stat(name, dir_fd=out, follow_symlinks=False).st_uid
-        except FileNotFoundError:
-            continue
-        if owner != me:
-            killed = " (a merge of theirs was killed while publishing into it)" if name == MARKER_FILE else ""
-            raise OutputFolderError(
-                f"{os.path.join(out_path, name)} is {_user(owner)}'s{killed}, and in {out_path}, shared with the "
-                f"sticky bit, only they or the folder's owner may replace it, as this merge would: ask "
-                f"{_user(owner)} to merge into it again or remove it, or choose another output folder"
-            )
+            if owner != os.geteuid():
+                killed = " (a merge of theirs was killed while publishing into it)" if name == MARKER_FILE else ""
+                raise OutputFolderError(
+                    f"{os.path.join(out_path, name)} is {_user(owner)}'s{killed}, and in {out_path}, shared with the "
+                    f"sticky bit, only they or the folder's owner may replace it, as this merge would: ask "
+                    f"{_user(owner)} to merge into it again or remove it, or choose another output folder"
+                )
 
 
 def _user(uid: int) -> str:
@@ -519,25 +494,9 @@ def _user(uid: int) -> str:
     return f"user {uid}"
 
 
-def _make_private(out: int) -> str:
-    """A new folder of a fresh unpredictable name in OUT, made by this process."""
-    while True:
-        name = PRIVATE_PREFIX + secrets.token_hex(8)
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(name, 0o700, dir_fd=out)
-            return name
-
-
 def _content(name: str, folder: int) -> Optional[dict[str, Any]]:
-    """What identifies a weight file's bytes on any machine (invariant 4): its size and the SHA-256 of the whole
-    file, the object id git-LFS and the Hub give it. None for what is not a regular file (never followed).
-
-    The whole file, not sampled blocks: a weight whose bytes changed anywhere (a tensor edited in place) must
-    stay, and sampling would miss most such edits. The cost is one read of each new weight, which the merge
-    has just written (so from the page cache), and of each earlier weight that may be removed (one whose
-    name the new merge does not write, and of the recorded size): for a 500 MB file 0.31-0.34 s from the
-    page cache and 0.68-0.86 s from disk (one core with SHA-NI), against 0.003 s and 0.014 s for 64 blocks
-    of 64 KiB; the merge itself reads every input model of that size at least twice."""
+    """A weight's size and the SHA-256 of the whole file (git-LFS's and the Hub's id; not sampled: an edit anywhere
+    keeps the file), which identify it on any machine (invariant 4); None for what is not a regular file."""
     digest, size = hashlib.sha256(), 0
     try:
         with open_regular(name, dir_fd=folder, follow_symlinks=False) as (handle, _):
@@ -550,59 +509,32 @@ def _content(name: str, folder: int) -> Optional[dict[str, Any]]:
     return {"size": size, "sha256": digest.hexdigest()}
 
 
-def _manifest(out: int, out_path: str) -> Any:
-    """OUT's manifest as JSON, read bounded; None if absent or unreadable (said in a warning)."""
+def _manifest(out: int, out_path: str) -> dict[str, Any]:
+    """OUT's manifest, read bounded; empty if absent, not an object or unreadable (said in a warning)."""
     try:
-        return read_json(MANIFEST_FILE, dir_fd=out, follow_symlinks=False)
+        manifest = read_json(MANIFEST_FILE, dir_fd=out, follow_symlinks=False)
     except FileNotFoundError:
-        return None
+        return {}
     except UnreadableFile as reason:
         LOG.warning("ignored %s: %s", os.path.join(out_path, MANIFEST_FILE), reason)
-        return None
+        return {}
+    return manifest if isinstance(manifest, dict) else {}
 
 
-def recorded_weights(out: int, out_path: str, skip: Collection[str] = ()) -> list[str]:
-    """Plain weight file names an earlier merge recorded in OUT's manifest whose bytes are still what it
-    recorded (invariant 4), but for ``skip`` (the new merge's names: replaced whatever they hold). Another
-    error than a missing or unreadable file (a failing disk) is raised: the merge then publishes nothing."""
-    manifest = _manifest(out, out_path)
-    weights = manifest.get("weights") if isinstance(manifest, dict) else None
+def _recorded_weights(out: int, out_path: str, skip: Collection[str]) -> list[str]:
+    """Plain weight names OUT's manifest records whose bytes are still as recorded (invariant 4), but for ``skip``
+    (replaced anyway). An error but a missing or unreadable file (a failing disk) is raised: nothing is published."""
+    weights = _manifest(out, out_path).get("weights")
     found = []
     for name, recorded in weights.items() if isinstance(weights, dict) else ():
         if name in skip or not (plain_name(name) and _WEIGHT.fullmatch(name)) or not isinstance(recorded, dict):
             continue
-        try:
+        with contextlib.suppress(FileNotFoundError, PermissionError):
             status = os.stat(name, dir_fd=out, follow_symlinks=False)
             if stat.S_ISREG(status.st_mode) and status.st_size == recorded.get("size"):  # else no need to read it
                 if _content(name, out) == recorded:
                     found.append(name)
-        except (FileNotFoundError, PermissionError):  # gone, or another user's that this one may not read: kept
-            continue
     return sorted(found)
-
-
-def _log_published(out: int, out_path: str, names: list[str], stale: list[str]) -> None:
-    """Say what was published and removed; warn once about weights kept that a loader may read."""
-    removed = f"; removed {', '.join(stale)}, which an earlier merge recorded" if stale else ""
-    LOG.info("published %s into %s%s", ", ".join(names), out_path, removed)
-    if kept := sorted(name for name in os.listdir(out) if _LOADED.fullmatch(name) and name not in names):
-        LOG.warning(
-            "kept %s in %s: this merge did not write them and no earlier mergekit-ram merge recorded them as they "
-            "are, but a loader may read them instead of the new weights; remove them if they belong to an old model",
-            ", ".join(kept),
-            out_path,
-        )
-
-
-def _write_new(name: str, text: str, folder: int) -> os.stat_result:
-    """A new file ``name`` in ``folder`` (never through a link or over a file), synced; its status."""
-    handle = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=folder)
-    try:
-        os.write(handle, text.encode())
-        os.fsync(handle)
-        return os.fstat(handle)
-    finally:
-        os.close(handle)
 
 
 def _remove_marker(out: int, marker: os.stat_result) -> None:
@@ -642,17 +574,6 @@ def _kind(name: str, folder: int) -> Optional[str]:
 
 def _same(a: os.stat_result, b: os.stat_result) -> bool:
     return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
-
-
-def _publish_order(names: Iterable[str]) -> list[str]:
-    """The manifest first (once it is in, it records every new weight present), config.json last."""
-    return sorted(names, key=lambda name: (name != MANIFEST_FILE, name == _CONFIG, name))
-
-
-def _aside_order(names: list[str], stale: list[str]) -> list[str]:
-    """config.json first, the earlier manifest last (until then it records every old weight present)."""
-    others = sorted((set(names) | set(stale)) - {_CONFIG, MANIFEST_FILE})
-    return [_CONFIG] * (_CONFIG in names) + others + [MANIFEST_FILE]
 
 
 def _reason(error: OSError) -> str:
