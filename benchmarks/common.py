@@ -9,6 +9,7 @@ files, which the kernel can drop at any time; anonymous memory is what a merge n
 
 from __future__ import annotations
 
+import argparse
 import functools
 import logging
 import os
@@ -52,6 +53,15 @@ def console_script(name: str) -> str:
     return found
 
 
+def plugin_checkout(value: str) -> Path:
+    """``--plugin``'s type: a checkout holding ``mergekit_ram/``, refused before anything runs (else the children
+    would silently import the editable install's)."""
+    path = Path(value)
+    if not (path / "mergekit_ram" / "__init__.py").is_file():
+        raise argparse.ArgumentTypeError(f"{value}: no mergekit_ram/ there; name a checkout of mergekit-ram")
+    return path
+
+
 def child_env(plugin: Optional[Path] = None, extra: Optional[Mapping[str, str]] = None) -> dict[str, str]:
     """The environment of every measured child: offline, plugin from ``plugin``, no pre-pass cache.
 
@@ -59,8 +69,6 @@ def child_env(plugin: Optional[Path] = None, extra: Optional[Mapping[str, str]] 
     ahead of the editable install); by default the checkout holding these benchmarks. The
     pre-pass cache is off: a cached pre-pass would skip the work being measured.
     """
-    if plugin is not None and not (plugin / "mergekit_ram" / "__init__.py").is_file():
-        raise SystemExit(f"--plugin {plugin}: no mergekit_ram/ there; name a checkout of mergekit-ram")
     env = {**os.environ, **OFFLINE_ENV}
     paths = [str(plugin or REPO_ROOT), str(REPO_ROOT), *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))

@@ -29,7 +29,16 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from benchmarks.common import child_env, fmt_count, machine_info, median, parse_size, setup_logging, use_plugin
+from benchmarks.common import (
+    child_env,
+    fmt_count,
+    machine_info,
+    median,
+    parse_size,
+    plugin_checkout,
+    setup_logging,
+    use_plugin,
+)
 from benchmarks.memory import peak_allocated_bytes
 from benchmarks.models import PAPER_DENSITIES, AgentDraw, base_chunk, overlap_for
 from benchmarks.records import RESULTS_DIR, save_result
@@ -181,7 +190,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--n", default="2,3,5", help="numbers of fine-tuned models")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--startup-repeats", type=int, default=20)
-    parser.add_argument("--plugin", type=Path, help="checkout whose mergekit_ram is measured (default: this one)")
+    parser.add_argument(
+        "--plugin", type=plugin_checkout, help="checkout whose mergekit_ram is measured (default: this one)"
+    )
     parser.add_argument("--json", type=Path, help="results file (default benchmarks/results/kernel.json)")
     parser.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args(argv)

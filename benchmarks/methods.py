@@ -36,6 +36,7 @@ from benchmarks.common import (
     machine_info,
     machine_line,
     median,
+    plugin_checkout,
     ratio_or_none,
     run_measured,
     setup_logging,
@@ -285,7 +286,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--out-shard-size", default="1B", help="passed to every mergekit-yaml (default 1B)")
     parser.add_argument("--out-dtype", default="bfloat16", help="recipe out_dtype for every method; 'none' to omit")
     parser.add_argument("--mergekit-args", default="", help="extra arguments for every run, e.g. '--cuda' or '-j 2'")
-    parser.add_argument("--plugin", type=Path, help="checkout whose mergekit_ram the merges use (default: this one)")
+    parser.add_argument(
+        "--plugin", type=plugin_checkout, help="checkout whose mergekit_ram the merges use (default: this one)"
+    )
     parser.add_argument("--no-warmup", action="store_true")
     parser.add_argument("--json", type=Path, help="results file (default benchmarks/results/methods-SIZE.json)")
     parser.add_argument("-v", "--verbose", action="store_true")

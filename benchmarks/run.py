@@ -17,10 +17,9 @@ import logging
 import os
 import subprocess
 import sys
-from pathlib import Path
 from typing import Optional, Sequence
 
-from benchmarks.common import REPO_ROOT, child_env, setup_logging
+from benchmarks.common import REPO_ROOT, child_env, plugin_checkout, setup_logging
 from benchmarks.models import SIZES
 from benchmarks.report import write_doc
 
@@ -83,7 +82,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--inmemory-size", choices=sorted(SIZES), help="default: the first --size")
     parser.add_argument("--cap-gib", type=float, help="RLIMIT_DATA for the in-memory comparison")
     parser.add_argument("--scale-size", default="scale", choices=sorted(SIZES))
-    parser.add_argument("--plugin", type=Path, help="checkout whose mergekit_ram is measured (default: this one)")
+    parser.add_argument(
+        "--plugin", type=plugin_checkout, help="checkout whose mergekit_ram is measured (default: this one)"
+    )
     parser.add_argument("--no-docs", action="store_true", help="do not rewrite docs/performance.md")
     parser.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args(argv)

@@ -35,6 +35,7 @@ from benchmarks.common import (
     fmt_seconds,
     machine_info,
     median,
+    plugin_checkout,
     run_measured,
     setup_logging,
 )
@@ -298,7 +299,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--size", required=True, choices=sorted(SIZES))
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--out-shard-size", default=SHARD_SIZE)
-    parser.add_argument("--plugin", type=Path, help="checkout whose mergekit_ram the merges use (default: this one)")
+    parser.add_argument(
+        "--plugin", type=plugin_checkout, help="checkout whose mergekit_ram the merges use (default: this one)"
+    )
     parser.add_argument("--cap-gib", type=float, help="inmemory: RLIMIT_DATA for both children, in GiB")
     parser.add_argument("--no-check", action="store_true", help="inmemory: skip the element-wise comparison")
     parser.add_argument("--json", type=Path)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import time
@@ -17,7 +18,7 @@ from benchmarks.agents.evaluate import EvalConfig, eval_sets
 from benchmarks.agents.model import ModelSize, completion_text, greedy_correct, new_model, sample, save_model
 from benchmarks.agents.run import main
 from benchmarks.agents.tasks import TASKS, Problem, sample_problems, split_of
-from benchmarks.common import REPO_ROOT, child_env
+from benchmarks.common import REPO_ROOT, plugin_checkout
 from tests.conftest import run_script
 
 
@@ -134,6 +135,6 @@ def test_region_controls_split_each_agents_changes_into_unique_and_shared(tmp_pa
 
 def test_a_plugin_checkout_without_the_package_is_refused(tmp_path: Path) -> None:
     """``--plugin`` naming a folder without ``mergekit_ram/`` would measure the editable install instead."""
-    with pytest.raises(SystemExit, match="no mergekit_ram/ there"):
-        child_env(tmp_path)
-    assert child_env(REPO_ROOT)["PYTHONPATH"].split(os.pathsep)[0] == str(REPO_ROOT)
+    with pytest.raises(argparse.ArgumentTypeError, match="no mergekit_ram/ there"):
+        plugin_checkout(str(tmp_path))
+    assert plugin_checkout(str(REPO_ROOT)) == REPO_ROOT
