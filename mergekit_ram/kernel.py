@@ -100,15 +100,13 @@ class _Scratch:
         self.start, self.length = 0, size
         self._buffers: dict[str, Tensor] = {}
 
-    def __call__(self, name: str, rows: int = 0, dtype: Optional[torch.dtype] = None) -> Optional[Tensor]:
+    def __call__(self, name: str, rows: int = 0) -> Optional[Tensor]:
         """The buffer ``name`` for the chunk's length (``rows`` > 0: that many rows of it, contiguous)."""
         if not self.reuse:
             return None
         buffer = self._buffers.get(name)
         if buffer is None:
-            buffer = self._buffers[name] = torch.empty(
-                max(rows, 1) * self.size, dtype=dtype or self.dtype, device=self.device
-            )
+            buffer = self._buffers[name] = torch.empty(max(rows, 1) * self.size, dtype=self.dtype, device=self.device)
         return buffer[: rows * self.length].view(rows, self.length) if rows else buffer[: self.length]
 
 
@@ -122,11 +120,7 @@ def count_overlaps(
     tally = torch.zeros((n, n), dtype=torch.int64, device=base.device)
     with torch.no_grad():
         for scratch, base_chunk, chunks in _chunks(base, finetunes, dtype, chunk_elements) if n else ():
-            base_c = _cast(base_chunk, dtype, scratch("base"))
-            magnitudes = scratch("masks", n)
-            assert magnitudes is not None
-            for index, finetune in enumerate(chunks):
-                torch.sub(finetune, base_c, out=magnitudes[index]).abs_()
+            magnitudes = _magnitudes(scratch, base_chunk, chunks, dtype)
             if not math.isfinite(magnitudes.sum().item()):  # a NaN or Inf input; a finite sum may overflow
                 _check_finite(base_chunk, chunks, chunk_elements)
             masks = torch.gt(magnitudes, epsilon, out=magnitudes)
@@ -208,6 +202,16 @@ def _chunks(
         chunk = slice(start, min(start + chunk_elements, numel))
         scratch.start, scratch.length = start, chunk.stop - start
         yield scratch, flat_base[chunk], [finetune[chunk] for finetune in flat_finetunes]
+
+
+def _magnitudes(o: _Scratch, base_chunk: Tensor, chunks: Sequence[Tensor], dtype: torch.dtype) -> Tensor:
+    """|tau_t| = |theta_t - theta_pre| of one chunk in ``dtype``, a row per model, in the scratch's "masks"."""
+    base_c = _cast(base_chunk, dtype, o("base"))
+    magnitudes = o("masks", len(chunks))
+    assert magnitudes is not None
+    for index, finetune in enumerate(chunks):
+        torch.sub(finetune, base_c, out=magnitudes[index]).abs_()
+    return magnitudes
 
 
 def _cast(tensor: Tensor, dtype: torch.dtype, out: Optional[Tensor]) -> Tensor:
@@ -340,10 +344,11 @@ def _ties_thresholds(
     n = len(finetunes)
     finfo = torch.finfo(dtype)
     above = torch.nextafter(torch.tensor(max(epsilon, 0.0), dtype=dtype), torch.tensor(math.inf, dtype=dtype))
-    prefixes, ranks = [0] * n, [0] * n
+    prefixes, ranks, shared = [0] * n, [0] * n, 0
     for shift in range(finfo.bits - _DIGIT_BITS, -1, -_DIGIT_BITS) if density < 1.0 and n else ():
-        tables, shared = _digit_tables(base, finetunes, epsilon, dtype, chunk_elements, shift, prefixes)
+        tables, counted = _digit_tables(base, finetunes, epsilon, dtype, chunk_elements, shift, prefixes)
         if shift == finfo.bits - _DIGIT_BITS:
+            shared = counted
             ranks = [math.floor(shared * (1.0 - density))] * n
             if ranks[0] == 0:  # P == 0 or k == 0: nothing trimmed
                 break
@@ -370,21 +375,18 @@ def _digit_tables(
     prefixes: list[int],
 ) -> tuple[Tensor, int]:
     """Per model, the histogram of the digit ``(bits >> shift) & 0xFFFF`` of |tau_t| at the shared positions (0
-    elsewhere) among those under its prefix; and P. Inactive entries count too: at most epsilon, they change the
-    k-th smallest only where it is raised above epsilon anyway."""
+    elsewhere) among those under its prefix; and P, counted on the first pass (0 on the others). Inactive entries
+    count too: at most epsilon, they change the k-th smallest only where it is raised above epsilon anyway."""
     n, width = len(finetunes), (1 << _DIGIT_BITS) + 2  # digit + 1; 0 below the prefix, 2**16 + 1 above it
     key_dtype = torch.int32 if dtype == torch.float32 else torch.int64
+    first = shift == torch.finfo(dtype).bits - _DIGIT_BITS
     below = torch.tensor([(prefix << _DIGIT_BITS) - 1 for prefix in prefixes], dtype=key_dtype, device=base.device)
     tables = torch.zeros((n, width), dtype=torch.int64, device=base.device)
     shared = 0
     with torch.no_grad():
         for o, base_chunk, chunks in _chunks(base, finetunes, dtype, chunk_elements):
-            base_c = _cast(base_chunk, dtype, o("base"))
-            magnitudes = o("masks", n)
-            assert magnitudes is not None
-            for index, finetune in enumerate(chunks):
-                torch.sub(finetune, base_c, out=magnitudes[index]).abs_()
-            if shift == torch.finfo(dtype).bits - _DIGIT_BITS and not math.isfinite(magnitudes.sum().item()):
+            magnitudes = _magnitudes(o, base_chunk, chunks, dtype)
+            if first and not math.isfinite(magnitudes.sum().item()):
                 _check_finite(base, finetunes, chunk_elements)  # NaN or Inf keys would not order
                 raise MergeOverflowError(dtype)  # an update, before any trimming
             c = None
@@ -392,7 +394,8 @@ def _digit_tables(
                 c = _accumulate(c, torch.gt(magnitude, epsilon, out=o("mask")), None, 1.0, o("c"))
             assert c is not None
             sharing = torch.ge(c, 2, out=c)
-            shared += int(sharing.sum().item())
+            if first:
+                shared += int(sharing.sum().item())
             keys = magnitudes.mul_(sharing).view(key_dtype).bitwise_right_shift_(shift)
             keys.sub_(below.view(n, 1)).clamp_(0, width - 1)
             for index in range(n):
