@@ -52,7 +52,7 @@ def descriptor_path(handle: int, path: Optional[str] = None) -> Optional[str]:
         if candidate is not None:
             with contextlib.suppress(OSError):
                 status = os.stat(candidate)
-                if (status.st_dev, status.st_ino) == (opened.st_dev, opened.st_ino):
+                if os.path.samestat(status, opened):
                     return candidate
     return None
 

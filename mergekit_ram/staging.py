@@ -53,6 +53,7 @@ from mergekit_ram._version import __version__
 from mergekit_ram.errors import RamError
 from mergekit_ram.files import UnreadableFile, descriptor_path, open_regular, plain_name, read_json, write_new
 from mergekit_ram.signals import HeldSignals
+from mergekit_ram.stats.schema import STATISTICS_FILE
 
 LOG = logging.getLogger(__name__)
 
@@ -70,7 +71,7 @@ _WEIGHT = re.compile(r"(?s:.*)\.(safetensors|bin)(\.index\.json)?")
 #: What transformers and mergekit load as a model's weights: a kept one may shadow the new merge.
 _LOADED = re.compile(r"(model|pytorch_model)(-\d+-of-\d+)?\.(safetensors|bin)(\.index\.json)?")
 #: Files every mergekit-yaml merge writes (the card and recipe unless told not to), besides the weights.
-_ALWAYS_WRITTEN = (_CONFIG, "README.md", "mergekit_config.yml", "ram_statistics.json")
+_ALWAYS_WRITTEN = (_CONFIG, "README.md", "mergekit_config.yml", STATISTICS_FILE)
 _OUT = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 _FOLDER = _OUT | os.O_NOFOLLOW
 _NEW_LOCK = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -210,7 +211,7 @@ class _Folder:
     def holds(self) -> bool:
         """Whether the path still names the folder this run opened (invariant 5)."""
         with contextlib.suppress(OSError):
-            return self.out >= 0 and _same(os.fstat(self.out), os.stat(self.path))
+            return self.out >= 0 and os.path.samestat(os.fstat(self.out), os.stat(self.path))
         return False
 
     def record(self) -> None:
@@ -408,7 +409,7 @@ def _open_lock(out: int, out_path: str) -> Optional[tuple[int, Optional[os.stat_
             f"another merge is writing to {out_path}, or one was killed while taking its lock: {path} is "
             f"{_user(found.st_uid)}'s and this user may not open it; if no merge runs there, remove that file"
         ) from None
-    if not _same(os.fstat(lock), found):
+    if not os.path.samestat(os.fstat(lock), found):
         os.close(lock)
         return None
     return lock, found
@@ -436,7 +437,7 @@ def _lock_mode(folder: os.stat_result, group: int) -> int:
 def _is_lock(out: int, lock: int) -> bool:
     """Whether OUT's lock file is still the file ``lock`` has open."""
     with contextlib.suppress(OSError):
-        return lock >= 0 and _same(os.stat(LOCK_FILE, dir_fd=out, follow_symlinks=False), os.fstat(lock))
+        return lock >= 0 and os.path.samestat(os.stat(LOCK_FILE, dir_fd=out, follow_symlinks=False), os.fstat(lock))
     return False
 
 
@@ -540,7 +541,7 @@ def _recorded_weights(out: int, out_path: str, skip: Collection[str]) -> list[st
 def _remove_marker(out: int, marker: os.stat_result) -> None:
     """Remove this run's marker: only the file it wrote, not one put there since."""
     with contextlib.suppress(FileNotFoundError):
-        if _same(os.stat(MARKER_FILE, dir_fd=out, follow_symlinks=False), marker):
+        if os.path.samestat(os.stat(MARKER_FILE, dir_fd=out, follow_symlinks=False), marker):
             os.unlink(MARKER_FILE, dir_fd=out)
 
 
@@ -570,10 +571,6 @@ def _kind(name: str, folder: int) -> Optional[str]:
         return "folder" if stat.S_ISDIR(os.stat(name, dir_fd=folder, follow_symlinks=False).st_mode) else "file"
     except FileNotFoundError:
         return None
-
-
-def _same(a: os.stat_result, b: os.stat_result) -> bool:
-    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
 def _reason(error: OSError) -> str:
