@@ -275,15 +275,35 @@ PROCESS_EVENTS = frozenset(
 )
 
 
+#: This checkout's code: a module of it that starts a process while imported is the project's doing, not a library's.
+PROJECT_CODE = tuple(str(Path(__file__).resolve().parent.parent / part) + os.sep for part in ("mergekit_ram", "tests"))
+
+
+def library_start_up(frame: Optional[Any]) -> bool:
+    """Whether ``frame`` runs inside the import of a module from outside this project: a library's own start-up
+    (matplotlib runs ``fc-list`` while importing its font manager the first time, with an empty MPLCONFIGDIR), which
+    the test does not start and a warm cache would skip."""
+    while frame is not None:
+        caller = frame.f_back
+        importing = caller is not None and caller.f_code.co_filename.startswith("<frozen importlib")
+        if frame.f_code.co_name == "<module>" and importing:
+            return not os.path.realpath(frame.f_code.co_filename).startswith(PROJECT_CODE)
+        frame = caller
+    return False
+
+
 class ProcessAudit:
     """Refuses a new process in a test without the ``process`` mark, so the marked tests are every test that
-    starts one (``pytest -m process`` runs them alone; at most 20 such functions)."""
+    starts one (``pytest -m process`` runs them alone; at most 20 such functions); a library's start-up while it is
+    imported is not the test's (``library_start_up``)."""
 
     def __init__(self) -> None:
         self.item: Optional[pytest.Item] = None
 
     def __call__(self, event: str, args: tuple[Any, ...]) -> None:
-        if event in PROCESS_EVENTS and self.item is not None and self.item.get_closest_marker("process") is None:
+        if event not in PROCESS_EVENTS or self.item is None or self.item.get_closest_marker("process") is not None:
+            return
+        if not library_start_up(sys._getframe(1)):
             raise RuntimeError(f"{self.item.nodeid} starts a process ({event}): mark it @pytest.mark.process")
 
     @pytest.hookimpl(hookwrapper=True)
