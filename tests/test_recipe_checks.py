@@ -220,6 +220,76 @@ def test_a_second_entry_of_one_folder_with_an_override_is_refused(bf16_models: M
     assert [m["model"] for m in load_statistics(out)["models"]] == [*bf16_models.agents[1:], bf16_models.agents[0]]
 
 
+# Local folders written like Hub ids ---------------------------------------------------
+
+
+def _relative_models(models: ModelSet, root: str) -> dict[str, str]:
+    """``models/base``, ``models/agent-0``... as links in ``root`` (the folder the command runs in)."""
+    os.makedirs(os.path.join(root, "models"))
+    named = {"base": models.base, **{f"agent-{index}": agent for index, agent in enumerate(models.agents)}}
+    for name, target in named.items():
+        os.symlink(target, os.path.join(root, "models", name))
+    return {name: f"models/{name}" for name in named}
+
+
+HUB_LIKE = (
+    "model path models/base is a local folder written like a Hub id (org/name), which mergekit's model card would "
+    "look up on the Hub once the merge is done: write it ./models/base"
+)
+
+
+def test_a_local_folder_written_like_a_hub_id_is_refused_before_the_merge(
+    bf16_models: ModelSet, tmp_path, monkeypatch
+) -> None:
+    """mergekit's card writer asks the Hub about ``models/base`` after the whole merge (offline: a 74-line
+    traceback); refused first, on every entry point, before the output folder is made."""
+    monkeypatch.chdir(tmp_path)
+    paths = _relative_models(bf16_models, str(tmp_path))
+    recipe = {
+        "merge_method": "ram_plus",
+        "base_model": paths["base"],
+        "models": [{"model": paths[f"agent-{index}"]} for index in range(len(bf16_models.agents))],
+    }
+    with pytest.raises(RecipeError) as refused:
+        merge_yaml(recipe, str(tmp_path / "api"))
+    assert str(refused.value) == HUB_LIKE
+    path = write_recipe(str(tmp_path / "recipe.yml"), recipe)
+    assert command_refusal(mergekit_yaml, path, str(tmp_path / "yaml")) == HUB_LIKE
+    stages = ["--intermediate-dir", str(tmp_path / "stages"), "--out-path", str(tmp_path / "stages" / "final")]
+    multi = run_script("mergekit-multi", path, *stages, check=False)
+    assert multi.returncode == 1 and multi.stderr.strip().splitlines()[-1] == f"Error: {HUB_LIKE}"
+    assert not any(os.path.exists(tmp_path / name) for name in ("api", "yaml", "stages/final"))
+    agent = {
+        **recipe,
+        "base_model": f"./{paths['base']}",
+        "models": [{"model": "./models/agent-0"}, {"model": "models/agent-1"}],
+    }
+    with pytest.raises(RecipeError, match="model path models/agent-1 is a local folder written like a Hub id"):
+        merge_yaml(agent, str(tmp_path / "api"))
+
+
+def test_written_as_a_local_path_it_merges_and_the_card_names_the_folder(
+    bf16_models: ModelSet, tmp_path, monkeypatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    paths = _relative_models(bf16_models, str(tmp_path))
+    recipe = {
+        "merge_method": "ram",
+        "base_model": f"./{paths['base']}",
+        "models": [{"model": f"./{paths[f'agent-{index}']}"} for index in range(len(bf16_models.agents))],
+    }
+    merge_yaml(recipe, str(tmp_path / "out"))
+    card = (tmp_path / "out" / "README.md").read_text(encoding="utf-8")
+    assert "using ./models/base as a base" in card and "huggingface.co/models" not in card
+    written = {**recipe, "base_model": paths["base"]}  # without a card, mergekit asks the Hub nothing
+    run_merge(
+        MergeConfiguration.model_validate(written),
+        str(tmp_path / "no-card"),
+        MergeOptions(quiet=True, write_model_card=False),
+    )
+    assert os.path.exists(tmp_path / "no-card" / "ram_statistics.json")
+
+
 # MERGEKIT_RAM_BUILTIN_RAM -----------------------------------------------------------
 
 

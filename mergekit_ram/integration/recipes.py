@@ -6,12 +6,14 @@ mergekit's pydantic classes drop what they do not know, so a misspelled key woul
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
 import yaml
+from huggingface_hub.utils import HFValidationError, validate_repo_id
 from mergekit.merge_methods import get, registered_methods
 from pydantic import BaseModel, ValidationError
 
@@ -56,6 +58,26 @@ def check_config(config: Any, headers: HeaderCache, options: Any, source: Option
     lora_cache = bool(getattr(options, "lora_merge_cache", None))
     base_model = None if base is None else model_identity(base)
     check_models(method, base_model, list(model_lists(config)), headers, fit, lora_cache)
+    if getattr(options, "write_model_card", False):
+        check_card_paths(config)
+
+
+def check_card_paths(config: Any) -> None:
+    """A local folder written like a Hub id (``models/base``, ``base``): mergekit's card writer asks the Hub whether
+    it is one (``mergekit.card.is_hf``: no ``/`` or ``~`` first, at most one ``/``), after the whole merge; offline
+    that is a traceback, online a stranger's repository. ``./models/base`` is local to it, as to the merge."""
+    for _, node in sorted(recipe_nodes(config), key=lambda found: found[0] != "base_model"):  # the base first
+        if not {"model", "lora"} <= set(type(node).model_fields):
+            continue
+        for path in (node.model.path, *([node.lora.path] if node.lora is not None else [])):
+            if path[:1] in "/~" or path.count("/") > 1 or not os.path.exists(path):
+                continue
+            with contextlib.suppress(HFValidationError):
+                validate_repo_id(path)
+                raise RecipeError(
+                    f"model path {path} is a local folder written like a Hub id (org/name), which mergekit's model "
+                    f"card would look up on the Hub once the merge is done: write it ./{path}"
+                )
 
 
 def _definitions(architecture: str) -> list[Any]:
