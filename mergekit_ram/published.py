@@ -12,7 +12,7 @@ import yaml
 
 import mergekit_ram.bounded_yaml as bounded_yaml
 from mergekit_ram.stats.data import RamStatistics
-from mergekit_ram.stats.render import card_markdown, compact_table
+from mergekit_ram.stats.render import card_markdown, model_table
 from mergekit_ram.stats.schema import STATISTICS_FILE
 
 CARD_TAG = "mergekit-ram"  # the Hub tag of every model merged with mergekit-ram's methods
@@ -88,10 +88,10 @@ def read_card(card: str, what: str = "README.md's front matter") -> Card:
 
 
 def report_summary(out_path: str, statistics: RamStatistics) -> None:
-    """Model, density, rho and lambda on stderr after a merge (not under ``--quiet``, as mergekit's own)."""
+    """Each model's figures and the legend on stderr after a merge (not under ``--quiet``, as mergekit's own)."""
     settings = ", ".join(f"{key} = {value}" for key, value in statistics.parameters.items())
     click.echo(
         f"{statistics.method} merge written to {out_path} ({settings}); "
-        f"per-tensor counts in {STATISTICS_FILE}\n{compact_table(statistics)}",
+        f"per-tensor counts in {STATISTICS_FILE}\n{model_table(statistics)}",
         err=True,
     )

@@ -34,13 +34,18 @@ class Rule(NamedTuple):
     method: str  # the paper's name for the method it gives
     formula: str  # lambda_t in one line, for docs and messages
     factor: Callable[[float, float], float]
+    cap: str  # the largest lambda_t, in words
 
 
 #: Every rescaling rule, by the name the recipe's ``rule`` gives it; the first is the default.
 RULES: Mapping[str, Rule] = MappingProxyType(
     {
-        "clip": Rule("RAM+", "1 + r * clip(rho, 0, alpha)", lambda rho, alpha: min(max(rho, 0.0), alpha)),
-        "soft": Rule("RAM+s", "1 + r * rho / (1 + rho)", lambda rho, _: rho / (1.0 + rho) if rho < math.inf else 1.0),
+        "clip": Rule(
+            "RAM+", "1 + r * clip(rho, 0, alpha)", lambda rho, alpha: min(max(rho, 0.0), alpha), "1 + r * alpha"
+        ),
+        "soft": Rule(
+            "RAM+s", "1 + r * rho / (1 + rho)", lambda rho, _: rho / (1.0 + rho) if rho < math.inf else 1.0, "1 + r"
+        ),
     }
 )
 

@@ -32,13 +32,13 @@ def summary_rows(stderr: str, out: str) -> dict[str, list[str]]:
     """The table printed after the RAM merge into ``out``: model -> [density, rho, lambda]."""
     lines = stderr.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith(f"ram_plus merge written to {out} ("))
-    assert lines[start + 1].split() == ["model", "density", "rho", "lambda"]
+    assert lines[start + 1].split() == ["model", "density", "changed", "shared", "unique", "rho", "lambda"]
     rows = {}
     for line in lines[start + 3 :]:
-        cells = line.split()
-        if len(cells) != 4 or not cells[1].endswith("%"):
+        cells = line.removesuffix(" (cap)").split()
+        if len(cells) != 7 or not cells[1].endswith("%"):
             break
-        rows[cells[0]] = cells[1:]
+        rows[cells[0]] = [cells[1], *cells[5:]]
     return rows
 
 

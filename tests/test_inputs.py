@@ -19,7 +19,7 @@ from mergekit.scripts.merge_raw_pytorch import main as mergekit_pytorch
 from mergekit.scripts.run_yaml import main as mergekit_yaml
 from safetensors.torch import load_file, save_file
 
-from mergekit_ram.stats.render import compact_table
+from mergekit_ram.stats.render import model_table
 from mergekit_ram.stats.schema import statistics_from_dict
 from tests.conftest import (
     Merged,
@@ -113,8 +113,8 @@ def test_stray_files_are_never_opened(bf16_models: ModelSet, snapshot: str, ram_
     assert len(table) == 2 + len(statistics.models)
     assert table[2].startswith("| /") and "/coding \\| agent<br>snapshot | " in table[2]
     assert all(row.replace("\\|", "").count("|") == 8 for row in table)
-    shown = compact_table(statistics)  # as the terminal showed it after the merge
-    assert shown in completed.stderr and len(shown.splitlines()) == 2 + len(statistics.models)
+    shown = model_table(statistics)  # as the terminal showed it after the merge
+    assert shown in completed.stderr and len(shown.splitlines()) == 4 + len(statistics.models)
     assert "coding | agent\\nsnapshot" in shown
 
 

@@ -116,19 +116,23 @@ def test_every_merge_leaves_its_statistics(bf16_models: ModelSet, ram_plus_merge
     assert "silently runs its own built-in `ram`" not in card  # that note is for ram only
 
 
-def test_ram_unique_shows_its_scale_and_marks_only_pins(bf16_models: ModelSet, tmp_path) -> None:
-    """ram_unique's factor is its recipe's ``scale``: the terminal's table, the probe and the card head that
-    column ``scale`` and mark no row (a scale is a setting, not a pinned statistic), so no footnote either;
-    a pinned lambda of ram_plus is marked, with the footnote."""
+def test_tables_mark_pins_and_the_cap_and_say_what_the_columns_are(bf16_models: ModelSet, tmp_path) -> None:
+    """The table after a merge has the probe's columns and a legend. ram_unique's factor is its recipe's ``scale``:
+    the terminal's table, the probe and the card head that column ``scale`` and mark no row (a scale is a setting,
+    not a pinned statistic); a pinned lambda of ram_plus is marked, and a lambda at its cap 1 + r * alpha."""
     recipe = bf16_models.recipe("ram_unique")
     recipe["models"][1]["parameters"] = {"scale": 1.5}
     path = write_recipe(str(tmp_path / "unique.yml"), recipe)
     out = str(tmp_path / "out")
     merged = run_script("mergekit-yaml", path, out)
-    table = merged.stderr[merged.stderr.index("ram_unique merge written to") :].splitlines()[1:6]
-    assert table[0].split() == ["model", "density", "rho", "scale"]
+    table = merged.stderr[merged.stderr.index("ram_unique merge written to") :].splitlines()[1:8]
+    assert table[0].split() == ["model", "density", "changed", "shared", "unique", "rho", "scale"]
     assert [row.split()[-1] for row in table[2:5]] == ["1.0000", "1.5000", "1.0000"]
-    assert "pinned" not in merged.stderr and "*" not in "".join(table)
+    assert (
+        table[6]
+        == "rho = shared / unique; scale: the recipe's factor of its unique changes (shared positions keep the base)"
+    )
+    assert "pinned" not in merged.stderr and "cap" not in "".join(table)
     probed = run_script("mergekit-ram", "probe", path).stdout.splitlines()
     header = next(line for line in probed if line.startswith("model "))
     assert header.split() == ["model", "density", "changed", "shared", "unique", "rho", "scale"]
@@ -139,13 +143,18 @@ def test_ram_unique_shows_its_scale_and_marks_only_pins(bf16_models: ModelSet, t
     assert f"| {bf16_models.agents[1]} |" in card and "| 1.5000 |" in card
 
     pinned = bf16_models.recipe("ram_plus")
-    pinned["models"][0]["parameters"] = {"lambda": 1.3}
+    pinned["models"][1]["parameters"] = {"lambda": 1.3}  # the coding agent's rho (about 17) is above alpha
     merged = run_script("mergekit-yaml", write_recipe(str(tmp_path / "pinned.yml"), pinned), str(tmp_path / "p"))
     lines = merged.stderr[merged.stderr.index("ram_plus merge written to") :].splitlines()
-    assert lines[1].split() == ["model", "density", "rho", "lambda"]
-    assert lines[3].endswith("1.3000*") and not lines[4].endswith("*") and lines[6] == "* pinned in the recipe"
+    assert lines[1].split() == ["model", "density", "changed", "shared", "unique", "rho", "lambda"]
+    assert lines[3].endswith("1.2000 (cap)") and lines[4].endswith("1.3000 (pinned)") and lines[5].endswith(" 1.1074")
+    assert lines[7] == (
+        "rho = shared / unique; lambda = 1 + r * clip(rho, 0, alpha) scales its unique changes, at most "
+        "1 + r * alpha = 1.2000 (cap); (pinned): set in the recipe"
+    )
     card = open(os.path.join(str(tmp_path / "p"), "README.md"), encoding="utf-8").read()
-    assert "| 1.3000 (lambda pinned) |" in card
+    assert "| 1.3000 (lambda pinned) |" in card and "| 1.2000 (cap) |" in card
+    assert "rho = shared / unique; lambda = 1 + r * clip(rho, 0, alpha) scales its unique changes" in card
 
 
 def _planned_key(recipe: dict[str, Any]) -> str:
@@ -164,7 +173,7 @@ def test_cache_key_changes_when_it_must_and_only_then(bf16_models: ModelSet, tmp
     for parameters in ({"r": 0.2}, {"alpha": 0.5}, {"rule": "soft"}):
         assert _planned_key({**recipe, "parameters": parameters}) == key, parameters
     pinned = models.recipe("ram_plus")
-    pinned["models"][0]["parameters"] = {"lambda": 1.3}
+    pinned["models"][1]["parameters"] = {"lambda": 1.3}  # the coding agent's rho (about 17) is above alpha
     assert _planned_key(pinned) == key
 
     # Anything the counts depend on: new counts.

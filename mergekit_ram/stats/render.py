@@ -8,6 +8,7 @@ import math
 import os
 from typing import Mapping, NamedTuple, Sequence
 
+from mergekit_ram.rescaling import RULES
 from mergekit_ram.stats.arithmetic import by_merged_module, by_module
 from mergekit_ram.stats.data import ModelStatistics, OverlapCounts, RamStatistics
 from mergekit_ram.stats.schema import STATISTICS_FILE
@@ -86,38 +87,69 @@ class Row(NamedTuple):
     figures: tuple[str, str, str, str]
     rho: str
     factor: str
+    capped: bool  # lambda at its cap, 1 + r * alpha (``capped``)
 
-    def marked(self, mark: str) -> tuple[str, str]:
-        """rho and the factor, ``mark`` after the one the recipe pinned (a ``scale`` is a setting, never marked)."""
+    def marked(self) -> tuple[str, str]:
+        """rho and the factor, "(pinned)" after the one the recipe pinned (a ``scale`` is a setting, never marked),
+        "(cap)" after a lambda at its cap."""
         pinned = self.stats.pinned
-        return self.rho + (mark if pinned == "rho" else ""), self.factor + (mark if pinned == "lambda" else "")
+        rho = self.rho + (" (pinned)" if pinned == "rho" else "")
+        return rho, self.factor + (" (pinned)" if pinned == "lambda" else " (cap)" if self.capped else "")
 
     @property
     def pins(self) -> str:
-        return f" ({self.stats.pinned} pinned)" if self.stats.pinned in ("rho", "lambda") else ""
+        return f" ({self.stats.pinned} pinned)" if self.stats.pinned in ("rho", "lambda") else " (cap)" * self.capped
+
+
+def capped(stats: ModelStatistics, statistics: RamStatistics) -> bool:
+    """lambda_t from rho_t at the largest value the rule gives (1 + r * alpha for clip): rho_t >= alpha."""
+    rescaling = statistics.rescaling
+    if rescaling is None or rescaling.r == 0 or stats.pinned in ("lambda", "scale"):
+        return False
+    return stats.lambda_ == rescaling.largest_lambda()
 
 
 def rows(statistics: RamStatistics) -> list[Row]:
     names = display_names(statistics)
     return [
-        Row(stats, names[stats.model], figures(stats), format_rho(stats.rho), f"{stats.lambda_:.4f}")
+        Row(
+            stats,
+            names[stats.model],
+            figures(stats),
+            format_rho(stats.rho),
+            f"{stats.lambda_:.4f}",
+            capped(stats, statistics),
+        )
         for stats in statistics.models
     ]
 
 
 def model_table(statistics: RamStatistics) -> str:
-    """A fixed-width table: model, density, changed, shared, unique, rho, lambda (or scale)."""
+    """A fixed-width table: model, density, changed, shared, unique, rho, lambda (or scale); then its legend."""
     table = [(*COLUMNS, factor_name(statistics))]
-    table += [(row.name, *row.figures, *row.marked(" (pinned)")) for row in rows(statistics)]
-    return format_table(table)
+    table += [(row.name, *row.figures, *row.marked()) for row in rows(statistics)]
+    return format_table(table) + "\n" + legend(statistics)
 
 
-def compact_table(statistics: RamStatistics) -> str:
-    """The table shown after a merge: model, density, rho, lambda (or scale); pins marked * (and explained)."""
-    table = [("model", "density", "rho", factor_name(statistics))]
-    table += [(row.name, row.figures[0], *row.marked("*")) for row in rows(statistics)]
-    marked = any(cell.endswith("*") for row in table[1:] for cell in row[2:])
-    return format_table(table) + ("\n* pinned in the recipe" if marked else "")
+def legend(statistics: RamStatistics) -> str:
+    """Two lines saying what the columns are: the counts, then rho and the factor (with the cap, and pins)."""
+    counts = (
+        "density: the share of its parameters a model changed (by more than epsilon); shared: also changed by another "
+        "model; unique: by it alone"
+    )
+    rescaling, pinned = statistics.rescaling, any(stats.pinned in ("rho", "lambda") for stats in statistics.models)
+    if statistics.method == "ram_unique":
+        factor = "scale: the recipe's factor of its unique changes (shared positions keep the base)"
+    elif rescaling is None:
+        factor = "lambda = 1: RAM keeps unique changes at full strength and averages shared ones"
+    else:
+        rule = RULES[rescaling.rule]
+        factor = (
+            f"lambda = {rule.formula} scales its unique changes, at most {rule.cap} = "
+            f"{rescaling.largest_lambda():.4f} (cap)"
+        )
+    pins = "; (pinned): set in the recipe" if pinned else ""
+    return f"{counts}\nrho = shared / unique; {factor}{pins}"
 
 
 def histogram_table(statistics: RamStatistics) -> str:
@@ -169,7 +201,7 @@ def card_markdown(statistics: RamStatistics) -> str:
     ]
     table = [(*COLUMNS, factor_name(statistics))]
     table += [(row.stats.model, *row.figures, row.rho, row.factor + row.pins) for row in rows(statistics)]
-    lines += [markdown_table(table), ""]
+    lines += [markdown_table(table), "", *(line for text in legend(statistics).splitlines() for line in (text, ""))]
     merged_modules = by_merged_module(statistics)
     if merged_modules:
         lines += [
