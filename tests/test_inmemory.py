@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -195,6 +196,33 @@ def test_mismatched_inputs_name_model_and_tensor(bf16_models: ModelSet) -> None:
         merge_state_dicts({"base": base, "agent": poisoned, "other": base}, "ram_plus", base="base")
     with pytest.raises(ParameterError, match="`base` must name the base model"):
         merge_state_dicts({"base": base, "agent": base}, "ram")
+
+
+WRONG_MODELS = [
+    (5, "ram: `models` must be a mapping of names to state dicts (or torch.nn.Module), or a list of them; got int"),
+    (
+        "base",
+        "ram: `models` must be a mapping of names to state dicts (or torch.nn.Module), or a list of them; got str",
+    ),
+    (
+        {"base": {"w": torch.zeros(2)}, "agent": [torch.ones(2)]},
+        "ram: model 'agent' must be a state dict (a mapping of tensor names to tensors) or a torch.nn.Module; got list",
+    ),
+    (
+        [{"w": torch.zeros(2)}, 3],
+        "ram: model 1 must be a state dict (a mapping of tensor names to tensors) or a torch.nn.Module; got int",
+    ),
+]
+
+
+@pytest.mark.parametrize(("models", "message"), WRONG_MODELS)
+def test_models_of_another_kind_are_one_line_naming_the_argument(models: Any, message: str) -> None:
+    with pytest.raises(ParameterError) as refused:
+        merge_state_dicts(models, "ram", base=0 if isinstance(models, list) else "base")
+    assert str(refused.value) == message
+    state = {"w": torch.zeros(2)}
+    with pytest.raises(ParameterError, match=r"^ram: `base` must name the base model among \[0, 1\]; got dict$"):
+        merge_state_dicts([state, state], "ram", base=state)  # type: ignore[arg-type]
 
 
 def test_a_pin_for_some_models(bf16_models: ModelSet) -> None:

@@ -39,9 +39,10 @@ def merge_state_dicts(
     method = getattr(getattr(method, "spec", None), "name", method)
     if method not in METHOD_NAMES:
         raise ParameterError(f"method must be one of {', '.join(METHOD_NAMES)}; got {method!r}")
-    named: dict[Hashable, ModelLike] = dict(models) if isinstance(models, Mapping) else dict(enumerate(models))
-    if base is None or base not in named:
-        raise ParameterError(f"{method}: `base` must name the base model among {list(named)}; got {base!r}")
+    named = _named_models(method, models)
+    if not isinstance(base, Hashable) or base is None or base not in named:
+        shown = repr(base) if isinstance(base, (str, int, type(None))) else type(base).__name__
+        raise ParameterError(f"{method}: `base` must name the base model among {list(named)}; got {shown}")
     register()  # also where the start-up hook is off
     finetunes = [key for key in named if key != base]
     supplied = _filled(method, dict(parameters or {}), finetunes)
@@ -82,6 +83,29 @@ def merge_state_dicts(
         batch_options=batch_options,
     )
     return merged, statistics
+
+
+def _named_models(method: str, models: Any) -> dict[Hashable, ModelLike]:
+    """The models by name (a list's by position), each a state dict or a module; else one line saying what is
+    expected."""
+    if isinstance(models, Mapping):
+        named = dict(models)
+    elif isinstance(models, (list, tuple)):
+        named = dict(enumerate(models))
+    else:
+        raise ParameterError(
+            f"{method}: `models` must be a mapping of names to state dicts (or torch.nn.Module), or a list of them; "
+            f"got {type(models).__name__}"
+        )
+    for key, model in named.items():
+        if not isinstance(model, torch.nn.Module) and not (
+            isinstance(model, Mapping) and all(isinstance(tensor, torch.Tensor) for tensor in model.values())
+        ):
+            raise ParameterError(
+                f"{method}: model {key!r} must be a state dict (a mapping of tensor names to tensors) or a "
+                f"torch.nn.Module; got {type(model).__name__}"
+            )
+    return named
 
 
 def _filled(method: str, parameters: dict[str, Any], finetunes: Sequence[Hashable]) -> dict[str, Any]:
