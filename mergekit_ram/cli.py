@@ -217,51 +217,53 @@ def probe(
     one --stage names). Nothing is merged or written (but the cache and --plot).
     """
     from mergekit_ram.errors import reported
+    from mergekit_ram.interrupts import Quiet
     from mergekit_ram.plot import check_plot_extra, plot_statistics
     from mergekit_ram.probe import probe_options, probe_report_json, probe_stages, select_stages, stage_plot_path
     from mergekit_ram.stats.render import histogram_table, model_table, module_table
 
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING)
-    try:
-        if plot_path is not None:
-            check_plot_extra()  # before any work, and before the cache can answer
-        with needs_mergekit("mergekit-ram probe"):
-            options = probe_options(mergekit_options, quiet=as_json or not verbose)
-            selection = select_stages(recipe, stage, intermediate_dir)
-        for note in selection.not_probed:
-            click.echo(f"note: {note}", err=True)
-        reports = probe_stages(selection, options, refresh)
-        if plot_path is not None:
-            for chosen, statistics in reports:
-                plot_statistics(statistics, stage_plot_path(plot_path, chosen, selection))
-    except Exception as error:
-        found = reported(error, "probing")
-        if found is None:
-            raise
-        if verbose:
-            logging.getLogger(__name__).error("traceback of the error reported below", exc_info=error)
-        if found is error:
-            raise
-        raise found from error
-    if as_json:
-        click.echo(json.dumps(probe_report_json(selection, reports, by_module), indent=2))
-        return
-    for index, (chosen, statistics) in enumerate(reports):
-        if index:
-            click.echo("")
-        settings = ", ".join(f"{key} = {value}" for key, value in statistics.parameters.items())
-        of = recipe if chosen.name is None else f"{recipe}, stage {chosen.name}"
-        click.echo(f"{statistics.method} probe of {of} ({settings})\n")
-        click.echo(model_table(statistics))
-        click.echo("\nChanged parameters by how many models changed them (k):\n")
-        click.echo(histogram_table(statistics))
-        if by_module:
-            click.echo("\nBy part of the network (rho local to that part; lambda uses the global rho):\n")
-            click.echo(module_table(statistics))
-        for warning in statistics.warnings:
-            click.echo(f"\nwarning: {warning}", err=True)
-        if plot_path is not None:
-            click.echo(f"\nFigure written to {stage_plot_path(plot_path, chosen, selection)}")
+    with Quiet("Interrupted: the probe stopped; nothing was merged"):
+        try:
+            if plot_path is not None:
+                check_plot_extra()  # before any work, and before the cache can answer
+            with needs_mergekit("mergekit-ram probe"):
+                options = probe_options(mergekit_options, quiet=as_json or not verbose)
+                selection = select_stages(recipe, stage, intermediate_dir)
+            for note in selection.not_probed:
+                click.echo(f"note: {note}", err=True)
+            reports = probe_stages(selection, options, refresh)
+            if plot_path is not None:
+                for chosen, statistics in reports:
+                    plot_statistics(statistics, stage_plot_path(plot_path, chosen, selection))
+        except Exception as error:
+            found = reported(error, "probing")
+            if found is None:
+                raise
+            if verbose:
+                logging.getLogger(__name__).error("traceback of the error reported below", exc_info=error)
+            if found is error:
+                raise
+            raise found from error
+        if as_json:
+            click.echo(json.dumps(probe_report_json(selection, reports, by_module), indent=2))
+            return
+        for index, (chosen, statistics) in enumerate(reports):
+            if index:
+                click.echo("")
+            settings = ", ".join(f"{key} = {value}" for key, value in statistics.parameters.items())
+            of = recipe if chosen.name is None else f"{recipe}, stage {chosen.name}"
+            click.echo(f"{statistics.method} probe of {of} ({settings})\n")
+            click.echo(model_table(statistics))
+            click.echo("\nChanged parameters by how many models changed them (k):\n")
+            click.echo(histogram_table(statistics))
+            if by_module:
+                click.echo("\nBy part of the network (rho local to that part; lambda uses the global rho):\n")
+                click.echo(module_table(statistics))
+            for warning in statistics.warnings:
+                click.echo(f"\nwarning: {warning}", err=True)
+            if plot_path is not None:
+                click.echo(f"\nFigure written to {stage_plot_path(plot_path, chosen, selection)}")
 
 
 def _license_id(context: click.Context, parameter: click.Parameter, value: str | None) -> str | None:
@@ -347,15 +349,18 @@ def check(
     once nothing is missing (each local model needs its id). Running it again changes nothing.
     """
     from mergekit_ram.hub_ids import prepare_for_hub
+    from mergekit_ram.interrupts import Quiet
     from mergekit_ram.sharing import check_folder
 
     pairs = [*hub_ids, *hub_id_file]
     changed = prepare_for_hub(out_dir, pairs, license_id) if pairs or license_id is not None else []
-    report = check_folder(out_dir, accept_warnings, changed)
-    if changed:
-        click.echo(f"rewrote {', '.join(changed)}", err=True)
-    if as_json:
-        click.echo(json.dumps(report.to_json(), indent=2))
-    else:
-        click.echo("\n".join(report.lines()))
+    state = f"{out_dir} holds the rewritten {', '.join(changed)}" if changed else f"{out_dir} was not changed"
+    with Quiet(f"Interrupted: the check stopped; {state}"):  # it only reads from here on
+        report = check_folder(out_dir, accept_warnings, changed)
+        if changed:
+            click.echo(f"rewrote {', '.join(changed)}", err=True)
+        if as_json:
+            click.echo(json.dumps(report.to_json(), indent=2))
+        else:
+            click.echo("\n".join(report.lines()))
     click.get_current_context().exit(0 if report.ready else 1)

@@ -36,6 +36,25 @@ def quiet_start() -> None:
         signal.signal(signal.SIGINT, _QuietExit(BEFORE_START))
 
 
+class Quiet:
+    """Meanwhile Ctrl-C ends the process at once with ``message`` (for a command that writes nothing meanwhile: no
+    library's half-finished import or caught exception is mistaken for a finding), unless SIGINT has another
+    handler; as it was after."""
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+        self.previous = None
+
+    def __enter__(self) -> None:
+        self.previous = signal.getsignal(signal.SIGINT)
+        if self.previous is signal.default_int_handler:
+            signal.signal(signal.SIGINT, _QuietExit(self.message))
+
+    def __exit__(self, *_exception: object) -> None:
+        if self.previous is signal.default_int_handler:
+            signal.signal(signal.SIGINT, self.previous)
+
+
 def merge_started() -> bool:
     """Ctrl-C raises ``KeyboardInterrupt`` again; whether a console script's quiet handler was there."""
     if isinstance(signal.getsignal(signal.SIGINT), _QuietExit):

@@ -146,3 +146,18 @@ def test_ctrl_c_elsewhere_is_as_without_the_plugin(models: ModelSet, tmp_path) -
     recipe = write_recipe(str(tmp_path / "r.yml"), models.recipe("linear", parameters={"weight": 1.0}))
     completed = interrupted([script("mergekit-yaml"), recipe, str(tmp_path / "out")], "open:config.json:1:SIGINT")
     assert completed.returncode == 1 and completed.stderr.strip().splitlines()[-1] == "Aborted!", completed.stderr
+
+
+@pytest.mark.process
+def test_ctrl_c_in_a_probe_or_a_check_is_one_line(models: ModelSet, ram_plus_merge, tmp_path) -> None:
+    """The probe and the check only read (the check's one step that writes is its own): Ctrl-C ends them at once
+    with one line and status 130, whatever a library was doing: a Ctrl-C while safetensors imports torch for the
+    check once made it report a good weights file as "does not load"."""
+    recipe = write_recipe(str(tmp_path / "r.yml"), models.recipe("ram_plus"))
+    probed = interrupted([script("mergekit-ram"), "probe", recipe], "kernel:prepass:2:SIGINT")
+    one_line(probed, "Interrupted: the probe stopped; nothing was merged")
+    out = shutil.copytree(ram_plus_merge.out, str(tmp_path / "merged"))
+    before = snapshot(out)
+    checked = interrupted([script("mergekit-ram"), "check", out], "import:torch:1:SIGINT")
+    one_line(checked, f"Interrupted: the check stopped; {out} was not changed", out)
+    assert "problem" not in checked.stdout + checked.stderr and snapshot(out) == before
