@@ -127,3 +127,4 @@ if runs_a_merge(getattr(sys, "argv", [])) and (enabled() or os.path.basename(sys
     from mergekit_ram import interrupts
 
     interrupts.quiet_start()
+    interrupts.PlainWarnings.install()

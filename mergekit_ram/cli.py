@@ -47,6 +47,9 @@ def _print_versions(context: click.Context, _: click.Parameter, value: bool) -> 
 )
 def main() -> None:
     """Reinforced Agent Merging (RAM, RAM+) for mergekit."""
+    from mergekit_ram.interrupts import PlainWarnings
+
+    PlainWarnings.install()
 
 
 def _passthrough(kind: str) -> click.Command:

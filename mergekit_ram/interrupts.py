@@ -1,5 +1,6 @@
-"""Ctrl-C in a command that runs a merge: one line saying what the output folder holds, exit status 130.
-Standard library only (not even typing): the start-up hook imports it in mergekit's merging scripts.
+"""Ctrl-C in a command that runs a merge: one line saying what the output folder holds, exit status 130; and the
+plugin's warnings in such a command as plain ``warning: ...`` lines (``PlainWarnings``). Standard library only (not
+even typing): the start-up hook imports it in mergekit's merging scripts.
 
 In mergekit's console scripts the start-up hook (``_autoload``) installs ``quiet_start``: until a RAM merge
 begins, Ctrl-C ends the process at once with one line (nothing is written yet; mergekit's slow imports would
@@ -10,8 +11,10 @@ says the folder holds the complete new merge. Elsewhere (the Python API) SIGINT 
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
+import sys
 from types import FrameType
 
 #: 128 + SIGINT: the status a shell reports for a command that Ctrl-C ended.
@@ -43,7 +46,7 @@ class Quiet:
 
     def __init__(self, message: str) -> None:
         self.message = message
-        self.previous = None
+        self.previous: object = None
 
     def __enter__(self) -> None:
         self.previous = signal.getsignal(signal.SIGINT)
@@ -67,3 +70,38 @@ def merge_ended(message: str) -> None:
     """After a console script's merge: Ctrl-C ends it with ``message`` (what the folder holds)."""
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
         signal.signal(signal.SIGINT, _QuietExit(message))
+
+
+class PlainWarnings(logging.StreamHandler):
+    """The plugin's log records in a console script: a warning (or error) as ``warning: <message>``, without the
+    ``WARNING:mergekit_ram.<module>:`` that mergekit's scripts' ``logging.basicConfig`` puts before it; the rest
+    (INFO under ``-v``) as that format. Written to the standard error of the moment."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.setFormatter(logging.Formatter(logging.BASIC_FORMAT))
+
+    @property
+    def stream(self):  # the standard error of the moment (a test's capture, too)
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value) -> None:
+        pass
+
+    def format(self, record: logging.LogRecord) -> str:
+        if record.levelno < logging.WARNING:
+            return super().format(record)
+        text = f"{record.levelname.lower()}: {record.getMessage()}"
+        return text + "\n" + self.formatException(record.exc_info) if record.exc_info else text
+
+    @classmethod
+    def install(cls) -> PlainWarnings:
+        """On the plugin's logger, instead of the root's handlers (once); returns the handler in place."""
+        logger = logging.getLogger("mergekit_ram")
+        found = next((handler for handler in logger.handlers if isinstance(handler, cls)), None)
+        if found is None:
+            found = cls()
+            logger.addHandler(found)
+        logger.propagate = False
+        return found

@@ -60,19 +60,24 @@ def run_script(
     hook, signals) is tested in processes of their own (``run_process``)."""
     import click.testing
 
+    from mergekit_ram.interrupts import PlainWarnings
+
     command = importlib.import_module(SCRIPTS[name]).main
     fresh_loaders()
     handler = ScriptStderr()
     handler.setFormatter(logging.Formatter(logging.BASIC_FORMAT))
-    root = logging.getLogger()
+    root, plugin = logging.getLogger(), logging.getLogger("mergekit_ram")
     level, threads = root.level, torch.get_num_threads()
     verbose = any(re.fullmatch(r"-v+|--verbose", argument) for argument in args)
     root.setLevel(logging.INFO if verbose else logging.WARNING)
     root.addHandler(handler)
+    plain = PlainWarnings.install()  # as the start-up hook (and mergekit-ram's main) does in a fresh process
     try:
         result = click.testing.CliRunner().invoke(command, list(args), env=env, prog_name=name)
     finally:
         root.removeHandler(handler)
+        plugin.removeHandler(plain)
+        plugin.propagate = True
         root.setLevel(level)
         torch.set_num_threads(threads)  # mergekit's -j sets this process's
     stderr = result.stderr

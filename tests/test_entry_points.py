@@ -113,10 +113,16 @@ def test_the_start_up_hook_registers_imports_nothing_heavy_and_can_be_off(bf16_m
 @pytest.mark.process
 def test_the_real_console_script_merges_as_in_process(ram_plus_merge: Merged, tmp_path) -> None:
     """The installed mergekit-yaml, in a new interpreter: the start-up hook and the seam give the bytes, the
-    statistics and the table the in-process run gives."""
+    statistics and the table the in-process run gives; the plugin's warnings are plain ``warning:`` lines."""
     out = str(tmp_path / "out")
-    completed = run_process([script("mergekit-yaml"), ram_plus_merge.recipe, out])
+    with open(ram_plus_merge.recipe, encoding="utf-8") as handle:
+        recipe = yaml.safe_load(handle)
+    recipe["models"][0]["parameters"] = {"weight": 0.5}  # another method's: ignored, with a warning
+    completed = run_process([script("mergekit-yaml"), write_recipe(str(tmp_path / "r.yml"), recipe), out])
     assert completed.returncode == 0, completed.stderr[-3000:]
+    warned = [line for line in completed.stderr.splitlines() if "ignores parameter 'weight'" in line]
+    assert warned and warned[0].startswith("warning: ram_plus ignores parameter 'weight' (in models[0].parameters)")
+    assert "WARNING:mergekit_ram" not in completed.stderr, completed.stderr[-3000:]
     assert summary_rows(completed.stderr, out) == expected_rows(load_statistics(out))
     assert load_statistics(out)["models"] == load_statistics(ram_plus_merge.out)["models"]
     expected = load_weights(ram_plus_merge.out)
