@@ -93,7 +93,7 @@ class PlainWarnings(logging.StreamHandler):
         if record.levelno < logging.WARNING:
             return super().format(record)
         text = f"{record.levelname.lower()}: {record.getMessage()}"
-        return text + "\n" + self.formatException(record.exc_info) if record.exc_info else text
+        return text + "\n" + logging.Formatter().formatException(record.exc_info) if record.exc_info else text
 
     @classmethod
     def install(cls) -> PlainWarnings:
