@@ -47,6 +47,15 @@ def test_a_moved_internal_fails_naming_the_version(monkeypatch: pytest.MonkeyPat
     )
 
 
+def test_an_attribute_gone_from_a_class_fails_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A field of the task graph the plugin reads duck-typed (``tensor_task``), gone in another mergekit: one line
+    naming it when the boundary is imported, not an AttributeError in the middle of a merge."""
+    entry = internals.Internal("mergekit.io.tasks", "SaveTensor", attributes=("tensor_task", "tensor_job"))
+    monkeypatch.setitem(internals._ENTRIES, ("mergekit.io.tasks", "SaveTensor"), entry)  # as a later release
+    with pytest.raises(MergekitMovedError, match=r"mergekit\.io\.tasks\.SaveTensor with the attributes tensor_job in "):
+        internal("mergekit.io.tasks", "SaveTensor")
+
+
 def test_a_resigned_internal_fails_naming_the_parameters(monkeypatch: pytest.MonkeyPatch) -> None:
     def _model_out_config(config: object, arch_info: object) -> None:
         """mergekit's helper, as a release that dropped a parameter would have it."""
@@ -116,10 +125,11 @@ def test_the_plugin_uses_only_the_public_method_api_and_the_table() -> None:
 
 
 def test_the_touch_points_stay_few() -> None:
-    """At most 15 mergekit names beyond the public method API, and no class of mergekit's subclassed (so no
-    private method of mergekit's is overridden): each is a place where a new mergekit release can break the
-    plugin. The places that replace something of mergekit's are counted by ../shared/tools/weight."""
-    assert len(INTERNALS) <= 15
+    """At most 25 mergekit names beyond the public method API (every one the plugin reaches, the task graph's
+    classes read duck-typed included), and no class of mergekit's subclassed (so no private method of mergekit's
+    is overridden): each is a place where a new mergekit release can break the plugin. The places that replace
+    something of mergekit's are counted by ../shared/tools/weight."""
+    assert len(INTERNALS) <= 25
     subclasses = []
     for path in sorted(PACKAGE.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):

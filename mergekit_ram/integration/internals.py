@@ -21,11 +21,13 @@ _OLDEST, _BEYOND = (0, 1, 5), (0, 2)
 
 
 class Internal(NamedTuple):
-    """``name`` (dotted for a class's attribute) in ``module``; a replaced callable's expected ``parameters``."""
+    """``name`` (dotted for a class's attribute) in ``module``; a replaced callable's expected ``parameters``; the
+    ``attributes`` (fields) of a class's objects the plugin reads, duck-typed."""
 
     module: str
     name: str
     parameters: Optional[tuple[str, ...]] = None
+    attributes: tuple[str, ...] = ()
 
 
 #: What the plugin uses, and why (the boundary module in brackets).
@@ -40,15 +42,48 @@ INTERNALS = (
     # Registration (registration): the registry's table, to replace the built-in `ram` and bind one merge.
     Internal("mergekit.merge_methods.registry", "_METHODS"),
     # Planning as run_merge plans, and the pre-pass over the planned inputs (merge).
-    Internal("mergekit.plan", "MergePlanner"),
+    Internal("mergekit.plan", "MergePlanner", attributes=("config", "arch_info", "out_model_config")),
     Internal("mergekit.architecture", "get_architecture_info"),
     Internal("mergekit.merge", "_model_out_config", ("config", "arch_info", "trust_remote_code")),
     Internal("mergekit.io.tasks", "LoaderCache"),
     Internal("mergekit.graph", "Executor"),
-    # Recipes (recipes): architectures mergekit knows; the probe's options and mergekit-multi's stages (probe).
+    # The planned task graph, read duck-typed (merge): what each output tensor merges, from which files.
+    Internal("mergekit.io.tasks", "SaveTensor", attributes=("tensor_task",)),
+    Internal(
+        "mergekit.merge_methods.task_adapter",
+        "ExecuteMergeMethodTask",
+        attributes=("method_name", "gather_tensors", "model_order", "base_model", "output_weight", "parameters")
+        + ("input_parameters", "dtype"),
+    ),
+    Internal("mergekit.io.tasks", "GatherTensors", attributes=("weight_info",)),
+    Internal("mergekit.tokenizer.embed", "PermutedVocabulary", attributes=("gather_tensors",)),
+    Internal("mergekit.tokenizer.truncate", "TruncatedVocabulary", attributes=("gather_tensors",)),
+    Internal("mergekit.merge_methods.task_adapter", "TensorDictWrapper", attributes=("tensors",)),
+    Internal("mergekit.scripts.merge_raw_pytorch", "SimpleLoadTensor", attributes=("model", "tensor_name")),
+    Internal(
+        "mergekit.architecture.base",
+        "WeightInfo",
+        attributes=("name", "optional", "vocabulary_axis", "aliases", "tied_names"),
+    ),
+    Internal("mergekit.io.lazy_tensor_loader", "LazyTensorLoader", attributes=("index",)),
+    Internal("mergekit.io.lazy_tensor_loader", "ShardedTensorIndex", attributes=("base_path", "tensor_paths")),
+    # Recipes (recipes): architectures mergekit knows; the recipe's and the options' fields the checks read; the
+    # probe's options and mergekit-multi's stages (probe).
     Internal("mergekit.architecture.json_definitions", "NAME_TO_ARCH"),
-    Internal("mergekit.config", "MergeConfiguration"),
-    Internal("mergekit.options", "MergeOptions"),
+    Internal(
+        "mergekit.config",
+        "MergeConfiguration",
+        attributes=("merge_method", "base_model", "models", "modules", "out_dtype", "tokenizer_source", "tokenizer")
+        + ("referenced_models", "to_yaml"),
+    ),
+    Internal("mergekit.common", "ModelReference", attributes=("model", "lora", "override_architecture")),
+    Internal("mergekit.common", "ModelPath", attributes=("path", "revision")),
+    Internal(
+        "mergekit.options",
+        "MergeOptions",
+        attributes=("allow_crimes", "cuda", "device", "lora_merge_cache", "low_cpu_memory", "num_threads", "quiet")
+        + ("transformers_cache", "trust_remote_code", "write_model_card"),
+    ),
     Internal("mergekit.scripts.multimerge", "patched_config"),
 )
 _ENTRIES = {(entry.module, entry.name): entry for entry in INTERNALS}
@@ -101,6 +136,12 @@ def internal(module: str, name: str) -> Any:
         found = tuple(inspect.signature(inspect.unwrap(value)).parameters)
         if found != entry.parameters:
             raise _moved(f"{module}.{name}", f" with the parameters {', '.join(entry.parameters)}")
+    fields = {*getattr(value, "model_fields", ()), *getattr(value, "__dataclass_fields__", ())}
+    fields |= set(getattr(value, "__annotations__", {}))
+    if missing := [
+        attribute for attribute in entry.attributes if attribute not in fields and not hasattr(value, attribute)
+    ]:
+        raise _moved(f"{module}.{name}", f" with the attributes {', '.join(missing)}")
     return value
 
 

@@ -37,6 +37,19 @@ LOG = logging.getLogger(__name__)
 MergePlanner: Any = internal("mergekit.plan", "MergePlanner")
 Executor: Any = internal("mergekit.graph", "Executor")
 LoaderCache: Any = internal("mergekit.io.tasks", "LoaderCache")
+# The planned graph: each output tensor's save, its merge task, the inputs gathered (or aligned) for it.
+SaveTensor: Any = internal("mergekit.io.tasks", "SaveTensor")
+ExecuteMergeMethodTask: Any = internal("mergekit.merge_methods.task_adapter", "ExecuteMergeMethodTask")
+internal("mergekit.io.tasks", "GatherTensors")  # the inputs of a merge task, or of its alignment
+ALIGNED: tuple[Any, ...] = (
+    internal("mergekit.tokenizer.embed", "PermutedVocabulary"),
+    internal("mergekit.tokenizer.truncate", "TruncatedVocabulary"),
+)
+TensorDictWrapper: Any = internal("mergekit.merge_methods.task_adapter", "TensorDictWrapper")  # mergekit-pytorch's
+internal("mergekit.scripts.merge_raw_pytorch", "SimpleLoadTensor")  # its values
+internal("mergekit.architecture.base", "WeightInfo")  # output_weight, weight_info's values
+internal("mergekit.io.lazy_tensor_loader", "LazyTensorLoader")  # LoaderCache().get(model)
+internal("mergekit.io.lazy_tensor_loader", "ShardedTensorIndex")  # its index
 
 
 class Plan(NamedTuple):
@@ -53,8 +66,8 @@ class Plan(NamedTuple):
     def of(cls, config: Any, targets: Sequence[Any], modules: Optional[dict[str, str]] = None) -> Plan:
         """From the planner's targets: the merge tasks of the recipe's method behind them."""
         method, names = config.merge_method, model_names(config)
-        tasks = [target.tensor_task for target in targets if hasattr(target, "tensor_task")]
-        ours = [task for task in tasks if getattr(task, "method_name", None) == method]
+        tasks = [target.tensor_task for target in targets if isinstance(target, SaveTensor)]
+        ours = [task for task in tasks if isinstance(task, ExecuteMergeMethodTask) and task.method_name == method]
         resolved = [
             Resolved(
                 task.output_weight.name,
@@ -131,7 +144,7 @@ def planned_tensor(task: Any) -> PlannedTensor:
         name=task.output_weight.name,
         optional=task.output_weight.optional,
         vocabulary_axis=task.output_weight.vocabulary_axis,
-        reshaped=hasattr(source, "gather_tensors"),  # tokenizer alignment or truncation around the loads
+        reshaped=isinstance(source, ALIGNED),  # tokenizer alignment or truncation around the loads
         base=str(task.base_model),
         finetunes=tuple(str(model) for model in task.model_order if model != task.base_model),
         inputs=tuple(_task_inputs(source)),
@@ -141,11 +154,11 @@ def planned_tensor(task: Any) -> PlannedTensor:
 
 
 def _task_inputs(source: Any) -> Iterator[TensorInput]:
-    if hasattr(source, "tensors"):  # mergekit-pytorch: a file per model
+    if isinstance(source, TensorDictWrapper):  # mergekit-pytorch: a file per model
         for model, load in source.tensors.items():
             yield TensorInput(str(model), load.model, load.tensor_name)
         return
-    gather = getattr(source, "gather_tensors", source)
+    gather = source.gather_tensors if isinstance(source, ALIGNED) else source
     for model, weight in gather.weight_info.items():
         index = LoaderCache().get(model).index
         names = [weight.name, *(weight.aliases or ()), *(weight.tied_names or ())]

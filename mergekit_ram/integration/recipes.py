@@ -31,6 +31,11 @@ from mergekit_ram.parameters import (
 from mergekit_ram.planned import ModelIdentity
 
 LOG = logging.getLogger(__name__)
+# The recipe's fields, its references' and the options' the checks read: checked once, at import.
+internal("mergekit.config", "MergeConfiguration")
+internal("mergekit.common", "ModelReference")
+internal("mergekit.common", "ModelPath")
+internal("mergekit.options", "MergeOptions")
 #: Recipe classes whose keys are checked; others are leaves.
 _RECIPE_MODULES = ("mergekit.config", "mergekit.scripts.merge_raw_pytorch")
 _LAMBDA_SCOPE = " (lambda_t = 1 + r * clip(rho_t, 0, alpha) is global: one r, one alpha, one rule per merge)"
