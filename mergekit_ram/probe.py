@@ -70,9 +70,14 @@ def select_stages(recipe_path: str, stage_name: Optional[str] = None, intermedia
 
 def probe_options(arguments: Mapping[str, Any], quiet: bool) -> Any:
     """mergekit's MergeOptions of the probe's options (the device checked, the threads set), the methods
-    registered."""
+    registered (refused in one line first where the plugin cannot run with the installed mergekit)."""
+    from mergekit_ram.errors import MergekitMovedError
     from mergekit_ram.integration import register
-    from mergekit_ram.integration.internals import internal
+    from mergekit_ram.integration.internals import internal, unsupported
+
+    refusal = unsupported()
+    if refusal is not None:
+        raise MergekitMovedError(refusal)
     from mergekit_ram.integration.merge import check_setting
 
     register()

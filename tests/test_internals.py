@@ -13,14 +13,11 @@ import mergekit.merge
 import mergekit.merge_methods
 import mergekit.scripts.multimerge
 import pytest
-import torch
-from mergekit.merge_methods import merge_tensors
 
 from mergekit_ram._autoload import HOOKS
 from mergekit_ram.errors import MergekitMovedError, ResourceError
 from mergekit_ram.integration import internals, methods
-from mergekit_ram.integration.internals import INTERNALS, internal, version_refusal
-from mergekit_ram.integration.methods import Kernels, declared
+from mergekit_ram.integration.internals import INTERNALS, internal, refuse_method, unsupported, version_refusal
 
 PACKAGE = Path(__file__).resolve().parents[1] / "mergekit_ram"
 
@@ -71,19 +68,22 @@ def test_a_resigned_internal_fails_naming_the_parameters(monkeypatch: pytest.Mon
 def test_a_mergekit_outside_the_range_makes_the_methods_refuse(
     monkeypatch: pytest.MonkeyPatch, version: str, refused: bool
 ) -> None:
-    """One short line with the pip command, and the four methods refuse to merge with it."""
+    """One short line with the pip command, found before any of mergekit's names is looked at; a recipe naming
+    one of the four methods is refused with it, any other is not."""
     monkeypatch.setattr(internals, "mergekit_version", lambda: version)
+    monkeypatch.setattr(internals, "PUBLIC_API", ("a name no mergekit has",))  # looked at only within the range
     refusal = version_refusal()
     assert (refusal is not None) == refused
     if refusal is None:
+        assert "cannot find mergekit.merge_methods.a name no mergekit has in mergekit" in str(unsupported())
         return
+    assert unsupported() == refusal
     assert refusal == f'mergekit-ram supports mergekit>=0.1.5,<0.2, not {version}: pip install "mergekit==0.1.5"'
     assert len(refusal) < 100  # one terminal line
-    tensors = [torch.zeros(3), torch.ones(3)]
-    for method in declared(Kernels(refusal=refusal)).values():
+    for method in ("ram", "ram_plus", "ram_ties", "ram_unique"):  # this process's `ram` is the plugin's
         with pytest.raises(MergekitMovedError, match=f"^{refusal}$"):
-            declares_r = any(parameter.name == "r" for parameter in method.spec.parameters)
-            merge_tensors(tensors, method, base_index=0, parameters={"r": 0} if declares_r else None)
+            refuse_method(method, refusal)
+    refuse_method("task_arithmetic", refusal)
 
 
 def _mergekit_names(tree: ast.AST) -> list[tuple[str, str, int]]:
@@ -103,11 +103,11 @@ def _mergekit_names(tree: ast.AST) -> list[tuple[str, str, int]]:
 
 
 def test_the_plugin_uses_only_the_public_method_api_and_the_table() -> None:
-    """Only the boundary imports mergekit, and only the public names of ``mergekit.merge_methods``; every
-    ``internal`` call names a table entry, and every entry is used."""
+    """Only the boundary imports mergekit, and only the public names of ``mergekit.merge_methods``, each in
+    ``PUBLIC_API``; every ``internal`` call names a table entry, and every entry is used."""
     table = {(entry.module, entry.name) for entry in INTERNALS}
     public = set(mergekit.merge_methods.__all__)
-    outside, private, unlisted, used = [], [], [], set()
+    outside, private, unlisted, used, imported = [], [], [], set(), set()
     for path in sorted(PACKAGE.rglob("*.py")):
         place = path.relative_to(PACKAGE).as_posix()
         for module, name, line in _mergekit_names(ast.parse(path.read_text(encoding="utf-8"))):
@@ -116,12 +116,14 @@ def test_the_plugin_uses_only_the_public_method_api_and_the_table() -> None:
                     outside.append(f"{place}:{line}")
                 if module != "import mergekit.merge_methods" or name not in public:
                     private.append(f"{place}:{line} {module} {name}")
+                imported.add(name)
             elif place == "_autoload.py":  # the start-up hook reaches the seams' originals: HOOKS
                 used.update((module, attribute) for module, attribute in HOOKS.items() if attribute)
             elif place != "integration/internals.py":
                 (used.add((module, name)) if (module, name) in table else unlisted.append(f"{place}:{line}"))
     assert outside == [] and private == [] and unlisted == []
     assert table - used == set(), sorted(table - used)
+    assert sorted(imported) == sorted(internals.PUBLIC_API)  # each checked before a module importing it is
 
 
 def test_the_touch_points_stay_few() -> None:

@@ -11,9 +11,10 @@ __all__ = ["register"]
 
 def register() -> None:
     """What the start-up hook does, for a process where it is off (``MERGEKIT_RAM_AUTOLOAD=0``): the methods
-    registered, ``run_merge`` and mergekit-pytorch's ``plan_flat_merge`` behind the seam; idempotent. A module
-    that imported ``run_merge`` by name before this call keeps mergekit's own: call it first."""
-    from mergekit_ram._autoload import hook
+    registered, ``run_merge`` and mergekit-pytorch's ``plan_flat_merge`` behind the seam; idempotent. mergekit's
+    version is checked first: where the plugin cannot run, one line (once) and nothing registered. A module that
+    imported ``run_merge`` by name before this call keeps mergekit's own: call it first."""
+    from mergekit_ram._autoload import HOOKS, PACKAGE, hook
 
-    for name in ("mergekit.merge_methods", "mergekit.merge", "mergekit.scripts.merge_raw_pytorch"):
+    for name in (PACKAGE, *HOOKS):
         hook(importlib.import_module(name))

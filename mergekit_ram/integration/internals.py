@@ -1,6 +1,10 @@
 """The mergekit names the plugin uses beyond mergekit's public method API (``mergekit.merge_methods``'s
 ``__all__``), in one table, and the mergekit releases it supports. A name that moved fails with one line
 naming the version and the pip command, when a RAM merge first needs it.
+
+Standard library only: the start-up hook checks mergekit's version (its metadata) with it before anything of
+mergekit's but the package itself is imported, and the public names the plugin imports before a module that
+imports them.
 """
 
 from __future__ import annotations
@@ -9,9 +13,10 @@ import importlib
 import importlib.metadata
 import inspect
 import re
-from typing import Any, NamedTuple, Optional
+from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 
-from mergekit_ram.errors import MergekitMovedError
+if TYPE_CHECKING:
+    from mergekit_ram.errors import MergekitMovedError
 
 #: The mergekit releases the test suite ran on, oldest first (CI: the oldest, and the newest pip installs).
 TESTED_MERGEKIT = ("0.1.5",)
@@ -87,6 +92,23 @@ INTERNALS = (
     Internal("mergekit.scripts.multimerge", "patched_config"),
 )
 _ENTRIES = {(entry.module, entry.name): entry for entry in INTERNALS}
+#: The names of the public method API (``mergekit.merge_methods``) the boundary imports: all there, or the plugin
+#: stays off (a module importing one would fail with a traceback).
+PUBLIC_API = (
+    "BasePolicy",
+    "InputContract",
+    "MergeMethod",
+    "PerNonBase",
+    "TensorGroup",
+    "get",
+    "merge_method",
+    "merge_state_dicts",
+    "ram_merge",
+    "register",
+    "registered_methods",
+)
+#: The plugin's methods (``parameters.METHOD_NAMES``, which imports pydantic).
+PLUGIN_METHODS = ("ram", "ram_plus", "ram_ties", "ram_unique")
 
 
 def mergekit_version() -> str:
@@ -119,6 +141,36 @@ def version_refusal() -> Optional[str]:
     return f"mergekit-ram supports mergekit{SUPPORTED_MERGEKIT}, not {version}: {install_command()}"
 
 
+def unsupported() -> Optional[str]:
+    """Why the plugin cannot run with the installed mergekit (one line with the pip command), or None: its
+    version first (metadata only), then, only for a version in the range, the public names the plugin imports."""
+    refusal = version_refusal()
+    if refusal is not None:
+        return refusal
+    methods = importlib.import_module("mergekit.merge_methods")
+    missing = [name for name in PUBLIC_API if not hasattr(methods, name)]
+    return _moved(f"mergekit.merge_methods.{missing[0]}").format_message() if missing else None
+
+
+def refuse_method(method: str, refusal: str) -> None:
+    """A recipe naming one of the plugin's methods, where the plugin is off (``refusal``): refused with it. The
+    one exception is ``ram`` where that mergekit has its own (0.1.5 and later; 0.1.4 has none): mergekit's runs."""
+    if method in PLUGIN_METHODS and not (method == "ram" and _mergekits_own(method)):
+        from mergekit_ram.errors import MergekitMovedError
+
+        raise MergekitMovedError(refusal)
+
+
+def _mergekits_own(method: str) -> bool:
+    """Whether mergekit has a method ``method`` of its own registered (not one of mergekit-ram's)."""
+    try:
+        found = importlib.import_module("mergekit.merge_methods").get(method)
+    except Exception:  # mergekit's refusal of an unknown name (a RuntimeError in 0.1.4 and 0.1.5)
+        return False
+    function = getattr(getattr(found, "implementation", None), "func", None)  # a mergekit-ram method's partial
+    return not getattr(function, "__module__", "").startswith("mergekit_ram.")
+
+
 def internal(module: str, name: str) -> Any:
     """The ``INTERNALS`` entry ``module.name``, checked to exist (and take the parameters expected)."""
     entry = _ENTRIES[(module, name)]
@@ -146,6 +198,8 @@ def internal(module: str, name: str) -> Any:
 
 
 def _moved(what: str, detail: str = "") -> MergekitMovedError:
+    from mergekit_ram.errors import MergekitMovedError
+
     return MergekitMovedError(
         f"mergekit-ram cannot find {what}{detail} in mergekit {mergekit_version()}; it supports "
         f"mergekit{SUPPORTED_MERGEKIT} where that is unchanged (tested: {', '.join(TESTED_MERGEKIT)}): "

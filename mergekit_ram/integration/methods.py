@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional
 import torch
 from mergekit.merge_methods import BasePolicy, InputContract, MergeMethod, PerNonBase, TensorGroup, merge_method
 
-from mergekit_ram.errors import InputError, MergekitMovedError
+from mergekit_ram.errors import InputError
 from mergekit_ram.kernel import MergeOverflowError, NonFiniteInputError, SharedRule, compute_dtype, merge_tensors
 from mergekit_ram.parameters import (
     DENSITY,
@@ -58,11 +58,10 @@ class Session:
 
 
 class Kernels:
-    """The four methods' functions; ``session`` None for the registered ones, ``refusal`` where mergekit is not
-    one the plugin supports (each refuses with it)."""
+    """The four methods' functions; ``session`` None for the registered ones."""
 
-    def __init__(self, session: Optional[Session] = None, refusal: Optional[str] = None) -> None:
-        self.session, self.refusal = session, refusal
+    def __init__(self, session: Optional[Session] = None) -> None:
+        self.session = session
 
     def ram(self, group: TensorGroup, epsilon: NonNegative = EPSILON) -> torch.Tensor:
         """The paper's RAM: lambda 1 for every model."""
@@ -123,8 +122,6 @@ class Kernels:
         self, method: str, group: TensorGroup, epsilon: float, lambdas: Optional[list[float]], density: float = 1.0
     ) -> torch.Tensor:
         """One group merged in the arithmetic dtype and rounded once; counted where the session asks."""
-        if self.refusal is not None:
-            raise MergekitMovedError(self.refusal)
         base, finetunes = group.base, group.non_base
         assert base is not None  # the contract requires a base
         session = self.session or Session()

@@ -1,9 +1,9 @@
 """The four methods in mergekit's registry: registered once a process (``register`` for the new names, the
-built-in ``ram`` replaced unless ``MERGEKIT_RAM_BUILTIN_RAM=1``), after a check of mergekit's version; a merge's
-seam binds them to its ``Session`` for its length (``bound``).
+built-in ``ram`` replaced unless ``MERGEKIT_RAM_BUILTIN_RAM=1``); a merge's seam binds them to its ``Session`` for
+its length (``bound``).
 
-Where mergekit is outside the supported range, one short line is logged at registration and the methods
-refuse to merge with the pip command; other methods run as mergekit alone.
+This module imports mergekit's method API at its top: the start-up hook imports it only for a mergekit the plugin
+runs with (``internals.unsupported``); with any other, nothing is registered.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any, Iterator, Optional
 
 from mergekit.merge_methods import ram_merge, register, registered_methods
 
-from mergekit_ram.integration.internals import TESTED_MERGEKIT, internal, mergekit_version, version_refusal
+from mergekit_ram.integration.internals import TESTED_MERGEKIT, internal, mergekit_version
 from mergekit_ram.integration.methods import Kernels, Session, declared, kernels_of
 from mergekit_ram.parameters import METHOD_NAMES
 
@@ -30,15 +30,12 @@ def keep_builtin_ram() -> bool:
 
 
 def register_methods() -> None:
-    """Register the four methods once (later calls find them and do nothing)."""
+    """Register the four methods once (later calls find them and do nothing), with a mergekit in the range."""
     if ours("ram_plus") is not None:
         return
-    refusal = version_refusal()
-    if refusal is not None:
-        LOG.warning("%s; its methods will refuse to merge", refusal)
-    elif mergekit_version() not in TESTED_MERGEKIT:
+    if mergekit_version() not in TESTED_MERGEKIT:
         LOG.warning("mergekit-ram is tested with mergekit %s, not %s", ", ".join(TESTED_MERGEKIT), mergekit_version())
-    methods = declared(Kernels(refusal=refusal))
+    methods = declared(Kernels())
     for name, method in methods.items():
         if name not in _registered_names():
             register(method)
