@@ -116,7 +116,7 @@ def test_outside_the_range_one_warning_and_the_methods_refuse(bf16_models: Model
     refused = run_process(
         [script("mergekit-yaml"), write_recipe(str(tmp_path / "r.yml"), bf16_models.recipe("ram_plus")), str(out)], env
     )
-    assert (refused.returncode, refused.stderr.splitlines()) == (1, [WARNING, f"Error: {REFUSAL}"])
+    assert (refused.returncode, refused.stderr.splitlines()) == (1, [f"warning: {WARNING}", f"Error: {REFUSAL}"])
     assert len(WARNING) <= 120 and not out.exists()
     recipe = {
         "merge_method": "linear",
@@ -206,7 +206,7 @@ def test_the_real_mergekit_0_1_4_runs_as_alone(old_mergekit: str, bf16_models: M
         completed = run_process(command, {"MERGEKIT_RAM_AUTOLOAD": autoload})
         assert completed.returncode == 0, completed.stderr[-3000:]
         stderr[autoload] = completed.stderr
-    assert stderr["1"] == f"{warning}\n{stderr['0']}" and "Traceback" not in stderr["1"]
+    assert stderr["1"] == f"warning: {warning}\n{stderr['0']}" and "Traceback" not in stderr["1"]
     files = sorted(os.listdir(outs["1"]))
     assert files == sorted(os.listdir(outs["0"])) and "model.safetensors" in files
     for name in files:
@@ -219,7 +219,10 @@ def test_the_real_mergekit_0_1_4_runs_as_alone(old_mergekit: str, bf16_models: M
         out = tmp_path / method
         recipe_path = write_recipe(str(tmp_path / f"{method}.yml"), bf16_models.recipe(method))
         refused = run_process([old("mergekit-yaml"), recipe_path, str(out)], on)
-        assert (refused.returncode, refused.stderr.splitlines()) == (1, [warning, f"Error: {OLD_REFUSAL}"]), method
+        assert (refused.returncode, refused.stderr.splitlines()) == (
+            1,
+            [f"warning: {warning}", f"Error: {OLD_REFUSAL}"],
+        ), method
         assert not out.exists()
     probed = run_process([old("mergekit-ram"), "probe", str(tmp_path / "ram_plus.yml")], on)
     assert (probed.returncode, probed.stdout, probed.stderr) == (1, "", f"Error: {OLD_REFUSAL}\n")
