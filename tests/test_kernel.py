@@ -353,12 +353,12 @@ def peak_scratch_bytes(function: Callable[[], object]) -> int:
 #: (base, fine-tunes, N) and the bound: float32 buffers, each model's mask and k's indicator where counting.
 SCRATCH_BOUNDS: dict[str, tuple[Callable[[torch.Tensor, list[torch.Tensor], int], object], Callable[[int], int]]] = {
     "ram without statistics": (lambda base, fts, n: merge_tensors(base, fts, EPSILON), lambda n: 20),
-    "ram with statistics": (lambda base, fts, n: merge_tensors(base, fts, EPSILON, count=True), lambda n: 16 + 8 * n),
+    "ram with statistics": (lambda base, fts, n: merge_tensors(base, fts, EPSILON, count=True), lambda n: 24 + 4 * n),
     "ram_plus merge after the pre-pass": (
         lambda base, fts, n: merge_tensors(base, fts, EPSILON, [1.1] * n),
         lambda n: 24,
     ),
-    "pre-pass (count only)": (lambda base, fts, n: count_overlaps(base, fts, EPSILON), lambda n: 8 + 8 * n),
+    "pre-pass (count only)": (lambda base, fts, n: count_overlaps(base, fts, EPSILON), lambda n: 12 + 4 * n),
     "ram_ties merge pass": (
         lambda base, fts, n: merge_tensors(base, fts, EPSILON, shared="ties", density=1.0),
         lambda n: 36,
