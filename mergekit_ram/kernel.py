@@ -126,14 +126,14 @@ def count_overlaps(
     _check_shapes(base, finetunes)
     n = len(finetunes)
     dtype = compute_dtype(base.dtype, *(finetune.dtype for finetune in finetunes))
-    tally = _zero_tally(n, base.device)
     with torch.no_grad(), _one_thread(base.device):
+        tally = _zero_tally(n, base.device)
         for scratch, base_chunk, chunks in _chunks(base, finetunes, dtype, chunk_elements) if n else ():
             magnitudes = _magnitudes(scratch, base_chunk, chunks, dtype)
             if not math.isfinite(magnitudes.sum().item()):  # a NaN or Inf input; a finite sum may overflow
                 _check_finite(base_chunk, chunks, chunk_elements)
             tally += _tally(torch.gt(magnitudes, epsilon, out=magnitudes), scratch)
-    return OverlapCounts(histograms=_histograms(tally, n))
+        return OverlapCounts(histograms=_histograms(tally, n))
 
 
 def merge_tensors(
@@ -175,9 +175,9 @@ def merge_tensors(
         _check_result(merged, result, base.detach(), detached, chunk_elements)
         histograms = count_overlaps(base.detach(), detached, epsilon).histograms if count else None
         return MergeResult(merged=merged.view(base.shape), histograms=histograms)
-    merged = torch.empty(base.numel(), dtype=out_dtype, device=base.device)
-    tally = _zero_tally(n, base.device)
     with torch.no_grad(), _one_thread(base.device):
+        merged = torch.empty(base.numel(), dtype=out_dtype, device=base.device)
+        tally = _zero_tally(n, base.device)
         for scratch, base_chunk, chunks in _chunks(base.detach(), detached, dtype, chunk_elements):
             result, counted = _merge_chunk(base_chunk, chunks, plan, scratch)
             out = merged[scratch.start : scratch.start + scratch.length]
@@ -186,7 +186,7 @@ def merge_tensors(
                 _check_result(out, result, base.detach(), detached, chunk_elements)
             if counted is not None:
                 tally += counted
-    return MergeResult(merged=merged.view(base.shape), histograms=_histograms(tally, n) if count else None)
+        return MergeResult(merged=merged.view(base.shape), histograms=_histograms(tally, n) if count else None)
 
 
 def _check_shapes(base: Tensor, finetunes: Sequence[Tensor]) -> None:
