@@ -101,7 +101,9 @@ def on_torch_threads(function: Callable[[], Any]) -> Callable[[], Any]:
     return call
 
 
-def pooled(call: Callable[[torch.Tensor, list[torch.Tensor]], Any], base: torch.Tensor, finetunes: list[torch.Tensor]):
+def pooled(
+    call: Callable[[torch.Tensor, list[torch.Tensor]], Any], base: torch.Tensor, finetunes: list[torch.Tensor]
+) -> Callable[[], Any]:
     """``call`` on each half of the group (split at a chunk boundary), in two threads of one intra-op thread each."""
     half = -(-base.numel() // 2 // kernel.CHUNK_ELEMENTS) * kernel.CHUNK_ELEMENTS
     parts = [
@@ -113,16 +115,16 @@ def pooled(call: Callable[[torch.Tensor, list[torch.Tensor]], Any], base: torch.
 
 def candidates(base: torch.Tensor, finetunes: list[torch.Tensor]) -> dict[str, Callable[[], Any]]:
     """The other ways of threading the chunk loop, by the label of the call they compare with."""
-    large = {"chunk_elements": 1 << 22}
+    large = 1 << 22
     return {
         f"{name} (torch threads)": on_torch_threads(function)
         for name, function in calls(kernel, base, finetunes).items()
     } | {
         "pre-pass, count only (2^22 chunks, torch threads)": on_torch_threads(
-            lambda: kernel.count_overlaps(base, finetunes, EPSILON, **large)
+            lambda: kernel.count_overlaps(base, finetunes, EPSILON, chunk_elements=large)
         ),
         f"{RAM} (2^22 chunks, torch threads)": on_torch_threads(
-            lambda: kernel.merge_tensors(base, finetunes, EPSILON, **large)
+            lambda: kernel.merge_tensors(base, finetunes, EPSILON, chunk_elements=large)
         ),
         "pre-pass, count only (pool of 2)": pooled(lambda b, f: kernel.count_overlaps(b, f, EPSILON), base, finetunes),
         f"{RAM} (pool of 2)": pooled(lambda b, f: kernel.merge_tensors(b, f, EPSILON), base, finetunes),
