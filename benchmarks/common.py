@@ -39,7 +39,6 @@ GIB = 1024**3
 MIB = 1024**2
 
 #: Environment variables that change how torch's OpenMP threads behave; recorded with every result.
-#: ``OMP_WAIT_POLICY=PASSIVE`` matters on a loaded machine: see docs/performance.md.
 THREAD_ENV_PREFIXES = ("OMP_", "GOMP_", "KMP_", "MKL_")
 #: Nothing may come from the Hugging Face Hub: mergekit's model card code otherwise asks it
 #: whether a local path is a repository.
