@@ -14,8 +14,8 @@ magnitudes) is elected (none where 0), and tau_merged is the mean of the kept en
 
 The same torch operations run on chunks of the flat tensors, into buffers reused from chunk to chunk (scratch
 bounded by the chunk, not the tensor: peak memory 2.14x -> 0.55x of ``task_arithmetic``'s, docs/performance.md),
-on torch's own intra-op threads; or, where an input requires grad, once on the whole tensors, so that torch's
-autograd differentiates them. Masks and counts are 0.0 / 1.0 and small integers in the arithmetic dtype, which
+on one intra-op thread on CPU (``_one_thread``); or, where an input requires grad, once on the whole tensors, so that
+torch's autograd differentiates them. Masks and counts are 0.0 / 1.0 and small integers in the arithmetic dtype, which
 multiply exactly; sums masked by multiplication keep a NaN input visible (NaN * 0 is NaN).
 """
 
