@@ -59,8 +59,10 @@ release-check: install
 	HF_HUB_OFFLINE=1 $(BIN)/python tests/release_check.py --torch "$(TORCH)"
 
 # Performance (docs/performance.md) and merge quality (docs/quality.md); long, best on a quiet machine.
+# `make bench LOAD=4`: the methods again beside 4 busy background processes (ended by their ids afterwards).
+LOAD ?= 0
 bench: install
-	HF_HUB_OFFLINE=1 $(BIN)/python -m benchmarks.run --size 120m --repeats 3
+	HF_HUB_OFFLINE=1 $(BIN)/python -m benchmarks.run --size 120m --repeats 3 --load $(LOAD)
 
 quality: install
 	HF_HUB_OFFLINE=1 $(BIN)/python -m benchmarks.agents.run --out benchmarks/agents/results --doc docs/quality.md

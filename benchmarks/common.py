@@ -10,6 +10,7 @@ files, which the kernel can drop at any time; anonymous memory is what a merge n
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import logging
 import os
@@ -23,7 +24,7 @@ import threading
 import time
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Optional, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Optional, Sequence
 
 import psutil
 
@@ -38,7 +39,6 @@ GIB = 1024**3
 MIB = 1024**2
 
 #: Environment variables that change how torch's OpenMP threads behave; recorded with every result.
-#: ``OMP_WAIT_POLICY=PASSIVE`` matters on a loaded machine: see docs/performance.md.
 THREAD_ENV_PREFIXES = ("OMP_", "GOMP_", "KMP_", "MKL_")
 #: Nothing may come from the Hugging Face Hub: mergekit's model card code otherwise asks it
 #: whether a local path is a repository.
@@ -175,6 +175,27 @@ def run_measured(
         "log_tail": log_tail,
         "extra": {},
     }
+
+
+#: What each background process of a loaded run does: spin on one core.
+BUSY_LOOP = "while True: pass"
+
+
+@contextlib.contextmanager
+def background_load(processes: int, limit_s: float = 3600.0) -> Iterator[list[int]]:
+    """``processes`` busy interpreters (one core each) while the block runs; each is bounded by ``timeout`` and
+    ended by its own id afterwards. Yields their ids (none for 0)."""
+    started = [
+        subprocess.Popen(["timeout", str(int(limit_s)), sys.executable, "-c", BUSY_LOOP], stdin=subprocess.DEVNULL)
+        for _ in range(processes)
+    ]
+    try:
+        yield [process.pid for process in started]
+    finally:
+        for process in started:
+            process.terminate()  # timeout passes SIGTERM on to its child
+        for process in started:
+            process.wait()
 
 
 def ratio_or_none(value: Any) -> Optional[float]:

@@ -8,7 +8,11 @@ median wall time, CPU time, peak RSS and peak anonymous memory, the ratio of eac
 (parsed from the ``-v`` log line ``ram_plus pre-pass done in X s``). The options every
 method gets are listed in docs/performance.md ("How to run").
 
+With ``--load N`` every merge runs beside N busy background processes (a loaded machine: a
+laptop with a browser open, a shared box), results in ``methods-SIZE-loadN.json``.
+
     python -m benchmarks.methods --size 120m --repeats 3
+    python -m benchmarks.methods --size 120m --repeats 3 --load 4
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import yaml
 
 from benchmarks.common import (
     CACHE_DIR,
+    background_load,
     child_env,
     console_script,
     cpu_s,
@@ -69,13 +74,15 @@ PREPASS_LINE = re.compile(r"ram_plus pre-pass done in ([0-9.]+) s")
 #: when the numerator is the slower method (a speed-up).
 TARGETS = (
     ("ram", "task_arithmetic", "wall_s", 1.05),
-    ("ram_plus", "task_arithmetic", "wall_s", 1.35),
+    ("ram_plus", "task_arithmetic", "wall_s", 1.10),
     ("ram_plus", "task_arithmetic", "max_rss_bytes", 1.10),
     ("ties", "ram_plus", "wall_s", 3.0),
     ("ram_ties", "ram", "wall_s", 2.0),
     ("ties", "ram_ties", "wall_s", 1.5),
 )
 AT_LEAST = {"ties"}  # a target whose numerator is ties is a speed-up
+#: Issue 51's bounds beside four busy background processes, where they differ from the quiet ones.
+LOADED_BOUNDS = {("ram", "task_arithmetic", "wall_s"): 1.15, ("ram_plus", "task_arithmetic", "wall_s"): 1.25}
 TARGET_MIN_PARAMETERS = 100_000_000
 
 
@@ -150,8 +157,10 @@ def benchmark_methods(
     extra: Sequence[str] = (),
     plugin: Optional[Path] = None,
     warmup: bool = True,
+    load: int = 0,
 ) -> dict[str, Any]:
-    """Every method ``repeats`` times in turns, after one untimed warm-up run (page cache, bytecode)."""
+    """Every method ``repeats`` times in turns, after one untimed warm-up run (page cache, bytecode), beside
+    ``load`` busy background processes."""
     env = child_env(plugin)
     workdir = CACHE_DIR / "runs" / models["size"]
     machine = machine_info(env)
@@ -164,16 +173,18 @@ def benchmark_methods(
         out_dtype=out_dtype,
         extra=extra,
     )
-    if warmup:
-        merge(methods[0], tag="-warmup")
     runs: dict[str, list[dict[str, Any]]] = {method: [] for method in methods}
-    for round_index in range(repeats):
-        for method in methods:
-            measurement = merge(method, tag=f"-{round_index}")
-            if measurement["returncode"]:
-                raise RuntimeError(f"{method} failed (exit {measurement['returncode']}):\n{measurement['log_tail']}")
-            LOG.info("round %d %-15s %7.2f s", round_index + 1, method, measurement["wall_s"])
-            runs[method].append(measurement)
+    with background_load(load):
+        if warmup:
+            merge(methods[0], tag="-warmup")
+        for round_index in range(repeats):
+            for method in methods:
+                measurement = merge(method, tag=f"-{round_index}")
+                if measurement["returncode"]:
+                    tail = measurement["log_tail"]
+                    raise RuntimeError(f"{method} failed (exit {measurement['returncode']}):\n{tail}")
+                LOG.info("round %d %-15s %7.2f s", round_index + 1, method, measurement["wall_s"])
+                runs[method].append(measurement)
     return {
         "size": models["size"],
         "models": models,
@@ -183,6 +194,7 @@ def benchmark_methods(
             "out_dtype": out_dtype,
             "extra_args": list(extra),
             "warmup": warmup,
+            "background_processes": load,
             "method_parameters": {method: METHOD_PARAMETERS[method] for method in methods},
         },
         "machine": machine,
@@ -221,7 +233,7 @@ def methods_table(results: Sequence[Mapping[str, Any]]) -> str:
     for result in results:
         for method, entry in result["summary"].items():
             prepass = entry.get("prepass_share")
-            cells = [f"`{result['size']}`", f"`{method}`"]
+            cells = [run_label(result), f"`{method}`"]
             for metric in METRICS:
                 value = entry[metric]
                 cells += [fmt_bytes(value) if "bytes" in metric else fmt_seconds(value)]
@@ -229,6 +241,12 @@ def methods_table(results: Sequence[Mapping[str, Any]]) -> str:
             rows.append([*cells, "" if prepass is None else f"{prepass:.0%} ({fmt_seconds(entry['prepass_s'])})"])
     headers = ["size", "method", "wall (median)", "x TA", "CPU", "x TA", "peak RSS", "x TA", "peak anon", "x TA"]
     return markdown_table([[*headers, "pre-pass share"], *rows], "l")
+
+
+def run_label(result: Mapping[str, Any]) -> str:
+    """The size, and the background load where there was one."""
+    load = result["options"].get("background_processes", 0)
+    return f"`{result['size']}`" + (f", {load} busy processes" if load else "")
 
 
 def target_ratio(summary: Mapping[str, Any], target: tuple, metric: str) -> Optional[float]:
@@ -245,16 +263,20 @@ def targets_table(results: Sequence[Mapping[str, Any]]) -> str:
     """
     targets = [t for t in TARGETS if any(target_ratio(r["summary"], t, t[2]) for r in results)]
 
-    def cell(value: Optional[float], target: tuple) -> str:
+    def cell(value: Optional[float], target: tuple, loaded: bool) -> str:
         if value is None:
             return "not run"
-        met = value >= target[3] if target[0] in AT_LEAST else value <= target[3]
+        bound = LOADED_BOUNDS.get(target[:3], target[3]) if loaded else target[3]
+        met = value >= bound if target[0] in AT_LEAST else value <= bound
         return fmt_ratio(value) + ("" if met else " (missed)")
 
     rows = []
     for result in results:
         models = result["models"]
-        label = f"{fmt_count(models['parameters'])} (`{result['size']}`)"
+        loaded = result["options"].get("background_processes", 0)
+        label = f"{fmt_count(models['parameters'])} (`{result['size']}`)" + (
+            f", {loaded} busy processes" if loaded else ""
+        )
         if models["disk_bytes"] > result["machine"]["memory_bytes"]:
             label += ", inputs larger than memory"
         if models["parameters"] < TARGET_MIN_PARAMETERS:
@@ -262,9 +284,16 @@ def targets_table(results: Sequence[Mapping[str, Any]]) -> str:
         cells = []
         for target in targets:
             main, other = (target_ratio(result["summary"], target, m) for m in (target[2], COUNTERPART[target[2]]))
-            cells.append(cell(main, target) + ("" if other is None else f" ({cell(other, target)})"))
+            cells.append(
+                cell(main, target, bool(loaded)) + ("" if other is None else f" ({cell(other, target, bool(loaded))})")
+            )
         rows.append([label, *cells])
-    bounds = [("at least " if t[0] in AT_LEAST else "at most ") + f"{t[3]:g}x" for t in targets]
+    bounds = [
+        ("at least " if t[0] in AT_LEAST else "at most ")
+        + f"{t[3]:g}x"
+        + (f" ({LOADED_BOUNDS[t[:3]]:g}x loaded)" if t[:3] in LOADED_BOUNDS else "")
+        for t in targets
+    ]
     headers = [f"`{t[0]}` / `{t[1]}` {LABELS[t[2]]} ({LABELS[COUNTERPART[t[2]]]})" for t in targets]
     return markdown_table([["parameters per model", *headers], *rows, ["target", *bounds]], "l")
 
@@ -274,6 +303,7 @@ def heading(result: Mapping[str, Any]) -> str:
     return (
         f"`{result['size']}`: {fmt_count(models['parameters'])} parameters per model, largest tensor "
         f"{fmt_count(models['largest_tensor'])} elements; {result['options']['repeats']} rounds; "
+        + (f"{load} busy background processes; " if (load := result["options"].get("background_processes")) else "")
         + machine_line(result["machine"])
     )
 
@@ -290,6 +320,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "--plugin", type=plugin_checkout, help="checkout whose mergekit_ram the merges use (default: this one)"
     )
     parser.add_argument("--no-warmup", action="store_true")
+    parser.add_argument("--load", type=int, default=0, help="busy background processes during the runs (default 0)")
     parser.add_argument("--json", type=Path, help="results file (default benchmarks/results/methods-SIZE.json)")
     parser.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args(argv)
@@ -306,8 +337,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         extra=args.mergekit_args.split(),
         plugin=args.plugin,
         warmup=not args.no_warmup,
+        load=args.load,
     )
-    save_result(args.json or RESULTS_DIR / f"methods-{args.size}.json", "methods", result)
+    name = f"methods-{args.size}" + (f"-load{args.load}" if args.load else "")
+    save_result(args.json or RESULTS_DIR / f"{name}.json", "methods", result)
     print(f"{heading(result)}\n\n{methods_table([result])}\n\n{targets_table([result])}")
     return 0
 

@@ -34,7 +34,13 @@ def load_results(results_dir: Path = RESULTS_DIR) -> Results:
         result = load_result(path)
         by_kind[result["kind"]].append(result)
     for kind, results in by_kind.items():
-        results.sort(key=lambda r: r["machine"]["time"] if kind == "kernel" else r["models"]["parameters"])
+        results.sort(
+            key=lambda r: (
+                (r["machine"]["time"],)
+                if kind == "kernel"
+                else (r["models"]["parameters"], r.get("options", {}).get("background_processes", 0))
+            )
+        )
     return by_kind
 
 

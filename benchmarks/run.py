@@ -6,6 +6,7 @@ prints its tables and writes its JSON under ``benchmarks/results/``; the page is
 regenerated from all results there.
 
     python -m benchmarks.run --size 120m --repeats 3
+    python -m benchmarks.run --size 120m --repeats 3 --load 4   # the methods again beside 4 busy processes
     python -m benchmarks.run --size 120m --size 500m --parts methods,kernel,inmemory --inmemory-size 120m
     python -m benchmarks.run --parts outofcore --scale-size scale        # needs ~30 GB of disk, a quiet machine
 """
@@ -46,6 +47,8 @@ def part_commands(args: argparse.Namespace) -> list[list[str]]:
             if args.mergekit_args:
                 command += ["--mergekit-args", args.mergekit_args]
             commands.append(command)
+            if args.load:
+                commands.append([*command, "--load", str(args.load)])
     if "kernel" in parts:
         commands.append([*python, "benchmarks.kernel", "--numel", args.numel, *plugin])
     if "inmemory" in parts:
@@ -60,15 +63,10 @@ def part_commands(args: argparse.Namespace) -> list[list[str]]:
 
 
 def warn_about_load() -> None:
-    """On a loaded machine torch's OpenMP threads spin at every barrier: say so before hours of noisy runs."""
+    """A "quiet" run on a loaded machine measures the load too: say so before minutes of noisy runs."""
     load, cpus = os.getloadavg()[0], os.cpu_count() or 1
-    if load > 0.5 * cpus and "OMP_WAIT_POLICY" not in os.environ:
-        LOG.warning(
-            "load average %.1f on %d CPUs: with OpenMP's default wait policy every parallel region can wait a "
-            "scheduler time slice; consider OMP_WAIT_POLICY=PASSIVE (see docs/performance.md)",
-            load,
-            cpus,
-        )
+    if load > 0.5 * cpus:
+        LOG.warning("load average %.1f on %d CPUs before the quiet runs: the ratios include that load", load, cpus)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -78,6 +76,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--parts", default=",".join(DEFAULT_PARTS), help=f"comma-separated of {', '.join(PARTS)}")
     parser.add_argument("--out-shard-size", default="1B")
     parser.add_argument("--mergekit-args", default="", help="extra mergekit-yaml arguments for the methods runs")
+    parser.add_argument("--load", type=int, default=0, help="the methods again beside this many busy processes")
     parser.add_argument("--numel", default="16M", help="kernel tensor size")
     parser.add_argument("--inmemory-size", choices=sorted(SIZES), help="default: the first --size")
     parser.add_argument("--cap-gib", type=float, help="RLIMIT_DATA for the in-memory comparison")

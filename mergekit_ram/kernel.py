@@ -14,14 +14,15 @@ magnitudes) is elected (none where 0), and tau_merged is the mean of the kept en
 
 The same torch operations run on chunks of the flat tensors, into buffers reused from chunk to chunk (scratch
 bounded by the chunk, not the tensor: peak memory 2.14x -> 0.55x of ``task_arithmetic``'s, docs/performance.md),
-on torch's own intra-op threads; or, where an input requires grad, once on the whole tensors, so that torch's
-autograd differentiates them. Masks and counts are 0.0 / 1.0 and small integers in the arithmetic dtype, which
+on one intra-op thread on CPU (``_one_thread``); or, where an input requires grad, once on the whole tensors, so that
+torch's autograd differentiates them. Masks and counts are 0.0 / 1.0 and small integers in the arithmetic dtype, which
 multiply exactly; sums masked by multiplication keep a NaN input visible (NaN * 0 is NaN).
 """
 
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator, Literal, NamedTuple, Optional, Sequence, get_args
 
@@ -35,6 +36,8 @@ CHUNK_ELEMENTS = 1 << 18
 _DEVICE_CHUNK_ELEMENTS = 1 << 24
 #: The radix select of the TIES thresholds reads 16 bits of the magnitudes per pass.
 _DIGIT_BITS = 16
+#: Up to this many models the tally is one bincount of the activity patterns (2**N of them), above it a product.
+_PATTERN_MODELS = 16
 
 #: The shared region's rule: the mean (ram, ram_plus), TIES (ram_ties), the base's value (ram_unique).
 SharedRule = Literal["mean", "ties", "base"]
@@ -52,11 +55,15 @@ class NonFiniteInputError(ValueError):
 
 class MergeOverflowError(ValueError):
     """Finite inputs, a NaN or Inf result: ``dtype`` is where it overflowed, the arithmetic dtype, or the output
-    dtype where only the rounding to it did."""
+    dtype where only the rounding to it did; ``index``: the fine-tune whose update itself overflows, if one does."""
 
-    def __init__(self, dtype: torch.dtype):
-        self.dtype = dtype
-        super().__init__(f"the merged values do not fit {str(dtype).removeprefix('torch.')}")
+    def __init__(self, dtype: torch.dtype, index: Optional[int] = None):
+        self.dtype, self.index = dtype, index
+        name = str(dtype).removeprefix("torch.")
+        if index is None:
+            super().__init__(f"the merged values do not fit {name}")
+        else:
+            super().__init__(f"the update of fine-tuned input {index} (minus the base) does not fit {name}")
 
 
 def compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
@@ -100,13 +107,15 @@ class _Scratch:
         self.start, self.length = 0, size
         self._buffers: dict[str, Tensor] = {}
 
-    def __call__(self, name: str, rows: int = 0) -> Optional[Tensor]:
-        """The buffer ``name`` for the chunk's length (``rows`` > 0: that many rows of it, contiguous)."""
+    def __call__(self, name: str, rows: int = 0, dtype: Optional[torch.dtype] = None) -> Optional[Tensor]:
+        """The buffer ``name`` for the chunk's length (``rows`` > 0: that many rows of it, contiguous), in ``dtype``
+        (default the scratch's)."""
         if not self.reuse:
             return None
         buffer = self._buffers.get(name)
         if buffer is None:
-            buffer = self._buffers[name] = torch.empty(max(rows, 1) * self.size, dtype=self.dtype, device=self.device)
+            size, dtype = max(rows, 1) * self.size, dtype or self.dtype
+            buffer = self._buffers[name] = torch.empty(size, dtype=dtype, device=self.device)
         return buffer[: rows * self.length].view(rows, self.length) if rows else buffer[: self.length]
 
 
@@ -117,15 +126,14 @@ def count_overlaps(
     _check_shapes(base, finetunes)
     n = len(finetunes)
     dtype = compute_dtype(base.dtype, *(finetune.dtype for finetune in finetunes))
-    tally = torch.zeros((n, n), dtype=torch.int64, device=base.device)
-    with torch.no_grad():
+    with torch.no_grad(), _one_thread(base.device):
+        tally = _zero_tally(n, base.device)
         for scratch, base_chunk, chunks in _chunks(base, finetunes, dtype, chunk_elements) if n else ():
             magnitudes = _magnitudes(scratch, base_chunk, chunks, dtype)
             if not math.isfinite(magnitudes.sum().item()):  # a NaN or Inf input; a finite sum may overflow
                 _check_finite(base_chunk, chunks, chunk_elements)
-            masks = torch.gt(magnitudes, epsilon, out=magnitudes)
-            tally += _tally(masks, torch.sum(masks, 0, out=scratch("c")), scratch)
-    return OverlapCounts(histograms=_histograms(tally))
+            tally += _tally(torch.gt(magnitudes, epsilon, out=magnitudes), scratch)
+        return OverlapCounts(histograms=_histograms(tally, n))
 
 
 def merge_tensors(
@@ -155,9 +163,9 @@ def merge_tensors(
     if scales is not None and not all(abs(lam) <= torch.finfo(dtype).max for lam in scales):
         raise MergeOverflowError(dtype)  # every update scaled to Inf
     detached = [finetune.detach() for finetune in finetunes]
-    kept_from = (
-        _ties_thresholds(base.detach(), detached, epsilon, density, dtype, chunk_elements) if shared == "ties" else ()
-    )
+    with _one_thread(base.device):
+        ties = shared == "ties"
+        kept_from = _ties_thresholds(base.detach(), detached, epsilon, density, dtype, chunk_elements) if ties else ()
     plan = _Plan(epsilon, dtype, scales, shared, kept_from, count, chunk_elements)
     out_dtype = out_dtype or base.dtype
     if torch.is_grad_enabled() and any(tensor.requires_grad for tensor in (base, *finetunes)):
@@ -167,9 +175,9 @@ def merge_tensors(
         _check_result(merged, result, base.detach(), detached, chunk_elements)
         histograms = count_overlaps(base.detach(), detached, epsilon).histograms if count else None
         return MergeResult(merged=merged.view(base.shape), histograms=histograms)
-    merged = torch.empty(base.numel(), dtype=out_dtype, device=base.device)
-    tally = torch.zeros((n, n), dtype=torch.int64, device=base.device)
-    with torch.no_grad():
+    with torch.no_grad(), _one_thread(base.device):
+        merged = torch.empty(base.numel(), dtype=out_dtype, device=base.device)
+        tally = _zero_tally(n, base.device)
         for scratch, base_chunk, chunks in _chunks(base.detach(), detached, dtype, chunk_elements):
             result, counted = _merge_chunk(base_chunk, chunks, plan, scratch)
             out = merged[scratch.start : scratch.start + scratch.length]
@@ -178,7 +186,7 @@ def merge_tensors(
                 _check_result(out, result, base.detach(), detached, chunk_elements)
             if counted is not None:
                 tally += counted
-    return MergeResult(merged=merged.view(base.shape), histograms=_histograms(tally) if count else None)
+        return MergeResult(merged=merged.view(base.shape), histograms=_histograms(tally, n) if count else None)
 
 
 def _check_shapes(base: Tensor, finetunes: Sequence[Tensor]) -> None:
@@ -186,6 +194,22 @@ def _check_shapes(base: Tensor, finetunes: Sequence[Tensor]) -> None:
     for finetune in finetunes:
         if finetune.shape != base.shape:
             raise ValueError(f"shape {tuple(finetune.shape)} differs from the base's {tuple(base.shape)}")
+
+
+@contextmanager
+def _one_thread(device: torch.device) -> Iterator[None]:
+    """On CPU, the chunk loop on one intra-op thread: a chunk is a dozen small operations, and torch would fork and
+    join its threads for each, which on a busy machine waits a time slice per operation (docs/performance.md).
+    torch's setting, which is the calling thread's, is restored after; an accelerator keeps it."""
+    threads = torch.get_num_threads()
+    if device.type != "cpu" or threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _chunks(
@@ -209,8 +233,8 @@ def _magnitudes(o: _Scratch, base_chunk: Tensor, chunks: Sequence[Tensor], dtype
     base_c = _cast(base_chunk, dtype, o("base"))
     magnitudes = o("masks", len(chunks))
     assert magnitudes is not None
-    for index, finetune in enumerate(chunks):
-        torch.sub(finetune, base_c, out=magnitudes[index]).abs_()
+    for index, finetune in enumerate(chunks):  # cast, then subtract: a mixed bf16 - f32 op is 2.3x slower
+        magnitudes[index].copy_(finetune).sub_(base_c).abs_()
     return magnitudes
 
 
@@ -247,7 +271,7 @@ def _merge_chunk(
     c = unique = total = None
     kept: list[Optional[Tensor]] = [None] * 4  # sums of the kept positive and negative entries, their counts
     for index, finetune in enumerate(finetunes):
-        tau = torch.sub(finetune, base_c, out=o("tau"))
+        tau = torch.sub(_cast(finetune, plan.dtype, o("tau")), base_c, out=o("tau"))
         mask = o("mask") if rows is None else rows[index]
         active = torch.gt(torch.abs(tau, out=mask), plan.epsilon, out=mask).to(plan.dtype)
         c = _accumulate(c, active, None, 1.0, o("c"))
@@ -259,7 +283,7 @@ def _merge_chunk(
             kept[sign] = _accumulate(kept[sign], tau, keep, 1.0, o(f"kept{sign}"))
             kept[sign + 2] = _accumulate(kept[sign + 2], keep, None, 1.0, o(f"kept{sign + 2}"))
     assert c is not None and unique is not None
-    counted = _tally(rows, c, o) if rows is not None else None
+    counted = _tally(rows, o) if rows is not None else None
     return _combine(plan, c, unique, total, kept, base, finetunes, o).add_(base_c), counted
 
 
@@ -301,16 +325,39 @@ def _combine(
     return torch.where(chosen, unique, shared, out=o("tau"))
 
 
-def _tally(masks: Tensor, c: Tensor, o: _Scratch) -> Tensor:
-    """``tally[t][k - 1]`` = sum_i m_t,i [c_i == k]: the masks (n rows) times each k's indicator (exact: sums of
-    ones, fewer than 2**24)."""
+def _zero_tally(n: int, device: torch.device) -> Tensor:
+    """The empty tally of ``n`` models: 2**n pattern counts, or above ``_PATTERN_MODELS`` the n x n histograms."""
+    return torch.zeros(1 << n if n <= _PATTERN_MODELS else (n, n), dtype=torch.int64, device=device)
+
+
+def _tally(masks: Tensor, o: _Scratch) -> Tensor:
+    """One chunk's tally from its masks (n rows of 0.0 / 1.0): how many elements have each pattern code sum_t 2**t
+    m_t, one bincount (exact: codes below 2**16); above ``_PATTERN_MODELS`` models, ``tally[t][k - 1]`` = sum_i
+    m_t,i [c_i == k], the masks times each k's indicator (exact: sums of ones, fewer than 2**24)."""
     n = masks.shape[0]
+    if n <= _PATTERN_MODELS:
+        code = o("code")
+        assert code is not None  # counted on chunks only
+        code.copy_(masks[0])
+        for index in range(1, n):
+            code.add_(masks[index], alpha=1 << index)
+        return torch.bincount(_cast(code, torch.int32, o("codes", dtype=torch.int32)), minlength=1 << n)
+    c = torch.sum(masks, 0, out=o("c"))
     levels = torch.arange(1, n + 1, dtype=c.dtype, device=c.device).view(n, 1)
     return torch.mm(masks, torch.eq(c, levels, out=o("indicators", n)).T).to(torch.int64)
 
 
-def _histograms(tally: Tensor) -> Histograms:
-    """The tally as plain integers, ``histograms[t][k - 1]``."""
+def _histograms(tally: Tensor, n: int) -> Histograms:
+    """The tally as plain integers, ``histograms[t][k - 1]``; from pattern counts, each pattern's count added to
+    the models in it at its number of models."""
+    if tally.dim() == 1:
+        patterns = torch.arange(tally.numel(), device=tally.device)
+        members = patterns.view(-1, 1).bitwise_right_shift(torch.arange(n, device=tally.device)).bitwise_and_(1)
+        levels = members.sum(1)
+        histograms = torch.zeros((n, n + 1), dtype=torch.int64, device=tally.device)
+        for index in range(n):
+            histograms[index].index_add_(0, levels, tally * members[:, index])
+        tally = histograms[:, 1:]
     return tuple(tuple(row) for row in tally.tolist())
 
 
@@ -328,7 +375,21 @@ def _check_result(out: Tensor, result: Tensor, base: Tensor, finetunes: Sequence
     if bool(torch.isfinite(out).all()):
         return
     _check_finite(base, finetunes, chunk_elements)
-    raise MergeOverflowError(out.dtype if bool(torch.isfinite(result).all()) else result.dtype)
+    if bool(torch.isfinite(result).all()):
+        raise MergeOverflowError(out.dtype)
+    raise MergeOverflowError(result.dtype, _overflowing_update(base, finetunes, result.dtype, chunk_elements))
+
+
+def _overflowing_update(
+    base: Tensor, finetunes: Sequence[Tensor], dtype: torch.dtype, chunk_elements: int
+) -> Optional[int]:
+    """The first fine-tune whose update theta_t - theta_pre (finite inputs) overflows ``dtype`` in the first chunk
+    where one does; None where every update fits."""
+    for o, base_chunk, chunks in _chunks(base, finetunes, dtype, chunk_elements):
+        overflowing = (~torch.isfinite(_magnitudes(o, base_chunk, chunks, dtype))).any(1).nonzero()
+        if overflowing.numel():
+            return int(overflowing[0])
+    return None
 
 
 def _ties_thresholds(
@@ -386,9 +447,11 @@ def _digit_tables(
     with torch.no_grad():
         for o, base_chunk, chunks in _chunks(base, finetunes, dtype, chunk_elements):
             magnitudes = _magnitudes(o, base_chunk, chunks, dtype)
-            if first and not math.isfinite(magnitudes.sum().item()):
+            if first and not math.isfinite(magnitudes.sum().item()):  # a finite sum may overflow
                 _check_finite(base, finetunes, chunk_elements)  # NaN or Inf keys would not order
-                raise MergeOverflowError(dtype)  # an update, before any trimming
+                index = _overflowing_update(base_chunk, chunks, dtype, chunk_elements)
+                if index is not None:
+                    raise MergeOverflowError(dtype, index)  # an update, before any trimming
             c = None
             for magnitude in magnitudes:
                 c = _accumulate(c, torch.gt(magnitude, epsilon, out=o("mask")), None, 1.0, o("c"))

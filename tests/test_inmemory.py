@@ -175,8 +175,8 @@ def test_an_overflowing_update_is_named_with_its_fix(method: str) -> None:
     with pytest.raises(ParameterError) as error:
         merge_state_dicts(models, method, base="base")
     assert str(error.value) == (
-        f"{method}: tensor w: the merged values overflow float32; merge with `dtype: float64` (arithmetic is then "
-        "float64)"
+        f"{method}: tensor w: the update of a (its value minus the base's) overflows float32; merge with "
+        "`dtype: float64` (arithmetic is then float64)"
     )
     merged, statistics = merge_state_dicts(models, method, base="base", dtype=torch.float64)
     lam = statistics.models[0].lambda_  # a changed [0] alone

@@ -208,6 +208,114 @@ def test_large_finite_values_are_not_mistaken_for_inf() -> None:
     assert count_overlaps(base, [finetune], EPSILON).histograms == ((500,),)
 
 
+@pytest.mark.parametrize(("rule", "density"), [*RULES, ("ties", 0.6)])
+def test_large_finite_updates_whose_sum_overflows_are_no_overflow(rule: SharedRule, density: float) -> None:
+    """Updates of about 1e38, all finite, whose float32 sum over a chunk overflows (ram_ties' radix select read
+    that as an overflowing update): each rule merges them as the reference does, and the pre-pass counts them."""
+    generator = torch.Generator().manual_seed(1)
+    base = torch.zeros(3000)
+    signs = torch.randint(0, 2, (3, 3000), generator=generator) * 2.0 - 1.0
+    active = torch.rand((3, 3000), generator=generator) < 0.6
+    finetunes = [
+        torch.where(active[t], signs[t] * torch.rand(3000, generator=generator) * 1e38, base) for t in range(3)
+    ]
+    expected = RULE_CASES[rule](base, finetunes, [1.0] * 3, density)
+    for chunk_elements in (1000, CHUNK_ELEMENTS):
+        result = merge_tensors(base, finetunes, EPSILON, shared=rule, density=density, chunk_elements=chunk_elements)
+        assert torch.isfinite(result.merged).all()
+        assert same_bits(result.merged, expected)
+        counted = count_overlaps(base, finetunes, EPSILON, chunk_elements=chunk_elements)
+        assert counted.histograms == reference_histograms(base, finetunes)
+
+
+@pytest.mark.parametrize(("rule", "density"), RULES)
+def test_an_overflowing_update_names_its_model(rule: SharedRule, density: float) -> None:
+    """Model 1's update (3e38 - -3e38) overflows where it alone changed the base: the error names it; where only
+    the merged values overflow (lambda times an update that fits), none."""
+    base = torch.tensor([-3e38, 3e38, 0.0, 1.0])
+    finetunes = [torch.tensor([-3e38, 3e38, 1.0, 1.0]), torch.tensor([3e38, 3e38, 0.0, 1.5])]
+    with pytest.raises(MergeOverflowError) as error:
+        merge_tensors(base, finetunes, EPSILON, shared=rule, density=density, chunk_elements=2)
+    assert (error.value.index, str(error.value)) == (
+        1,
+        "the update of fine-tuned input 1 (minus the base) does not fit float32",
+    )
+    scaled = [torch.tensor([0.0, 3.3e38, 0.0, 1.0]), torch.tensor([0.0, 2e38, 0.0, 1.5])]  # model 0 alone at [1]
+    with pytest.raises(MergeOverflowError) as error:  # its update fits, base + 1.2 times it does not
+        merge_tensors(torch.tensor([0.0, 2e38, 0.0, 1.0]), scaled, EPSILON, [1.2, 1.0], shared=rule, density=density)
+    assert (error.value.index, str(error.value)) == (None, "the merged values do not fit float32")
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 17])
+@pytest.mark.parametrize("epsilon", [0.0, 1e-5, 1e-3])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+def test_the_tally_is_exact(n: int, epsilon: float, dtype: torch.dtype) -> None:
+    """The pattern-code bincount (N <= 16) and the product (17 models) give the reference's histograms, in the
+    pre-pass and in the merge's count, over one chunk and many."""
+    base, finetunes, _ = designed_group(n, shape=(40, 30), dtype=dtype, seed=n)
+    finetunes[0] = base + (torch.arange(1200).view(40, 30) % 3 - 1).to(dtype) * 1e-3  # at epsilon 1e-3
+    expected = reference_histograms(base, finetunes, epsilon)
+    for chunk_elements in (500, CHUNK_ELEMENTS):
+        assert count_overlaps(base, finetunes, epsilon, chunk_elements=chunk_elements).histograms == expected
+        counted = merge_tensors(base, finetunes, epsilon, count=True, chunk_elements=chunk_elements)
+        assert counted.histograms == expected
+
+
+class ThreadCounts(torch.overrides.TorchFunctionMode):
+    """torch's intra-op thread count at every elementwise operation or bincount made inside the mode."""
+
+    OPERATIONS = {"sub", "sub_", "abs_", "gt", "ge", "le", "add", "add_", "addcmul_", "mul", "bincount", "copy_"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: set[int] = set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if getattr(func, "__name__", "") in self.OPERATIONS:
+            self.seen.add(torch.get_num_threads())
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda base, fts: count_overlaps(base, fts, EPSILON),
+        lambda base, fts: merge_tensors(base, fts, EPSILON, [1.2, 1.1, 1.0], count=True),
+        lambda base, fts: merge_tensors(base, fts, EPSILON, shared="ties", density=0.3),
+    ],
+)
+def test_the_chunk_loop_runs_on_one_thread_and_restores_torchs_setting(call: Callable) -> None:
+    """On CPU every op of the chunk loop sees one intra-op thread; torch's setting is as it was after the call,
+    and after one that fails inside the loop."""
+    base, finetunes, _ = designed_group(3, shape=(3000,), dtype=torch.bfloat16)
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        with ThreadCounts() as counts:
+            call(base, finetunes)
+        assert counts.seen == {1}
+        assert torch.get_num_threads() == 3
+        finetunes[1][-1] = math.nan
+        with pytest.raises(NonFiniteInputError):
+            call(base, finetunes)
+        assert torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_an_accelerator_keeps_torchs_threads() -> None:
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        with kernel._one_thread(torch.device("meta")):
+            assert torch.get_num_threads() == 3
+        with kernel._one_thread(torch.device("cpu")):
+            assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
 @pytest.mark.parametrize(("rule", "density"), RULES)
 def test_non_finite_inputs_are_named(bad: float, rule: SharedRule, density: float) -> None:
@@ -353,12 +461,12 @@ def peak_scratch_bytes(function: Callable[[], object]) -> int:
 #: (base, fine-tunes, N) and the bound: float32 buffers, each model's mask and k's indicator where counting.
 SCRATCH_BOUNDS: dict[str, tuple[Callable[[torch.Tensor, list[torch.Tensor], int], object], Callable[[int], int]]] = {
     "ram without statistics": (lambda base, fts, n: merge_tensors(base, fts, EPSILON), lambda n: 20),
-    "ram with statistics": (lambda base, fts, n: merge_tensors(base, fts, EPSILON, count=True), lambda n: 16 + 8 * n),
+    "ram with statistics": (lambda base, fts, n: merge_tensors(base, fts, EPSILON, count=True), lambda n: 24 + 4 * n),
     "ram_plus merge after the pre-pass": (
         lambda base, fts, n: merge_tensors(base, fts, EPSILON, [1.1] * n),
         lambda n: 24,
     ),
-    "pre-pass (count only)": (lambda base, fts, n: count_overlaps(base, fts, EPSILON), lambda n: 8 + 8 * n),
+    "pre-pass (count only)": (lambda base, fts, n: count_overlaps(base, fts, EPSILON), lambda n: 12 + 4 * n),
     "ram_ties merge pass": (
         lambda base, fts, n: merge_tensors(base, fts, EPSILON, shared="ties", density=1.0),
         lambda n: 36,

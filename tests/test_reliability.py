@@ -649,9 +649,12 @@ def test_an_overflow_is_one_line_naming_the_tensor_and_the_fix(
     models = _near_float32_max(fp32_models, str(tmp_path), *values)
     recipe = write_recipe(str(tmp_path / "r.yml"), models.recipe(method))
     completed = run_script("mergekit-yaml", recipe, str(tmp_path / "out"), check=False)
+    what = (
+        f"the update of {models.agents[0]} (its value minus the base's)" if cause == "update" else "the merged values"
+    )
     expected = (
-        f"{method}: tensor {_NEAR_MAX_TENSOR}: the merged values overflow float32; merge with `dtype: float64` "
-        "(arithmetic is then float64)"
+        f"{method}: tensor {_NEAR_MAX_TENSOR}: {what} overflow{'s' if cause == 'update' else ''} float32; merge with "
+        "`dtype: float64` (arithmetic is then float64)"
     )
     assert one_line_error(completed) == expected
     assert not os.path.exists(tmp_path / "out")

@@ -142,7 +142,8 @@ class Kernels:
             raise non_finite_error(entry.id, group.metadata.name, dtype, dtype, error.value) from None
         except MergeOverflowError as error:
             arithmetic = compute_dtype(base.tensor.dtype, *(entry.tensor.dtype for entry in finetunes))
-            raise overflow_error(method, group.metadata.name, error.dtype, arithmetic) from None
+            update_of = None if error.index is None else finetunes[error.index].id
+            raise overflow_error(method, group.metadata.name, error.dtype, arithmetic, update_of) from None
         if session.counting:
             session.counts.append(
                 TensorCounts(
@@ -202,16 +203,21 @@ def non_finite_error(
     return InputError(f"{model}: tensor {name} contains NaN or Inf")
 
 
-def overflow_error(method: str, name: Optional[str], dtype: torch.dtype, arithmetic: torch.dtype) -> ParameterError:
+def overflow_error(
+    method: str, name: Optional[str], dtype: torch.dtype, arithmetic: torch.dtype, update_of: Any = None
+) -> ParameterError:
     """Finite inputs, a NaN or Inf result: a wider out_dtype where only the rounding to it overflowed (``dtype``
-    is then the output's, not the ``arithmetic`` dtype), else float64 arithmetic."""
+    is then the output's, not the ``arithmetic`` dtype), else float64 arithmetic; the model ``update_of`` where
+    its update itself overflows."""
     where = str(dtype).removeprefix("torch.")
     if dtype != arithmetic:
         return ParameterError(
             f"{method}: tensor {name}: the merged values do not fit the output dtype {where} (out_dtype); "
             "choose a wider out_dtype"
         )
-    return ParameterError(
-        f"{method}: tensor {name}: the merged values overflow {where}; merge with `dtype: float64` (arithmetic is "
-        "then float64)"
-    )
+    fix = "merge with `dtype: float64` (arithmetic is then float64)"
+    if update_of is not None:
+        return ParameterError(
+            f"{method}: tensor {name}: the update of {update_of} (its value minus the base's) overflows {where}; {fix}"
+        )
+    return ParameterError(f"{method}: tensor {name}: the merged values overflow {where}; {fix}")
