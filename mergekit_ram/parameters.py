@@ -5,7 +5,8 @@ statistics file all validate a value alike and refuse it with the same message."
 from __future__ import annotations
 
 import difflib
-from typing import Any, Iterable, Optional, Sequence, get_args
+from types import MappingProxyType
+from typing import Any, Iterable, Literal, Mapping, NamedTuple, Optional, Sequence, get_args
 
 from pydantic import AfterValidator, BeforeValidator, Field, TypeAdapter, ValidationError
 from pydantic.fields import FieldInfo
@@ -14,8 +15,53 @@ from typing_extensions import Annotated
 from mergekit_ram.errors import RecipeError
 from mergekit_ram.rescaling import RULES, Rescaling, rule_choices
 
-#: The plugin's methods, in the order they are documented.
-METHOD_NAMES = ("ram", "ram_plus", "ram_ties", "ram_unique")
+
+class Method(NamedTuple):
+    """What a method is beside its signature (a ``Kernels`` function in ``integration/methods.py``, which declares
+    its parameters): its name in mergekit's card, the kernel's rule where several models changed an element, the
+    name of each model's factor in the tables, and what the card says of its recipe run by mergekit alone."""
+
+    pretty_name: str
+    shared: Literal["mean", "ties", "base"]
+    factor: Literal["lambda", "scale"]
+    without_plugin: str
+
+
+_UNKNOWN = "Without mergekit-ram, mergekit refuses `{}` (an unknown merge method)."
+#: The plugin's methods, in the order they are documented: adding one is an entry here and its ``Kernels`` function.
+METHODS: Mapping[str, Method] = MappingProxyType(
+    {
+        "ram": Method(
+            "Reinforced Agent Merging (RAM, mergekit-ram)",
+            "mean",
+            "lambda",
+            "Without mergekit-ram, mergekit silently runs its own built-in `ram` instead: it computes in the "
+            "checkpoints' dtype, so on bfloat16 or float16 checkpoints its numbers differ from this model's "
+            "(mergekit-ram computes in float32, or the inputs' precision if wider, and rounds once) unless the "
+            "recipe sets `dtype: float32`, and it writes no `ram_statistics.json`.",
+        ),
+        "ram_plus": Method(
+            "Reinforced Agent Merging Plus (RAM+, global rho, mergekit-ram)",
+            "mean",
+            "lambda",
+            "Without mergekit-ram, mergekit refuses `ram_plus` (an unknown merge method); its own `ramplus_tl` is a "
+            "different, tensor-local rule.",
+        ),
+        "ram_ties": Method(
+            "Reinforced Agent Merging with a TIES shared region (mergekit-ram)",
+            "ties",
+            "lambda",
+            _UNKNOWN.format("ram_ties"),
+        ),
+        "ram_unique": Method(
+            "Reinforced Agent Merging, unique regions only (mergekit-ram)",
+            "base",
+            "scale",
+            _UNKNOWN.format("ram_unique"),
+        ),
+    }
+)
+METHOD_NAMES = tuple(METHODS)
 #: The largest float32; a value above it becomes inf in the float32 arithmetic.
 FLOAT32_MAX = float.fromhex("0x1.fffffep+127")
 

@@ -17,11 +17,12 @@ import torch
 from mergekit.merge_methods import BasePolicy, InputContract, MergeMethod, PerNonBase, TensorGroup, merge_method
 
 from mergekit_ram.errors import InputError
-from mergekit_ram.kernel import MergeOverflowError, NonFiniteInputError, SharedRule, compute_dtype, merge_tensors
+from mergekit_ram.kernel import MergeOverflowError, NonFiniteInputError, compute_dtype, merge_tensors
 from mergekit_ram.parameters import (
     DENSITY,
     EPSILON,
     METHOD_NAMES,
+    METHODS,
     LambdaPin,
     NonNegative,
     ParameterError,
@@ -35,14 +36,6 @@ from mergekit_ram.stats.arithmetic import model_lambda
 from mergekit_ram.stats.data import Pin, TensorCounts
 
 REFERENCE_URL = "https://arxiv.org/abs/2601.13572"
-PRETTY_NAMES = {
-    "ram": "Reinforced Agent Merging (RAM, mergekit-ram)",
-    "ram_plus": "Reinforced Agent Merging Plus (RAM+, global rho, mergekit-ram)",
-    "ram_ties": "Reinforced Agent Merging with a TIES shared region (mergekit-ram)",
-    "ram_unique": "Reinforced Agent Merging, unique regions only (mergekit-ram)",
-}
-#: Where several models changed an element: the mean of their updates, TIES, or the base's value.
-SHARED_RULES: dict[str, SharedRule] = {"ram": "mean", "ram_plus": "mean", "ram_ties": "ties", "ram_unique": "base"}
 #: Python cannot name an argument ``lambda``: a kernel's ``lambda_`` is the recipe's ``lambda``.
 RECIPE_NAMES = {"lambda_": "lambda"}
 
@@ -133,7 +126,7 @@ class Kernels:
                 lambdas,
                 count=session.counting,
                 out_dtype=session.out_dtype,
-                shared=SHARED_RULES[method],
+                shared=METHODS[method].shared,
                 density=density,
             )
         except NonFiniteInputError as error:
@@ -165,7 +158,7 @@ def declared(kernels: Kernels) -> dict[str, MergeMethod]:
         method = merge_method(
             kernel,
             name=name,
-            pretty_name=PRETTY_NAMES[name],
+            pretty_name=METHODS[name].pretty_name,
             reference_url=REFERENCE_URL,
             contract=InputContract(base=BasePolicy.REQUIRED),
         )

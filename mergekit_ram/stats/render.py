@@ -8,6 +8,7 @@ import math
 import os
 from typing import Mapping, NamedTuple, Sequence
 
+from mergekit_ram.parameters import METHODS
 from mergekit_ram.rescaling import RULES
 from mergekit_ram.stats.arithmetic import by_merged_module, by_module
 from mergekit_ram.stats.data import ModelStatistics, OverlapCounts, RamStatistics
@@ -18,16 +19,6 @@ LOG = logging.getLogger("mergekit_ram.stats")
 #: Where the card sends readers for the plugin.
 PROJECT_URL = "https://github.com/mergekit-ram/mergekit-ram"
 
-_WITHOUT_PLUGIN = {
-    "ram": "Without mergekit-ram, mergekit silently runs its own built-in `ram` instead: it computes in "
-    "the checkpoints' dtype, so on bfloat16 or float16 checkpoints its numbers differ from this model's "
-    "(mergekit-ram computes in float32, or the inputs' precision if wider, and rounds once) unless the "
-    "recipe sets `dtype: float32`, and it writes no `ram_statistics.json`.",
-    "ram_plus": "Without mergekit-ram, mergekit refuses `ram_plus` (an unknown merge method); its own "
-    "`ramplus_tl` is a different, tensor-local rule.",
-}
-#: What the card says of the methods mergekit has no counterpart of.
-_UNKNOWN_TO_MERGEKIT = "Without mergekit-ram, mergekit refuses `{method}` (an unknown merge method)."
 #: The full table's columns before the factor's (``factor_name``).
 COLUMNS = ("model", "density", "changed", "shared", "unique", "rho")
 
@@ -70,8 +61,8 @@ def display_names(statistics: RamStatistics) -> dict[str, str]:
 
 
 def factor_name(statistics: RamStatistics) -> str:
-    """The recipe's name of each model's factor: ``ram_unique``'s ``scale``, else ``lambda``."""
-    return "scale" if statistics.method == "ram_unique" else "lambda"
+    """The recipe's name of each model's factor (``ram_unique``'s ``scale``, else ``lambda``)."""
+    return METHODS[statistics.method].factor
 
 
 def figures(counts: OverlapCounts) -> tuple[str, str, str, str]:
@@ -138,7 +129,7 @@ def legend(statistics: RamStatistics) -> str:
         "model; unique: by it alone"
     )
     rescaling, pinned = statistics.rescaling, any(stats.pinned in ("rho", "lambda") for stats in statistics.models)
-    if statistics.method == "ram_unique":
+    if factor_name(statistics) == "scale":
         factor = "scale: the recipe's factor of its unique changes (shared positions keep the base)"
     elif rescaling is None:
         factor = "lambda = 1: RAM keeps unique changes at full strength and averages shared ones"
@@ -191,7 +182,7 @@ def card_markdown(statistics: RamStatistics) -> str:
         "`pip install mergekit-ram`), then run `mergekit-yaml mergekit_config.yml <output folder>` "
         "with the configuration above (saved beside the weights).",
         "",
-        _WITHOUT_PLUGIN.get(statistics.method, _UNKNOWN_TO_MERGEKIT.format(method=statistics.method)),
+        METHODS[statistics.method].without_plugin,
         "",
         "## RAM statistics",
         "",
