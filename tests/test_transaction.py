@@ -21,6 +21,7 @@ each of its operations); the whole sweep is
 from __future__ import annotations
 
 import contextlib
+import errno
 import faulthandler
 import functools
 import hashlib
@@ -508,6 +509,26 @@ def test_the_next_merge_over_a_crash_with_every_ending(
 def test_the_next_merge_over_a_crash_with_a_full_disk(remerge: Scenario, crashes: dict[int, State]) -> None:
     """The next merge over a crash state with ENOSPC at any of its operations."""
     _over_crashes(remerge, crashes, "ENOSPC")
+
+
+def test_a_file_system_without_hard_links_publishes(remerge: Scenario, crashes: dict[int, State]) -> None:
+    """Issue 50, 9: where every link fails (EOPNOTSUPP, as on s3fs- or rclone-style mounts) a merge over a killed
+    publish's marker still publishes its complete result: the publish makes no hard link."""
+    crashed = next(operation for operation, state in crashes.items() if MARKER_FILE in (state or {}))
+    out = _crashed(remerge, crashed, "no-links")
+    original = os.link
+
+    def no_links(*args: Any, **kwargs: Any) -> NoReturn:
+        raise OSError(errno.EOPNOTSUPP, os.strerror(errno.EOPNOTSUPP))
+
+    os.link = no_links
+    try:
+        completed = drive(out, "new")
+    finally:
+        os.link = original
+    assert completed.returncode == 0, completed.stderr[-2000:]
+    after = snapshot(out) or {}
+    assert published(after) == remerge.new and MARKER_FILE not in after
 
 
 def test_the_marker_says_what_it_means(remerge: Scenario, crashes: dict[int, State]) -> None:
