@@ -1,5 +1,7 @@
-"""Files of a stranger's folder: a name read from one must be ``plain_name``; a file is opened without blocking
-(a FIFO does not hang the merge), must be regular, and is read up to a limit (memory). Standard library only.
+"""Files a merge reads: a name read from a manifest or an index must be ``plain_name`` (it never leaves its folder);
+an input's file must be regular (a FIFO in a model's folder is bad input, refused without waiting); JSON is read
+with one size cap. Hostile content in the user's own folders is out of the threat model (docs/reliability.md).
+Standard library only.
 """
 
 from __future__ import annotations
@@ -40,21 +42,6 @@ def open_regular(path: str, *, dir_fd: Optional[int] = None, follow_symlinks: bo
         yield handle, status.st_size
     finally:
         os.close(handle)
-
-
-def descriptor_path(handle: int, path: Optional[str] = None) -> Optional[str]:
-    """A path that opens the file ``handle`` has open, for a library that takes only paths (safetensors):
-    ``/proc/self/fd/<handle>`` (or ``/dev/fd/<handle>``), which names that file whatever becomes of its name;
-    where neither is there (a container or chroot without ``/proc``), ``path`` itself while it still names
-    that file (the same device and inode: the plain-path fallback). None when none of them does."""
-    opened = os.fstat(handle)
-    for candidate in (f"/proc/self/fd/{handle}", f"/dev/fd/{handle}", path):
-        if candidate is not None:
-            with contextlib.suppress(OSError):
-                status = os.stat(candidate)
-                if os.path.samestat(status, opened):
-                    return candidate
-    return None
 
 
 def read_regular(path: str, limit: int, *, dir_fd: Optional[int] = None, follow_symlinks: bool = True) -> bytes:

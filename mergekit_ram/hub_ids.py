@@ -15,9 +15,9 @@ import yaml
 
 import mergekit_ram.bounded_yaml as bounded_yaml
 from mergekit_ram.errors import MergedFolderError, one_line
-from mergekit_ram.files import JSON_LIMIT, UnreadableFile, read_regular, write_atomically
+from mergekit_ram.files import JSON_LIMIT, UnreadableFile, read_regular
 from mergekit_ram.published import MODEL_LIST, Card, listed, merge_metadata, read_card, with_sorted_model_list
-from mergekit_ram.staging import folder_writer
+from mergekit_ram.staging import folder_writer, replace_files
 from mergekit_ram.stats.schema import STATISTICS_FILE, statistics_from_dict
 
 CARD, RECIPE = "README.md", "mergekit_config.yml"
@@ -376,14 +376,12 @@ def prepared_texts(
 
 
 def prepare_for_hub(out: str, pairs: list[tuple[str, str]], license_id: Optional[str]) -> list[str]:
-    """Under the merge's own lock (``staging.folder_writer``), the Hub ids and the licence written; the files changed.
-    Everything is checked before the first write; each write is one rename, statistics and recipe before the card, so
-    a run stopped half-way is completed by running it again."""
+    """The Hub ids and the licence written, all or nothing, under the merge's own lock (``staging.replace_files``,
+    refused if the files changed since they were read under it); the files changed. Everything is checked first."""
     hub_ids: dict[str, str] = {}
     for local, hub_id in pairs:
         if (given := hub_ids.setdefault(resolved(local), hub_id)) != hub_id:
             raise MergedFolderError(f"{local} is given two Hub ids, {given} and {hub_id}: give it one")
-    changed: list[str] = []
     with folder_writer(out) as folder:
         texts = {}
         for name in NAMING_FILES:
@@ -393,14 +391,7 @@ def prepare_for_hub(out: str, pairs: list[tuple[str, str]], license_id: Optional
                 message = f"cannot read {out}/{name} ({reason(error)}): replace it with the merge's own"
                 raise MergedFolderError(message) from None
         new = prepared_texts(texts, out, hub_ids, license_id)
-        for name in [name for name in (STATISTICS_FILE, RECIPE, CARD) if name in new]:
-            try:
-                write_atomically(name, new[name], dir_fd=folder)
-            except OSError as error:
-                done = f" ({', '.join(changed)} already rewritten: run it again once fixed)" if changed else ""
-                message = (
-                    f"cannot write {name} in {out} ({error.strerror or error}){done}: check that you may write there"
-                )
-                raise MergedFolderError(message) from None
-            changed.append(name)
+    changed = [name for name in (STATISTICS_FILE, RECIPE, CARD) if name in new]
+    if changed:
+        replace_files(out, {name: new[name] for name in changed}, expected=texts)
     return changed
