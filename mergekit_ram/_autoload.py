@@ -67,12 +67,14 @@ def hook(module):
     imported before its version is checked; where the plugin cannot run, one line (once) and nothing registered."""
     from mergekit_ram.integration.internals import internal, unsupported, version_refusal
 
-    refusal = version_refusal() if module.__name__ == PACKAGE else unsupported()
+    attribute = HOOKS.get(module.__name__)
+    registers = module.__name__ in HOOKS and attribute is None
+    # the names only once mergekit.merge_methods has executed (the seams check them again when called)
+    refusal = unsupported() if registers else version_refusal()
     if refusal is not None:
         say_off(refusal)
-    attribute = HOOKS.get(module.__name__)
     if attribute is None:
-        if refusal is None and module.__name__ != PACKAGE:
+        if refusal is None and registers:
             from mergekit_ram.integration.registration import register_methods
 
             register_methods()

@@ -121,7 +121,7 @@ def test_every_error_a_user_can_meet_is_a_ram_error() -> None:
         "_moved": internals._moved,
     }
     for name, factory in factories.items():
-        classes[name] = typing.get_type_hints(factory)["return"]
+        classes[name] = typing.get_type_hints(factory, localns=vars(errors))["return"]  # internals: TYPE_CHECKING
     unexplained = sorted(name for name in raised if name not in INTERNAL_RAISES and name not in classes)
     assert not unexplained, f"raised but neither a RamError nor explained as internal: {unexplained}"
     assert all(issubclass(cls, errors.RamError) for cls in classes.values())
