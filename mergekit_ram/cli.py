@@ -346,11 +346,18 @@ def check(
     base_model_relation: merge in the card, the licence; under the merge's own lock, and only
     once nothing is missing (each local model needs its id). Running it again changes nothing.
     """
+    from mergekit_ram.errors import MergeInterrupted
     from mergekit_ram.hub_ids import prepare_for_hub
     from mergekit_ram.sharing import check_folder
 
     pairs = [*hub_ids, *hub_id_file]
-    changed = prepare_for_hub(out_dir, pairs, license_id) if pairs or license_id is not None else []
+    try:
+        changed = prepare_for_hub(out_dir, pairs, license_id) if pairs or license_id is not None else []
+    except KeyboardInterrupt:
+        raise MergeInterrupted(
+            f"Interrupted: {out_dir} holds its card, recipe and statistics as they were or all three rewritten, "
+            "never a mix; run the step again to finish it"
+        ) from None
     report = check_folder(out_dir, accept_warnings, changed)
     if changed:
         click.echo(f"rewrote {', '.join(changed)}", err=True)

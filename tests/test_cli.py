@@ -110,9 +110,11 @@ def test_every_error_a_user_can_meet_is_a_ram_error() -> None:
 
     classes = {cls.__name__: cls for cls in (InputError, ParameterError, MergekitMovedError, OutputBusyError)}
     classes["OutputFolderError"] = OutputFolderError
-    from mergekit_ram.bounded_yaml import UnreadableYaml
+    from mergekit_ram.hub_ids import UnreadableNamingFile
+    from mergekit_ram.stats.schema import UnreadableStatistics
 
-    classes["UnreadableYaml"] = classes["bounded_yaml.UnreadableYaml"] = UnreadableYaml
+    classes |= {"UnreadableNamingFile": UnreadableNamingFile, "UnreadableStatistics": UnreadableStatistics}
+    classes["MergeInterrupted"] = errors.MergeInterrupted
     classes |= {name: getattr(errors, name) for name in dir(errors) if name.endswith("Error")}
     # ``raise make_error(...)``: functions that build an error; their return annotation must be a RamError
     factories = {

@@ -50,6 +50,8 @@ INTERNALS = (
     Internal("mergekit.config", "MergeConfiguration"),
     Internal("mergekit.options", "MergeOptions"),
     Internal("mergekit.scripts.multimerge", "patched_config"),
+    # The card run_merge writes, made again for the --hub-id step (card).
+    Internal("mergekit.card", "generate_card", ("config", "config_yaml", "name")),
 )
 _ENTRIES = {(entry.module, entry.name): entry for entry in INTERNALS}
 
