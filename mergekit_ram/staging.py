@@ -107,6 +107,41 @@ def output_transaction(out_path: str) -> Iterator[str]:
             folder.record()  # reads every weight: a signal meanwhile leaves OUT as it was
             with signals.held():
                 folder.publish()
+            folder.report()
+        except BaseException:
+            signals.unwinding = True
+            raise
+        finally:
+            with signals.held():
+                folder.end()
+
+
+def replace_files(out_path: str, texts: dict[str, str], expected: Optional[dict[str, Optional[str]]] = None) -> None:
+    """Replace the plain files ``texts`` names in OUT, all or nothing, as a merge publishes: under its lock (refused
+    as ``folder_writer`` refuses), written into a private folder, then moved in with the ending signals held, under
+    the marker, undone on an error. The manifest stays as it is. Ctrl-C unwinds as ``KeyboardInterrupt``.
+    ``expected``: the texts (None: absent) the files had when read; if one changed meanwhile, nothing is written."""
+    with HeldSignals() as signals:
+        folder = _Folder(out_path, writer=True)
+        try:
+            with signals.held():
+                folder.begin()
+            for name, text in (expected or {}).items():
+                if _bytes_of(name, folder.out) != (None if text is None else text.encode("utf-8")):
+                    raise OutputFolderError(
+                        f"{os.path.join(out_path, name)} changed while this ran (another merge or check): nothing "
+                        "was written; run it again"
+                    )
+            try:
+                for name, text in texts.items():
+                    write_new(os.path.join(_STAGED, folder.name, name), text, dir_fd=folder.private)
+            except OSError as error:
+                raise OutputFolderError(
+                    f"could not write into {out_path} ({_reason(error)}); it holds what it held before"
+                ) from None
+            folder.names = sorted(texts)
+            with signals.held():
+                folder.publish()
         except BaseException:
             signals.unwinding = True
             raise
@@ -131,10 +166,7 @@ def folder_writer(out_path: str) -> Iterator[int]:
         except OSError as error:
             raise OutputFolderError(f"cannot change {out_path} ({_reason(error)})") from None
         if left := _left_over(out):
-            raise OutputFolderError(
-                f"{out_path} holds {', '.join(left)}: a merge into it was killed or has not finished; merge into it "
-                "again (or wait for that merge) before changing its files"
-            )
+            raise _left_over_error(out_path, left)
         yield out
     finally:
         if lock >= 0:
@@ -145,8 +177,9 @@ def folder_writer(out_path: str) -> Iterator[int]:
 class _Folder:
     """One run's hold on OUT: a descriptor of it, of its locked lock file, and of the private folder this run made."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, writer: bool = False) -> None:
         self.path = path
+        self.writer = writer  # a write outside a merge: OUT must exist, and what a killed merge left refuses it
         self.name = os.path.basename(os.path.abspath(path)) or "merged"
         self.created: list[str] = []  # OUT and the parents this run made, innermost first
         self.out = self.lock = self.private = -1
@@ -161,7 +194,7 @@ class _Folder:
         """Create (if missing), open and lock OUT; report what earlier runs left; refuse others' files a publish
         could not replace; make the private folder."""
         path = os.path.abspath(self.path)
-        while not os.path.isdir(path):
+        while not os.path.isdir(path) and not self.writer:
             self.created.append(path)
             path = os.path.dirname(path)
         try:
@@ -176,7 +209,9 @@ class _Folder:
                         f"{os.path.join(self.path, name)} is a folder: it is mergekit-ram's own name; remove it or "
                         "choose another output folder"
                     )
-            if left := _left_over(self.out):
+            if (left := _left_over(self.out)) and self.writer:
+                raise _left_over_error(self.path, left)
+            if left:
                 LOG.warning(
                     "%s holds %s, left by a mergekit-ram merge that did not finish (killed, or its clean-up failed): "
                     "this merge neither uses nor removes them; remove them once you have checked them (a hidden "
@@ -195,6 +230,8 @@ class _Folder:
             for folder in (_REPLACED, _STAGED, os.path.join(_STAGED, self.name)):
                 os.mkdir(folder, 0o700, dir_fd=self.private)
         except OSError as error:
+            if self.writer:
+                raise OutputFolderError(f"cannot change {self.path} ({_reason(error)})") from None
             raise OutputFolderError(f"cannot prepare {self.path} for the merge ({_reason(error)})") from None
 
     def staged_path(self) -> str:
@@ -267,7 +304,7 @@ class _Folder:
             _sync(self.out)
             # config.json first, the earlier manifest last (until then it records every old weight present).
             others = sorted((set(names) | set(stale)) - {_CONFIG, MANIFEST_FILE})
-            for name in [_CONFIG] * (_CONFIG in names) + others + [MANIFEST_FILE]:
+            for name in [_CONFIG] * (_CONFIG in names) + others + [MANIFEST_FILE] * (MANIFEST_FILE in names):
                 if _kind(name, self.out) == "file":
                     self._move(self.out, replaced, name)
             for name in names:
@@ -286,6 +323,10 @@ class _Folder:
         finally:
             for handle in handles:
                 os.close(handle)
+
+    def report(self) -> None:
+        """What the merge's publish did, and the weights it kept that a loader may read instead."""
+        names, stale = self.names, self.stale
         removed = f"; removed {', '.join(stale)}, which an earlier merge recorded" if stale else ""
         LOG.info("published %s into %s%s", ", ".join(names), self.path, removed)
         if loaded := sorted(name for name in os.listdir(self.out) if _LOADED.fullmatch(name) and name not in names):
@@ -455,6 +496,21 @@ def _release_lock(out: int, lock: int, out_path: str) -> None:
         os.close(lock)
 
 
+def _left_over_error(out_path: str, left: list[str]) -> OutputFolderError:
+    """The refusal of a write outside a merge (which holds the lock: no merge runs) over what a killed one left;
+    its advice clears it: merging again removes the marker, the user a private folder."""
+    if MARKER_FILE in left:
+        return OutputFolderError(
+            f"{out_path} is marked {MARKER_FILE}: a merge into it was killed while publishing; merge into it again "
+            "before changing its files"
+        )
+    paths = ", ".join(os.path.join(out_path, name) for name in left)
+    return OutputFolderError(
+        f"{out_path} holds {paths}, left by a merge that was killed (the files it wrote or moved aside): remove "
+        f"{'them' if len(left) > 1 else 'it'} once you have what you need, then run this again"
+    )
+
+
 def _left_over(out: int) -> list[str]:
     """What a killed or running merge leaves in OUT: its marker and private folder (not the manifest)."""
     found = (name for name in os.listdir(out) if name == MARKER_FILE or name.startswith(PRIVATE_PREFIX))
@@ -536,6 +592,16 @@ def _recorded_weights(out: int, out_path: str, skip: Collection[str]) -> list[st
                 if _content(name, out) == recorded:
                     found.append(name)
     return sorted(found)
+
+
+def _bytes_of(name: str, folder: int) -> Optional[bytes]:
+    """A file's bytes; None where it is absent."""
+    try:
+        handle = os.open(name, os.O_RDONLY | os.O_CLOEXEC, dir_fd=folder)
+    except FileNotFoundError:
+        return None
+    with open(handle, "rb") as stream:
+        return stream.read()
 
 
 def _remove_marker(out: int, marker: os.stat_result) -> None:

@@ -450,8 +450,11 @@ def test_writes_wait_for_no_merge(clean: Path, bf16_models: ModelSet, tmp_path) 
         for name in ("MERGE_INCOMPLETE", ".mergekit-ram-0123456789abcdef"):
             (folder / name).mkdir() if name.startswith(".") else (folder / name).write_text("x\n", encoding="utf-8")
             assert refused(folder, *options) == (
-                f"Error: {folder} holds {name}: a merge into it was killed or has not finished; merge into it again "
-                "(or wait for that merge) before changing its files"
+                f"Error: {folder} is marked {name}: a merge into it was killed while publishing; merge into it again "
+                "before changing its files"
+                if name == "MERGE_INCOMPLETE"
+                else f"Error: {folder} holds {folder / name}, left by a merge that was killed (the files it wrote or "
+                "moved aside): remove it once you have what you need, then run this again"
             )
             (folder / name).rmdir() if name.startswith(".") else (folder / name).unlink()
             assert snapshot(folder) == before

@@ -56,6 +56,7 @@ from mergekit_ram.staging import (
     OutputFolderError,
     folder_writer,
     output_transaction,
+    replace_files,
 )
 from tests.conftest import hang_fails, plugin_log
 from tests.faults import sitecustomize as faults
@@ -690,7 +691,7 @@ def test_the_card_tool_takes_the_merges_lock(remerge: Scenario) -> None:
     assert snapshot(out) == remerge.old and LOCK_FILE not in os.listdir(out)
     killed = _crashed(remerge, 30, "card-tool")  # a merge killed while publishing
     with pytest.raises(
-        OutputFolderError, match=f"{re.escape(killed)} holds .mergekit-ram-[0-9a-f]{{16}}, {MARKER_FILE}:"
+        OutputFolderError, match=f"{re.escape(killed)} is marked {MARKER_FILE}: .* merge into it again before"
     ):
         with folder_writer(killed):
             pass
@@ -1113,3 +1114,94 @@ def test_crafted_states_never_reach_outside(remerge: Scenario, flags: tuple[str,
     assert len(CRAFTED) == len(HOSTILE_NAMES) + len(HOSTILE_IDENTITIES) + 3 + 4 * 6 + 1 + 3 * 3
     for label in sorted(CRAFTED):
         _crafted(remerge, label, flags)
+
+
+# Files replaced outside a merge (``replace_files``: ``check --hub-id``), as a merge publishes -------------------
+
+#: What ``replace_files`` writes over the remerge scenario's old folder: two files it holds, one it does not.
+REPLACED = {"README.md": "# replaced\n", "tokenizer.json": "replaced tokenizer", "mergekit_config.yml": "recipe\n"}
+
+
+@pytest.fixture(scope="module")
+def replacing(remerge: Scenario) -> tuple[dict[str, bytes], dict[str, bytes], int]:
+    """The old folder's files, the same after ``replace_files(REPLACED)``, and the number of its operations."""
+    out = remerge.make("replace-count")
+    with faults.counted(threading.current_thread()) as made:
+        replace_files(out, REPLACED)
+    new = snapshot(out) or {}
+    assert published(new) == {**published(remerge.old), **{name: text.encode() for name, text in REPLACED.items()}}
+    return published(remerge.old), new, len(made)
+
+
+def _replace_faulted(out: str, operation: int, ending: str) -> subprocess.CompletedProcess:
+    """``replace_files(out, REPLACED)``, ``ending`` at ``operation``: ENOSPC in this process, a signal in a child."""
+    if ending != "ENOSPC":
+
+        def replace() -> None:
+            with faults.installed(f"fsop:any:{operation}:{ending}"):
+                replace_files(out, REPLACED)
+
+        return in_a_child(replace)
+    with plugin_log(logging.WARNING, this_thread=True) as logged:
+        try:
+            with faults.installed(f"fsop:any:{operation}", "ENOSPC", threading.current_thread()):
+                replace_files(out, REPLACED)
+            code = 0
+        except OutputFolderError as error:
+            code, logged_error = 1, str(error)
+            assert "no space left" in logged_error.lower(), logged_error
+    return subprocess.CompletedProcess([], code, "", logged.getvalue())
+
+
+def _after_a_faulted_replace(out: str, old: dict[str, bytes], new: dict[str, bytes], ending: str) -> None:
+    """All old or all new (a marked mix only after SIGKILL); then the refusal's advice, followed, clears the way to
+    the complete replacement."""
+    state = snapshot(out) or {}
+    files, left = published(state), left_over(state)
+    assert files in (old, published(new)) or (ending == "SIGKILL" and MARKER_FILE in state), (ending, left)
+    assert ending == "SIGKILL" or MARKER_FILE not in left
+    for _ in range(3):  # each refusal names what clears it: merging again, or removing a folder
+        try:
+            replace_files(out, REPLACED)
+            break
+        except OutputFolderError as error:
+            message = str(error)
+            if MARKER_FILE in message:
+                assert message.endswith("merge into it again before changing its files"), message
+                assert drive(out, "old").returncode == 0
+            else:
+                named = re.findall(rf"{re.escape(out)}/\.mergekit-ram-[0-9a-f]{{16}}", message)
+                assert named and "remove it" in message or "remove them" in message, message
+                for path in named:
+                    shutil.rmtree(path)
+    after = snapshot(out) or {}
+    assert not left_over(after) and all(after[name] == text.encode() for name, text in REPLACED.items())
+    assert published(after) == published(new) or MARKER_FILE in state  # merged again: that merge's files
+
+
+@pytest.mark.process
+@pytest.mark.parametrize("ending", [*SIGNAL_ENDINGS, "ENOSPC"])
+def test_replaced_files_are_all_old_or_all_new(remerge: Scenario, replacing: Any, ending: str) -> None:
+    """``replace_files`` with ``ending`` at each of its operations: OUT all old or all new, then replaced whole."""
+    old, new, count = replacing
+    for operation in range(1, count + 1):
+        out = remerge.make(f"replace-{ending}-{operation}")
+        completed = _replace_faulted(out, operation, ending)
+        assert ended_as_asked(completed, ending), (operation, completed.returncode, completed.stderr[-2000:])
+        _after_a_faulted_replace(out, old, new, ending)
+
+
+def test_replaced_files_wait_for_no_merge(remerge: Scenario) -> None:
+    """``replace_files`` is refused while a merge holds OUT, and where a file changed since it was read."""
+    out = remerge.make("replace-busy")
+    before = snapshot(out)
+    with pytest.raises(OutputBusyError, match=f"another merge is writing to {re.escape(out)}"):
+        with output_transaction(out):
+            replace_files(out, REPLACED)
+    with open(os.path.join(out, "README.md"), encoding="utf-8") as handle:
+        card = handle.read()
+    with pytest.raises(OutputFolderError, match="README.md changed while this ran"):
+        replace_files(out, REPLACED, expected={"README.md": card + "edited", "tokenizer.json": None})
+    assert snapshot(out) == before
+    replace_files(out, REPLACED, expected={"README.md": card, "mergekit_config.yml": None})
+    assert published(snapshot(out)) == {**published(before), **{name: text.encode() for name, text in REPLACED.items()}}
