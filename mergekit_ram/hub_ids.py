@@ -215,10 +215,10 @@ def read_naming_files(out: str) -> dict[str, Optional[str]]:
     return {name: read_text(os.path.join(out, name)) for name in NAMING_FILES}
 
 
-def read_card(text: str) -> Optional[ModelCard]:
-    """The card as huggingface_hub reads it; None without front matter; ``UnreadableNamingFile`` where its front
-    matter is not a YAML mapping."""
-    if REGEX_YAML_BLOCK.search(text) is None:
+def read_card(text: Optional[str]) -> Optional[ModelCard]:
+    """The card as huggingface_hub reads it; None without one, or without front matter; ``UnreadableNamingFile``
+    where its front matter is not a YAML mapping."""
+    if text is None or REGEX_YAML_BLOCK.search(text) is None:
         return None
     try:
         return ModelCard(text, ignore_metadata_errors=False)
@@ -226,20 +226,21 @@ def read_card(text: str) -> Optional[ModelCard]:
         raise UnreadableNamingFile(f"{CARD}'s front matter cannot be read ({one_line(error)})") from None
 
 
-def read_recipe(text: str) -> Any:
+def read_recipe(text: Optional[str]) -> Any:
+    """The recipe as mergekit reads it (None without one); ``UnreadableNamingFile`` where it is not YAML."""
     try:
-        return yaml.safe_load(text)
+        return yaml.safe_load(text) if text is not None else None
     except (yaml.YAMLError, ValueError, RecursionError) as error:
         raise UnreadableNamingFile(f"{RECIPE} is not a recipe mergekit reads ({one_line(error)})") from None
 
 
 def parse(texts: dict[str, Optional[str]]) -> Naming:
     """The naming files parsed; ``UnreadableNamingFile`` (or ``UnreadableStatistics``) for the first that is not."""
-    card, recipe, statistics = (texts[name] for name in NAMING_FILES)
+    statistics = texts[STATISTICS_FILE]
     return Naming(
         texts,
-        read_card(card) if card is not None else None,
-        read_recipe(recipe) if recipe is not None else None,
+        read_card(texts[CARD]),
+        read_recipe(texts[RECIPE]),
         read_statistics(statistics) if statistics is not None else None,
     )
 
@@ -315,15 +316,15 @@ def prepared_texts(
     if renames and statistics is not None:
         statistics = renamed_statistics(statistics, renames)
         new[STATISTICS_FILE] = statistics.to_json()
-    if renames and card is not None and new[RECIPE] is not None:
-        card = renamed_card(files, new[RECIPE], statistics, out)
+    if renames and card is not None and (recipe_text := new[RECIPE]) is not None:
+        card = renamed_card(files, recipe_text, statistics, out)
     if license_id is not None and texts[CARD] is None:
         raise MergedFolderError(
             f"cannot set the licence of {out}: there is no {CARD} (merge with mergekit-yaml, which writes the card)"
         )
     if license_id is not None:
         card = card or ModelCard("---\n{}\n---\n" + (texts[CARD] or ""))  # a front matter for the licence
-        card.data.license = license_id
+        card.data = ModelCardData(**{**card.data.to_dict(), "license": license_id})
     if card is not None and card is not files.card or license_id is not None:
         new[CARD] = str(card)
     return {name: text for name, text in new.items() if text is not None and text != texts[name]}

@@ -107,11 +107,11 @@ def check_folder(out: str, accept_warnings: bool = False, changed: Optional[list
     texts = {name: text if isinstance(text, str) else None for name, text in read.items()}
     card, recipe, statistics = None, None, None
     with _reported(found, "card", "write it as plain YAML, as mergekit does, or merge again"):
-        card = hub.read_card(texts[CARD]) if texts[CARD] is not None else None
+        card = hub.read_card(texts[CARD])
     with _reported(found, "recipe", "merge again (mergekit writes the recipe it ran)"):
-        recipe = hub.read_recipe(texts[RECIPE]) if texts[RECIPE] is not None else None
+        recipe = hub.read_recipe(texts[RECIPE])
     with _reported(found, "statistics", "merge again"):
-        statistics = read_statistics(texts[STATISTICS]) if texts[STATISTICS] is not None else None
+        statistics = read_statistics(text) if (text := texts[STATISTICS]) is not None else None
     naming = hub.Naming(texts, card, recipe, statistics)
     local = naming.local_paths()
     if not isinstance(read[STATISTICS], Finding):

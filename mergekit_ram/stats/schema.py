@@ -21,7 +21,7 @@ from mergekit_ram.stats.data import ModelStatistics, OverlapCounts, Pin, RamStat
 STATISTICS_FILE = "ram_statistics.json"
 SCHEMA_VERSION = 2
 #: How schema 2 writes an infinite rho.
-INFINITY = "inf"
+INFINITY: Literal["inf"] = "inf"
 Ratio = Union[FiniteFloat, Literal["inf"]]
 
 
@@ -59,7 +59,7 @@ class TensorEntry(_Model):
     def of(cls, counts: TensorCounts) -> TensorEntry:
         fields = dict(name=counts.name, numel=counts.numel, epsilon=counts.epsilon, models=list(counts.models))
         module = {"module": counts.module} if counts.module else {}
-        return cls(**fields, histograms=[list(row) for row in counts.histograms], **module)
+        return cls.model_validate({**fields, "histograms": [list(row) for row in counts.histograms], **module})
 
     def counts(self) -> TensorCounts:
         histograms = tuple(tuple(row) for row in self.histograms)
@@ -106,7 +106,7 @@ class ModelRow(CountsRow):
     @classmethod
     def of(cls, stats: ModelStatistics) -> ModelRow:
         ratios = dict(rho=write_ratio(stats.rho), measured_rho=write_ratio(stats.measured_rho))
-        return cls(**cls.fields(stats), **ratios, lambda_=stats.lambda_, pinned=stats.pinned)
+        return cls.model_validate({**cls.fields(stats), **ratios, "lambda": stats.lambda_, "pinned": stats.pinned})
 
     def statistics(self) -> ModelStatistics:
         histogram = tuple(self.overlap_histogram.values())
@@ -121,7 +121,9 @@ class GroupRow(CountsRow):
 
 def _groups(groups: Mapping[str, tuple[OverlapCounts, ...]]) -> dict[str, list[GroupRow]]:
     return {
-        group: [GroupRow(**GroupRow.fields(c), local_rho=write_ratio(c.measured_rho)) for c in models]
+        group: [
+            GroupRow.model_validate({**GroupRow.fields(c), "local_rho": write_ratio(c.measured_rho)}) for c in models
+        ]
         for group, models in groups.items()
     }
 
@@ -160,17 +162,19 @@ class StatisticsFile(_Model):
     @classmethod
     def of(cls, statistics: RamStatistics, with_modules: bool = False) -> StatisticsFile:
         merged_modules = by_merged_module(statistics)
-        return cls(
-            version=SCHEMA_VERSION,
-            method=statistics.method,
-            parameters=Settings(**statistics.parameters),
-            source=statistics.source,
-            warnings=list(statistics.warnings),
-            versions=dict(statistics.versions),
-            models=[ModelRow.of(stats) for stats in statistics.models],
-            tensors=[TensorEntry.of(counts) for counts in statistics.tensors],
-            **({"modules": _groups(merged_modules)} if merged_modules else {}),
-            **({"by_module": _groups(by_module(statistics))} if with_modules else {}),
+        return cls.model_validate(
+            {
+                "schema": SCHEMA_VERSION,
+                "method": statistics.method,
+                "parameters": Settings.model_validate(statistics.parameters),
+                "source": statistics.source,
+                "warnings": list(statistics.warnings),
+                "versions": dict(statistics.versions),
+                "models": [ModelRow.of(stats) for stats in statistics.models],
+                "tensors": [TensorEntry.of(counts) for counts in statistics.tensors],
+                **({"modules": _groups(merged_modules)} if merged_modules else {}),
+                **({"by_module": _groups(by_module(statistics))} if with_modules else {}),
+            }
         )
 
     def statistics(self) -> RamStatistics:
