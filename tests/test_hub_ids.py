@@ -315,9 +315,11 @@ def test_a_card_edited_by_hand_is_refused(merged: Path, bf16_models: ModelSet) -
 def test_a_large_card_is_read_in_linear_time(merged: Path, bf16_models: ModelSet) -> None:
     """Group 5: the card's regex took 60 s on a 296 KB card and 85 s with 2,000 base_model entries."""
     card = (merged / "README.md").read_text(encoding="utf-8")
+    body = card.index("\n# ") + 1
     quote = "The following YAML configuration was used to produce this model:\n\n```yaml\n"
-    many = "".join(f"- org/model-{index}\n" for index in range(2000))
-    for text in (card + quote * (296_000 // len(quote)), card.replace("base_model: []\n", f"base_model:\n{many}")):
+    quotes = card[:body] + quote * (296_000 // len(quote)) + card[body:]  # unclosed quotes before the real one
+    many = "".join(f"- ./models/model-{index}\n" for index in range(2000))
+    for text in (quotes, quotes.replace("base_model: []\n", f"base_model:\n{many}")):
         (merged / "README.md").write_text(text, encoding="utf-8")
         started = time.perf_counter()
         assert check(merged)[0] == 1
