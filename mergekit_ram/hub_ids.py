@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections import Counter
 from typing import Any, Iterator, NamedTuple, Optional
 
 import yaml
@@ -18,7 +19,8 @@ from huggingface_hub.utils import HFValidationError, validate_repo_id
 
 from mergekit_ram import staging
 from mergekit_ram.errors import MergedFolderError, RamError, one_line
-from mergekit_ram.published import listed, merge_metadata, merged_card, with_sorted_model_list
+from mergekit_ram.integration.card import mergekit_card
+from mergekit_ram.published import listed, merged_card, with_sorted_model_list
 from mergekit_ram.stats.schema import STATISTICS_FILE, StatisticsFile, read_statistics
 
 CARD, RECIPE = "README.md", "mergekit_config.yml"
@@ -53,19 +55,19 @@ class _UniqueKeys(yaml.SafeLoader):
     """``yaml.SafeLoader`` that refuses a mapping giving one key twice (YAML would keep the last)."""
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        keys = [self.construct_object(key, deep=deep) for key, _ in node.value]
-        if len(set(map(repr, keys))) < len(keys):
-            seen: set[str] = set()
-            twice = next(key for key in keys if repr(key) in seen or seen.add(repr(key)))  # type: ignore[func-returns-value]
-            raise ValueError(f"it gives {twice} twice: give each local folder one id")
-        return super().construct_mapping(node, deep=deep)
+        mapping = super().construct_mapping(node, deep=deep)
+        if len(mapping) < len(node.value):
+            counted = Counter(self.construct_object(key) for key, _ in node.value)
+            raise ValueError(
+                f"it gives {next(k for k, n in counted.items() if n > 1)} twice: give each local folder one id"
+            )
+        return mapping
 
 
 def read_hub_id_file(path: str) -> list[tuple[str, str]]:
     """A YAML or JSON mapping of local folders to Hub ids (``{./models/coder: org/coder}``), each key once."""
     try:
-        with open(path, "rb") as handle:
-            mapping = yaml.load(_bounded(handle.read(MAX_BYTES + 1), path).decode("utf-8"), Loader=_UniqueKeys)
+        mapping = yaml.load(read_text(path) or "", Loader=_UniqueKeys)
     except (OSError, ValueError, yaml.YAMLError, RecursionError) as error:
         raise ValueError(f"cannot read {path} ({reason(error)})") from None
     if not isinstance(mapping, dict):
@@ -193,7 +195,7 @@ class Naming(NamedTuple):
 
     def local_paths(self) -> list[str]:
         """The local model paths the three files name: the recipe's, the statistics', the card's ``base_model``."""
-        statistics = [name for row in self.statistics.models for name in [row.model]] if self.statistics else []
+        statistics = [row.model for row in self.statistics.models] if self.statistics else []
         base_model = listed(self.card.data.get("base_model")) if self.card is not None else []
         named = recipe_paths(self.recipe) + [path for name in statistics for path in reference_paths(name)]
         found = named + [name for name in base_model if isinstance(name, str)]
@@ -273,30 +275,24 @@ def renames_for(files: Naming, hub_ids: dict[str, tuple[str, str]], out: str) ->
     return renames
 
 
-def merge_card_body(recipe: str, title: str, statistics: Optional[StatisticsFile]) -> str:
-    """The card's text as the merge writes it for the recipe text ``recipe`` (its model list sorted)."""
-    from mergekit_ram.integration.card import mergekit_card
-
-    card = merged_card(mergekit_card(recipe, title), statistics.statistics() if statistics else None)
-    return with_sorted_model_list(card.text)
+def merge_card(recipe: str, title: str, statistics: Optional[StatisticsFile]) -> ModelCard:
+    """The card a merge writes for the recipe text ``recipe`` and its statistics (``seam.finish``'s way)."""
+    return merged_card(mergekit_card(recipe, title), statistics.statistics() if statistics else None)
 
 
 def renamed_card(files: Naming, new_recipe: str, statistics: Optional[StatisticsFile], out: str) -> ModelCard:
-    """The card regenerated for the renamed recipe and statistics, its other metadata kept; refused where its text
+    """The card made again for the renamed recipe and statistics, its other metadata kept; refused where its text
     is not what the merge wrote (edited by hand since: renaming would lose the edit)."""
     card, recipe = files.card, files.texts[RECIPE]
     assert card is not None and recipe is not None
     title = card.text.partition("\n")[0].removeprefix("# ") if card.text.startswith("# ") else os.path.basename(out)
-    if merge_card_body(recipe, title, files.statistics) != with_sorted_model_list(card.text):
+    if merge_card(recipe, title, files.statistics).text != with_sorted_model_list(card.text):
         raise MergedFolderError(
             f"{CARD}'s text is not what the merge wrote (edited since, or by another version): merge again to have it "
             "written for the Hub ids, or name them in it by hand; nothing was changed"
         )
-    from mergekit_ram.integration.card import mergekit_card
-
-    new = merged_card(mergekit_card(new_recipe, title), statistics.statistics() if statistics else None)
-    metadata = {**card.data.to_dict(), **new.data.to_dict()}
-    new.data = ModelCardData(**merge_metadata(metadata))
+    new = merge_card(new_recipe, title, statistics)
+    new.data = ModelCardData(**{**card.data.to_dict(), **new.data.to_dict()})
     return new
 
 
