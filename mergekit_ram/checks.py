@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterable, Mapping, NamedTuple, Optional, Seque
 from safetensors import SafetensorError, safe_open
 
 from mergekit_ram.errors import InputError
-from mergekit_ram.files import UnreadableFile, descriptor_path, open_regular, plain_name, read_json
+from mergekit_ram.files import UnreadableFile, open_regular, plain_name, read_json
 from mergekit_ram.parameters import METHOD_NAMES, close_match
 from mergekit_ram.planned import ModelIdentity, PlannedTensor
 
@@ -37,8 +37,8 @@ class TensorHeader(NamedTuple):
 
 
 def read_header(model: str, file: str) -> Optional[dict[str, TensorHeader]]:
-    """The header of the descriptor checked regular (a FIFO is not waited on), through ``/proc`` or, without
-    it, the same file by its path; None for a ``.bin`` file, which mergekit loads itself with ``weights_only``."""
+    """The header of the file, checked regular (a FIFO is not waited on); None for a ``.bin`` file, which mergekit
+    loads itself with ``weights_only``."""
     try:
         with open_regular(file) as (handle, _):
             if not file.lower().endswith(".safetensors"):  # mergekit's test (``TensorLoader.get``)
@@ -48,10 +48,7 @@ def read_header(model: str, file: str) -> Optional[dict[str, TensorHeader]]:
                     f"{model}: {file} is a git-LFS pointer, not the weights: run `git lfs pull` in the model's "
                     "folder, or download the model again"
                 )
-            path = descriptor_path(handle, file)  # the file checked regular, by a path safetensors can open
-            if path is None:
-                raise UnreadableFile("it was replaced while being read")
-            with safe_open(path, framework="pt") as opened:
+            with safe_open(file, framework="pt") as opened:
                 parts = {name: opened.get_slice(name) for name in opened.keys()}
         return {name: TensorHeader(tuple(part.get_shape()), part.get_dtype()) for name, part in parts.items()}
     except (UnreadableFile, OSError) as error:

@@ -42,21 +42,6 @@ def open_regular(path: str, *, dir_fd: Optional[int] = None, follow_symlinks: bo
         os.close(handle)
 
 
-def descriptor_path(handle: int, path: Optional[str] = None) -> Optional[str]:
-    """A path that opens the file ``handle`` has open, for a library that takes only paths (safetensors):
-    ``/proc/self/fd/<handle>`` (or ``/dev/fd/<handle>``), which names that file whatever becomes of its name;
-    where neither is there (a container or chroot without ``/proc``), ``path`` itself while it still names
-    that file (the same device and inode: the plain-path fallback). None when none of them does."""
-    opened = os.fstat(handle)
-    for candidate in (f"/proc/self/fd/{handle}", f"/dev/fd/{handle}", path):
-        if candidate is not None:
-            with contextlib.suppress(OSError):
-                status = os.stat(candidate)
-                if os.path.samestat(status, opened):
-                    return candidate
-    return None
-
-
 def read_regular(path: str, limit: int, *, dir_fd: Optional[int] = None, follow_symlinks: bool = True) -> bytes:
     """At most ``limit`` bytes (see ``open_regular``)."""
     with open_regular(path, dir_fd=dir_fd, follow_symlinks=follow_symlinks) as (handle, size):

@@ -20,7 +20,7 @@ from safetensors import safe_open
 
 import mergekit_ram.hub_ids as hub
 from mergekit_ram.errors import MergedFolderError, one_line
-from mergekit_ram.files import UnreadableFile, descriptor_path, open_regular
+from mergekit_ram.files import UnreadableFile, open_regular
 from mergekit_ram.published import listed
 from mergekit_ram.staging import MANIFEST_FILE, MARKER_FILE, PRIVATE_PREFIX
 from mergekit_ram.stats.render import terminal_text
@@ -98,7 +98,7 @@ def check_folder(out: str, accept_warnings: bool = False, changed: Optional[list
         raise MergedFolderError(f"cannot open the folder {out} ({error.strerror or error})") from None
     try:
         names = set(os.listdir(folder))
-        found = incomplete(names) + weights(folder, names) + config(folder) + tokenizer(folder)
+        found = incomplete(names) + weights(folder, names, out) + config(folder) + tokenizer(folder)
         found += uploaded(folder, names)
         read = {name: read_file(folder, name, check) for name, check in zip(hub.NAMING_FILES, NAMING_CHECKS)}
     finally:
@@ -155,7 +155,7 @@ def _private(names: set[str]) -> list[str]:
     return sorted(name for name in names if name.startswith(PRIVATE_PREFIX) and name != MANIFEST_FILE)
 
 
-def weights(folder: int, names: set[str]) -> list[Finding]:
+def weights(folder: int, names: set[str], out: str) -> list[Finding]:
     """The index names files of the folder; every weights file loads (``tensor_findings``)."""
     files = sorted(name for name in names if name.endswith(".safetensors"))
     if not files:
@@ -175,17 +175,14 @@ def weights(folder: int, names: set[str]) -> list[Finding]:
             if isinstance(index, Finding)
             else Finding("weights", f"{INDEX} has no weight_map of tensor names to files: merge again")
         ]
-    return found + [finding for name in files for finding in tensor_findings(folder, name)]
+    return found + [finding for name in files for finding in tensor_findings(folder, name, out)]
 
 
-def tensor_findings(folder: int, name: str) -> list[Finding]:
+def tensor_findings(folder: int, name: str, out: str) -> list[Finding]:
     """Every tensor loads with safetensors, one at a time, and a floating one holds no NaN or Inf."""
     try:
-        with open_regular(name, dir_fd=folder, follow_symlinks=False) as (handle, _):
-            path = descriptor_path(handle)  # the descriptor's own file, whatever becomes of the name (/proc)
-            if path is None:
-                return [Finding("weights", f"{name} cannot be read: /proc is not mounted here (mount it)")]
-            with safe_open(path, framework="pt") as tensors:
+        with open_regular(name, dir_fd=folder, follow_symlinks=False):
+            with safe_open(os.path.join(out, name), framework="pt") as tensors:
                 bad = [key for key in tensors.keys() if not _finite(tensors.get_tensor(key))]
     except (OSError, UnreadableFile) as error:
         return [Finding("weights", f"{name} cannot be read ({hub.reason(error)}): merge again")]

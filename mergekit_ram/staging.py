@@ -1,49 +1,40 @@
 """The output transaction: a RAM merge's output folder holds its old content or the complete new merge.
 
 A RAM merge into ``OUT`` runs inside ``output_transaction(OUT)``, a write into a merged folder outside a merge (the
-card tool) inside ``folder_writer(OUT)``. While either runs, ``OUT`` holds besides the user's files:
+card tool) inside ``folder_writer(OUT)`` or ``replace_files``. While one runs, ``OUT`` holds besides the user's files:
 
     .mergekit-ram.lock               the one-writer lock, removed when the merge (or the card tool) ends
     .mergekit-ram-<random>/          this run's private folder, made by this process (mode 0700)
         staged/<name of OUT>/        where mergekit writes (the card's title is this name)
         replaced/                    OUT's files the publish replaces, until it has succeeded
     MERGE_INCOMPLETE                 only while files move into OUT
-    .mergekit-ram-manifest.json      published with the merge: its files, its weights' sizes and SHA-256
+    .mergekit-ram-manifest.json      published with the merge: its files and its weights' sizes
 
-Who may do what to OUT is in docs/reliability.md ("Threat model", "Other users"): its writers anything (guarded
-against mistakes: ``rm -rf OUT/.*``, a second merge, a kill at any step); a reader may open and ``flock`` but not
-change an entry; in a sticky folder a user renames or removes, and hard-links, only their own files.
-
-Invariants, each held by tests/test_transaction.py (T) or tests/test_output.py (O):
+What is guarded and what is not is docs/reliability.md's "Threat model". Invariants, each held by
+tests/test_transaction.py (T) or tests/test_output.py (O):
 
 1. No replay: what another process left is named in one warning, never completed, restored or undone. [T, O]
-2. A private folder per run, of a fresh unpredictable name; mergekit writes through ``/proc/self/fd``, so after
-   ``rm -rf OUT`` or a swapped parent its writes fail, else by the plain path, checked when the merge starts. [T, O]
+2. A private folder per run, of a fresh unpredictable name, written by its plain path. [T, O]
 3. Nothing outside OUT: every operation is relative to a descriptor of OUT or of the private folder, with a plain
-   name; links are moved or removed, never followed; the manifest is read bounded. [T]
+   name; the manifest is read with one size cap. [T]
 4. Only ours is removed: what this run wrote, files of the names it replaces, and weights an earlier merge recorded
-   whose size and SHA-256 still match; folders only when empty, OUT and its parents only if this run made them. [T, O]
-5. One writer: an exclusive ``flock`` on ``LOCK_FILE``, an empty regular file of OUT opened read-write, whose mode
-   lets only OUT's writers open it. Opened, locked, then its name checked to still name it (else again); removed,
-   still locked, at the end. A link, FIFO, folder or non-empty file there is refused, never opened; one found locked
-   but too open is made anew. A run whose OUT or lock file was removed or replaced meanwhile publishes nothing. [T, O]
+   whose size still matches; folders only when empty, OUT and its parents only if this run made them. [T, O]
+5. One writer: an exclusive ``flock`` on ``LOCK_FILE``, opened, locked, then its name checked to still name it (else
+   again); removed, still locked, at the end. A run whose OUT or lock file is gone at the publish publishes
+   nothing. [T, O]
 6. Old or new: the ending signals are held while files move; an error while publishing is undone. Only SIGKILL, a
    crash or a power cut stops a publish half-way: OUT is then marked MERGE_INCOMPLETE (never config.json beside a
    mix) and the next merge writes its own complete result. [T]
-7. Others' files: in a sticky OUT, another user's file the publish would replace refuses the merge before it starts,
-   in one line naming it and its owner; another user's marker elsewhere is replaced (kept aside for an undo where
-   the kernel lets this user link it; else an undo leaves this run's marker, of the same text). [T]
+7. A sticky OUT (shared like /tmp, where another user's file could stop a rename) is refused before it is changed.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import json
 import logging
 import os
-import pwd
 import re
 import secrets
 import stat
@@ -51,9 +42,8 @@ from typing import Any, Collection, Iterator, Optional
 
 from mergekit_ram._version import __version__
 from mergekit_ram.errors import RamError
-from mergekit_ram.files import UnreadableFile, descriptor_path, open_regular, plain_name, read_json, write_new
+from mergekit_ram.files import UnreadableFile, plain_name, read_json, write_new
 from mergekit_ram.signals import HeldSignals
-from mergekit_ram.stats.schema import STATISTICS_FILE
 
 LOG = logging.getLogger(__name__)
 
@@ -70,14 +60,11 @@ _CONFIG = "config.json"
 _WEIGHT = re.compile(r"(?s:.*)\.(safetensors|bin)(\.index\.json)?")
 #: What transformers and mergekit load as a model's weights: a kept one may shadow the new merge.
 _LOADED = re.compile(r"(model|pytorch_model)(-\d+-of-\d+)?\.(safetensors|bin)(\.index\.json)?")
-#: Files every mergekit-yaml merge writes (the card and recipe unless told not to), besides the weights.
-_ALWAYS_WRITTEN = (_CONFIG, "README.md", "mergekit_config.yml", STATISTICS_FILE)
 _OUT = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 _FOLDER = _OUT | os.O_NOFOLLOW
-_NEW_LOCK = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+_LOCK = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC
 #: Tries at taking the lock while its file is replaced between the open and the lock (by another merge's end).
 _LOCK_TRIES = 20
-_HASH_BLOCK = 1 << 20
 MARKER_TEXT = (
     "A mergekit-ram merge was killed (SIGKILL, out of memory, power loss) while it moved its files into\n"
     "this folder: it holds the earlier files, the new merge's or a mix, never config.json beside a mix.\n"
@@ -191,8 +178,8 @@ class _Folder:
         self.spare: list[int] = []  # descriptors held for the clean-up, which needs 3 at most: after EMFILE too
 
     def begin(self) -> None:
-        """Create (if missing), open and lock OUT; report what earlier runs left; refuse others' files a publish
-        could not replace; make the private folder."""
+        """Create (if missing), open and lock OUT (refused where it is sticky); report what earlier runs left (a
+        writer's refusal); make the private folder."""
         path = os.path.abspath(self.path)
         while not os.path.isdir(path) and not self.writer:
             self.created.append(path)
@@ -201,6 +188,11 @@ class _Folder:
             if self.created:
                 os.makedirs(self.path, exist_ok=True)
             self.out = os.open(self.path, _OUT)
+            if os.fstat(self.out).st_mode & stat.S_ISVTX:
+                raise OutputFolderError(
+                    f"{self.path} is shared with the sticky bit (as /tmp is), where another user's file could stop "
+                    "the merge: merge into a folder of your own inside it"
+                )
             self.lock = _take_lock(self.out, self.path)
             self.spare = [os.dup(self.out) for _ in range(3)]
             for name in (MARKER_FILE, MANIFEST_FILE):
@@ -219,7 +211,6 @@ class _Folder:
                     self.path,
                     ", ".join(left),
                 )
-            _refuse_others_files(self.out, self.path)
             while True:  # a fresh unpredictable name, made by this process
                 name = PRIVATE_PREFIX + secrets.token_hex(8)
                 with contextlib.suppress(FileExistsError):
@@ -235,15 +226,8 @@ class _Folder:
             raise OutputFolderError(f"cannot prepare {self.path} for the merge ({_reason(error)})") from None
 
     def staged_path(self) -> str:
-        """The path mergekit writes into: through ``/proc/self/fd`` where it is mounted, else by the plain path
-        while that names this run's private folder (invariant 2)."""
-        private = descriptor_path(self.private, os.path.join(self.path, self.private_name))
-        if private is None:
-            raise OutputBusyError(
-                f"{self.path} was moved or replaced while the merge began, so another merge may be writing there: "
-                "nothing was written; rerun the merge"
-            )
-        return os.path.join(private, _STAGED, self.name)
+        """The path mergekit writes into (invariant 2)."""
+        return os.path.join(self.path, self.private_name, _STAGED, self.name)
 
     def holds(self) -> bool:
         """Whether the path still names the folder this run opened (invariant 5)."""
@@ -252,19 +236,18 @@ class _Folder:
         return False
 
     def record(self) -> None:
-        """The manifest written beside the staged files, the earlier merge's weights to remove found: both read
-        whole files, so they run before the publish holds the signals (invariant 4)."""
+        """The manifest written beside the staged files, the earlier merge's weights to remove found (invariant 4)."""
         staged = -1
         try:
             staged = os.open(os.path.join(_STAGED, self.name), _FOLDER, dir_fd=self.private)
             # The manifest first (once in, it records every new weight present), config.json last.
             names = {*os.listdir(staged), MANIFEST_FILE}
             self.names = sorted(names, key=lambda name: (name != MANIFEST_FILE, name == _CONFIG, name))
-            weights = {name: _content(name, staged) for name in self.names if _WEIGHT.fullmatch(name)}
+            weights = {name: os.stat(name, dir_fd=staged) for name in self.names if _WEIGHT.fullmatch(name)}
             manifest = {
                 "written_by": f"mergekit-ram {__version__}",
                 "files": self.names,
-                "weights": {name: content for name, content in weights.items() if content is not None},
+                "weights": {name: {"size": found.st_size} for name, found in weights.items()},
             }
             write_new(MANIFEST_FILE, json.dumps(manifest, indent=1), dir_fd=staged)
             self.stale = _recorded_weights(self.out, self.path, skip=set(self.names))
@@ -287,18 +270,11 @@ class _Folder:
         handles: list[int] = []
         marker: Optional[os.stat_result] = None
         names, stale = self.names, self.stale
-        kept_aside = True  # no earlier marker, or one kept aside: an undo removes this run's
+        marked = _kind(MARKER_FILE, self.out) == "file"  # by a killed run: an undo leaves this run's (the same text)
         try:
-            _refuse_others_files(self.out, self.path, [MARKER_FILE, *names, *stale])  # with the names known now
-            for name in (_STAGED, _REPLACED, os.path.join(_STAGED, self.name)):
+            for name in (_REPLACED, os.path.join(_STAGED, self.name)):
                 handles.append(os.open(name, _FOLDER, dir_fd=self.private))
-            replaced, staged = handles[1:]
-            if _kind(MARKER_FILE, self.out) == "file":  # a killed run's: a link kept aside (OUT stays marked)
-                try:
-                    os.link(MARKER_FILE, MARKER_FILE, src_dir_fd=self.out, dst_dir_fd=replaced, follow_symlinks=False)
-                    self.moves.append((self.out, replaced, MARKER_FILE))
-                except PermissionError:  # another user's (fs.protected_hardlinks): an undo leaves this run's
-                    kept_aside = False
+            replaced, staged = handles
             marker = write_new(MARKER_FILE, MARKER_TEXT, dir_fd=self.private)
             os.rename(MARKER_FILE, MARKER_FILE, src_dir_fd=self.private, dst_dir_fd=self.out)  # not undone: see _undo
             _sync(self.out)
@@ -312,7 +288,7 @@ class _Folder:
             _sync(self.out)
             _remove_marker(self.out, marker)
         except BaseException as error:
-            self._undo(marker if kept_aside else None)
+            self._undo(None if marked else marker)
             if not isinstance(error, OSError):
                 raise
             kept = f"it is marked {MARKER_FILE}; the files it held are in {os.path.join(self.path, self.private_name)}"
@@ -343,8 +319,8 @@ class _Folder:
         self.moves.append((source, target, name))
 
     def _undo(self, marker: Optional[os.stat_result]) -> None:
-        """This publish's renames backwards (a kept earlier marker back over this run's), then this run's ``marker``
-        removed if still there; without it (another user's could not be kept aside) this run's stays: OUT was marked."""
+        """This publish's renames backwards, then this run's ``marker`` removed if still there; without it (OUT was
+        marked before) this run's stays."""
         try:
             for source, target, name in reversed(self.moves):
                 os.rename(name, name, src_dir_fd=target, dst_dir_fd=source)
@@ -385,94 +361,23 @@ def _take_lock(out: int, out_path: str) -> int:
     """OUT's lock file, opened read-write and locked, then checked to be what its name still names, else again
     (invariant 5); ``OutputBusyError`` at once while another merge holds it."""
     for _ in range(_LOCK_TRIES):
-        if (opened := _open_lock(out, out_path)) is None:
-            continue
-        lock, found = opened
+        lock = os.open(LOCK_FILE, _LOCK, 0o600, dir_fd=out)
         try:
-            if not _locked(lock, out_path):
-                if found is None or not stat.S_IMODE(found.st_mode) & 0o066 & ~_lock_mode(os.fstat(out), found.st_gid):
-                    raise OutputBusyError(
-                        f"another merge is writing to {out_path}; wait for it to finish or choose another output folder"
-                    )
-                try:  # its mode lets a reader of OUT hold it: made anew
-                    os.unlink(LOCK_FILE, dir_fd=out)
-                except FileNotFoundError:
-                    pass
-                except PermissionError:
-                    raise OutputFolderError(
-                        f"{os.path.join(out_path, LOCK_FILE)} is {_user(found.st_uid)}'s, and its mode lets users who "
-                        f"may not write {out_path} open it (and so hold the lock): ask {_user(found.st_uid)} to remove "
-                        "it, or choose another output folder"
-                    ) from None
-            elif _is_lock(out, lock):
-                return lock
-        except BaseException:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
             os.close(lock)
-            raise
+            raise OutputBusyError(
+                f"another merge is writing to {out_path}; wait for it to finish or choose another output folder"
+            ) from None
+        except OSError as error:  # a file system without locks
+            LOG.warning("could not lock %s (%s): nothing keeps a second merge out of it", out_path, _reason(error))
+        if _is_lock(out, lock):
+            return lock
         os.close(lock)  # removed or replaced since it was opened: by the end of the merge that held it
     raise OutputBusyError(
         f"{os.path.join(out_path, LOCK_FILE)} is replaced again and again: something else is changing {out_path}; "
         "stop it, or choose another output folder"
     )
-
-
-def _open_lock(out: int, out_path: str) -> Optional[tuple[int, Optional[os.stat_result]]]:
-    """The lock file opened read-write, and its status when found (None: made now, its mode set from OUT's);
-    None where it changed meanwhile. Anything but an empty regular file of one link is refused, never opened."""
-    path = os.path.join(out_path, LOCK_FILE)
-    try:
-        found = os.stat(LOCK_FILE, dir_fd=out, follow_symlinks=False)
-    except FileNotFoundError:
-        try:
-            lock = os.open(LOCK_FILE, _NEW_LOCK, 0o600, dir_fd=out)
-        except FileExistsError:
-            return None
-        folder = os.fstat(out)
-        with contextlib.suppress(OSError):  # a maker outside OUT's group: the file gives the group nothing
-            if folder.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-                os.fchown(lock, -1, folder.st_gid)
-        with contextlib.suppress(OSError):  # a file system without modes (FAT): its mount decides
-            os.fchmod(lock, _lock_mode(folder, os.fstat(lock).st_gid))
-        return lock, None
-    if not stat.S_ISREG(found.st_mode) or found.st_size or found.st_nlink != 1:
-        what = "a folder" if stat.S_ISDIR(found.st_mode) else "not an empty file of its own"
-        what = "a symbolic link" if stat.S_ISLNK(found.st_mode) else what
-        raise OutputFolderError(
-            f"{path} is {what}: it is mergekit-ram's own name (the lock of a merge); remove it or choose another "
-            "output folder"
-        )
-    try:
-        lock = os.open(LOCK_FILE, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=out)
-    except FileNotFoundError:
-        return None
-    except PermissionError:
-        raise OutputBusyError(
-            f"another merge is writing to {out_path}, or one was killed while taking its lock: {path} is "
-            f"{_user(found.st_uid)}'s and this user may not open it; if no merge runs there, remove that file"
-        ) from None
-    if not os.path.samestat(os.fstat(lock), found):
-        os.close(lock)
-        return None
-    return lock, found
-
-
-def _locked(lock: int, out_path: str) -> bool:
-    """An exclusive ``flock``, without waiting: False while another process holds it."""
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return False
-    except OSError as error:  # a file system without locks
-        LOG.warning("could not lock %s (%s): nothing keeps a second merge out of it", out_path, _reason(error))
-    return True
-
-
-def _lock_mode(folder: os.stat_result, group: int) -> int:
-    """Read and write for the owner; for the group where it is OUT's and OUT is group-writable; for everyone
-    where OUT is writable by all."""
-    if folder.st_mode & stat.S_IWOTH:
-        return 0o666
-    return 0o660 if folder.st_mode & stat.S_IWGRP and group == folder.st_gid else 0o600
 
 
 def _is_lock(out: int, lock: int) -> bool:
@@ -484,11 +389,11 @@ def _is_lock(out: int, lock: int) -> bool:
 
 def _release_lock(out: int, lock: int, out_path: str) -> None:
     """Remove the lock file while still locked (one who opened it meanwhile finds it replaced and tries again), then
-    unlock it. Another user's in a sticky folder stays (the next merge takes it over)."""
+    unlock it."""
     try:
         if _is_lock(out, lock):
             os.unlink(LOCK_FILE, dir_fd=out)
-    except (FileNotFoundError, PermissionError):
+    except FileNotFoundError:
         pass
     except OSError as error:
         LOG.warning("could not remove %s (%s): remove it", os.path.join(out_path, LOCK_FILE), _reason(error))
@@ -517,55 +422,6 @@ def _left_over(out: int) -> list[str]:
     return sorted(name for name in found if name != MANIFEST_FILE)
 
 
-def _replaced_names(out: int, out_path: str) -> list[str]:
-    """Before the merge, the names its publish will or may replace: the marker, the manifest and every name it
-    lists, the files every merge writes, and weights a loader reads."""
-    manifest = _manifest(out, out_path)
-    values = [manifest.get(key) for key in ("files", "weights")]
-    listed = [name for names in values if isinstance(names, (list, dict)) for name in names if isinstance(name, str)]
-    loaded = [name for name in os.listdir(out) if _LOADED.fullmatch(name)]
-    return [MARKER_FILE, MANIFEST_FILE, *_ALWAYS_WRITTEN, *loaded, *listed]
-
-
-def _refuse_others_files(out: int, out_path: str, names: Optional[list[str]] = None) -> None:
-    """Where OUT has the sticky bit and is not this user's (only a file's owner, OUT's or root may rename or remove
-    it: invariant 7), refuse another user's file of ``names`` (by default the names a merge will or may replace)."""
-    folder = os.fstat(out)
-    if not folder.st_mode & stat.S_ISVTX or os.geteuid() in (0, folder.st_uid):
-        return
-    for name in dict.fromkeys(name for name in names or _replaced_names(out, out_path) if plain_name(name)):
-        with contextlib.suppress(FileNotFoundError):
-            owner = os.stat(name, dir_fd=out, follow_symlinks=False).st_uid
-            if owner != os.geteuid():
-                killed = " (a merge of theirs was killed while publishing into it)" if name == MARKER_FILE else ""
-                raise OutputFolderError(
-                    f"{os.path.join(out_path, name)} is {_user(owner)}'s{killed}, and in {out_path}, shared with the "
-                    f"sticky bit, only they or the folder's owner may replace it, as this merge would: ask "
-                    f"{_user(owner)} to merge into it again or remove it, or choose another output folder"
-                )
-
-
-def _user(uid: int) -> str:
-    with contextlib.suppress(KeyError):
-        return pwd.getpwuid(uid).pw_name
-    return f"user {uid}"
-
-
-def _content(name: str, folder: int) -> Optional[dict[str, Any]]:
-    """A weight's size and the SHA-256 of the whole file (git-LFS's and the Hub's id; not sampled: an edit anywhere
-    keeps the file), which identify it on any machine (invariant 4); None for what is not a regular file."""
-    digest, size = hashlib.sha256(), 0
-    try:
-        with open_regular(name, dir_fd=folder, follow_symlinks=False) as (handle, _):
-            block = bytearray(_HASH_BLOCK)
-            while read := os.readv(handle, [block]):
-                digest.update(memoryview(block)[:read])
-                size += read
-    except UnreadableFile:
-        return None
-    return {"size": size, "sha256": digest.hexdigest()}
-
-
 def _manifest(out: int, out_path: str) -> dict[str, Any]:
     """OUT's manifest, read bounded; empty if absent, not an object or unreadable (said in a warning)."""
     try:
@@ -579,18 +435,17 @@ def _manifest(out: int, out_path: str) -> dict[str, Any]:
 
 
 def _recorded_weights(out: int, out_path: str, skip: Collection[str]) -> list[str]:
-    """Plain weight names OUT's manifest records whose bytes are still as recorded (invariant 4), but for ``skip``
-    (replaced anyway). An error but a missing or unreadable file (a failing disk) is raised: nothing is published."""
+    """Plain weight names OUT's manifest records whose size is still as recorded (invariant 4), but for ``skip``
+    (replaced anyway). An error but a missing file is raised: nothing is published."""
     weights = _manifest(out, out_path).get("weights")
     found = []
     for name, recorded in weights.items() if isinstance(weights, dict) else ():
         if name in skip or not (plain_name(name) and _WEIGHT.fullmatch(name)) or not isinstance(recorded, dict):
             continue
-        with contextlib.suppress(FileNotFoundError, PermissionError):
+        with contextlib.suppress(FileNotFoundError):
             status = os.stat(name, dir_fd=out, follow_symlinks=False)
-            if stat.S_ISREG(status.st_mode) and status.st_size == recorded.get("size"):  # else no need to read it
-                if _content(name, out) == recorded:
-                    found.append(name)
+            if stat.S_ISREG(status.st_mode) and status.st_size == recorded.get("size"):
+                found.append(name)
     return sorted(found)
 
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import faulthandler
-import fcntl
 import functools
 import hashlib
 import io
@@ -41,7 +40,7 @@ import tempfile
 import threading
 import traceback
 from dataclasses import dataclass
-from typing import Any, Callable, Collection, Iterator, NoReturn, Optional, Sequence, Union
+from typing import Any, Callable, Collection, NoReturn, Optional, Union
 
 import pytest
 
@@ -61,7 +60,6 @@ from mergekit_ram.staging import (
 from tests.conftest import hang_fails, plugin_log
 from tests.faults import sitecustomize as faults
 from tests.faults.transaction import main as merge_as_driver
-from tests.faults.transaction import write_merge
 
 FULL = os.environ.get("MERGEKIT_RAM_FULL_SWEEP") == "1"
 SIGNALS = [signal.Signals(number).name if number in signal.Signals._value2member_map_ else str(number)
@@ -338,7 +336,7 @@ def test_the_scenarios_are_what_they_claim(remerge: Scenario, fresh: Scenario) -
     assert all(remerge.new[name] == data for name, data in USER_FILES.items())
     assert remerge.new["latest"] == remerge.old["latest"] and not left_over(remerge.new)
     assert fresh.new[NOTES] == b"the user's notes\n" and not left_over(fresh.new)
-    assert remerge.count == 57 and fresh.count == 40  # the operations enumerated below
+    assert remerge.count == 50 and fresh.count == 36  # the operations enumerated below
     assert len(remerge.killed) == remerge.count and len(fresh.killed) == fresh.count
 
 
@@ -513,6 +511,26 @@ def test_the_next_merge_over_a_crash_with_a_full_disk(remerge: Scenario, crashes
     _over_crashes(remerge, crashes, "ENOSPC")
 
 
+def test_a_file_system_without_hard_links_publishes(remerge: Scenario, crashes: dict[int, State]) -> None:
+    """Issue 50, 9: where every link fails (EOPNOTSUPP, as on s3fs- or rclone-style mounts) a merge over a killed
+    publish's marker still publishes its complete result: the publish makes no hard link."""
+    crashed = next(operation for operation, state in crashes.items() if MARKER_FILE in (state or {}))
+    out = _crashed(remerge, crashed, "no-links")
+    original = os.link
+
+    def no_links(*args: Any, **kwargs: Any) -> NoReturn:
+        raise OSError(errno.EOPNOTSUPP, os.strerror(errno.EOPNOTSUPP))
+
+    os.link = no_links
+    try:
+        completed = drive(out, "new")
+    finally:
+        os.link = original
+    assert completed.returncode == 0, completed.stderr[-2000:]
+    after = snapshot(out) or {}
+    assert published(after) == remerge.new and MARKER_FILE not in after
+
+
 def test_the_marker_says_what_it_means(remerge: Scenario, crashes: dict[int, State]) -> None:
     marked = [state for state in crashes.values() if remerge.phase(state) == 1]
     assert marked and all((state or {})[MARKER_FILE] == MARKER_TEXT.encode() for state in marked)
@@ -537,25 +555,6 @@ def test_a_second_merge_after_rm_rf_publishes_only_its_own(remerge: Scenario) ->
     assert sorted(name for name in second if name.startswith("model-")) == [
         f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)
     ]
-
-
-def test_a_swapped_parent_gets_no_writes(remerge: Scenario, tmp_path) -> None:
-    """OUT's parent replaced by a link elsewhere while the merge runs: nothing is written there, publishing
-    is refused, and the merge's own folder is left as it was before, with nothing of the merge in it."""
-    out = remerge.make("swapped")
-    parent = os.path.dirname(out)
-    elsewhere = tmp_path / "elsewhere"
-    os.makedirs(elsewhere / "out")
-    (elsewhere / "out" / "theirs.txt").write_text("someone else's\n")
-
-    def meanwhile() -> None:
-        os.rename(parent, parent + "-moved")
-        os.symlink(elsewhere, parent)
-
-    first = drive(out, "new", "pause", meanwhile=meanwhile)
-    assert first.returncode != 0 and "was removed or replaced while this merge ran" in first.stderr
-    assert snapshot(str(elsewhere)) == {"out": b"<folder>", os.path.join("out", "theirs.txt"): b"someone else's\n"}
-    assert snapshot(os.path.join(parent + "-moved", "out")) == remerge.old
 
 
 @pytest.mark.parametrize("name", ["publish.json", MARKER_FILE, ".mergekit-ram-partial", "replaced"])
@@ -589,33 +588,32 @@ def test_an_earlier_designs_leftovers_are_reported_and_kept(remerge: Scenario) -
     assert {name: data for name, data in after.items() if name.startswith(".mergekit-ram-partial")} == kept
 
 
-def test_removal_needs_the_recorded_content(remerge: Scenario) -> None:
-    """Invariant 4: an earlier merge's weight goes only while its bytes are what that merge recorded (size and
-    SHA-256), on whatever machine or copy: a copied folder, a shard touched or replaced by the same bytes, go;
-    a shard rewritten in place (the same size, other bytes) or grown stays, named in one warning."""
+def test_removal_needs_the_recorded_size(remerge: Scenario) -> None:
+    """Invariant 4: an earlier merge's weight goes only while its size is what that merge recorded (the manifest
+    records names and sizes, so no weight is read twice), on whatever machine or copy: a copied folder, a shard
+    touched or replaced, go; a shard that grew or shrank stays, named in one warning."""
     shard = "model-00003-of-00003.safetensors"
     out = remerge.make("identity")
     with open(os.path.join(out, MANIFEST_FILE), encoding="utf-8") as handle:
         recorded = json.load(handle)["weights"][shard]
     data = b"old model-00003-of-00003.safetensors\n"
-    assert recorded == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    assert recorded == {"size": len(data)}
     copied = shutil.copytree(out, out + "-copy", symlinks=True)  # cp -a: other inodes, other mtimes
     touched = remerge.make("identity-touched")
     os.utime(os.path.join(touched, shard), ns=(0, 0))
     replaced = remerge.make("identity-replaced")
     os.unlink(os.path.join(replaced, shard))
     with open(os.path.join(replaced, shard), "wb") as handle:
-        handle.write(data)  # another file, the same bytes
+        handle.write(data.upper())  # another file of the same size
     for folder in (out, copied, touched, replaced):
         completed = drive(folder, "new")
         assert completed.returncode == 0 and snapshot(folder) == remerge.new, (folder, completed.stderr[-2000:])
-    rewritten = remerge.make("identity-rewritten")
-    with open(os.path.join(rewritten, shard), "r+b") as handle:
-        handle.write(b"OLD")  # in place: the same size, the same file
     grown = remerge.make("identity-grown")
     with open(os.path.join(grown, shard), "ab") as handle:
         handle.write(b"more")
-    for folder in (rewritten, grown):
+    shrunk = remerge.make("identity-shrunk")
+    os.truncate(os.path.join(shrunk, shard), 3)
+    for folder in (grown, shrunk):
         with open(os.path.join(folder, shard), "rb") as handle:
             theirs = handle.read()
         completed = drive(folder, "new")
@@ -623,7 +621,25 @@ def test_removal_needs_the_recorded_content(remerge: Scenario) -> None:
         assert published(snapshot(folder)) == {**(remerge.new or {}), shard: theirs}
 
 
-# One writer, and other users (invariants 5 and 7) ------------------------------------------------------
+def test_a_sticky_output_folder_is_refused_before_it_is_changed(tmp_path) -> None:
+    """Threat model, other users: an OUT shared with the sticky bit (mode 1777, as /tmp) is refused in one line,
+    nothing changed; a folder of one's own inside it merges."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o1777)
+    before = snapshot(str(shared))
+    completed = drive(str(shared), "new")
+    assert completed.returncode == 1 and completed.stderr.strip().splitlines()[-1] == (
+        f"mergekit_ram.staging.OutputFolderError: {shared} is shared with the sticky bit (as /tmp is), where another "
+        "user's file could stop the merge: merge into a folder of your own inside it"
+    )
+    assert snapshot(str(shared)) == before
+    with pytest.raises(OutputFolderError, match="sticky bit"):
+        replace_files(str(shared), REPLACED)
+    assert drive(str(shared / "mine"), "new").returncode == 0 and os.path.isfile(shared / "mine" / "config.json")
+
+
+# One writer (invariant 5) ------------------------------------------------------
 
 
 def test_a_merge_whose_lock_was_removed_publishes_nothing(remerge: Scenario) -> None:
@@ -697,267 +713,6 @@ def test_the_card_tool_takes_the_merges_lock(remerge: Scenario) -> None:
             pass
 
 
-def _marked(root: str, name: str, mode: int) -> str:
-    """``root/name/out`` (mode ``mode``) holding root's earlier merge, then root's merge killed (SIGKILL) while
-    publishing, three operations after its marker moved in: root's marker in, config.json out. The merges run
-    in ``root/name/scratch/out`` (of the same mode), whose state there is copied into ``out``."""
-    out, scratch = os.path.join(root, name, "out"), os.path.join(root, name, "scratch", "out")
-    os.makedirs(scratch)
-    os.chmod(os.path.dirname(out), 0o755)
-    os.chmod(scratch, mode)
-    assert drive(scratch, "old").returncode == 0
-    killed, made = killed_at_each_operation(scratch, "new")
-    shutil.copytree(killed[_marker_moved_in(made) + 3], out, symlinks=True)
-    left = os.listdir(out)
-    assert MARKER_FILE in left and "config.json" not in left and os.stat(out).st_mode & 0o7777 == mode
-    return out
-
-
-def _marker_moved_in(operations: list[str]) -> int:
-    """The number of the operation that renamed the marker into OUT (``operations``: the transaction's, in order)."""
-    return operations.index(f"rename {MARKER_FILE}") + 1
-
-
-NOBODY = 65534
-
-
-def as_nobody(
-    work: Callable[[], object], groups: Sequence[int] = (), fault: Optional[tuple[int, str]] = None
-) -> tuple[int, str]:
-    """``work()`` in a child forked from this process that then becomes uid 65534 with ``groups`` (another user;
-    no exec: this interpreter may live where they cannot read), ``fault`` installed there: its exit status (0,
-    or 1 after an exception) and the exception's last line."""
-    return _finished(*_started_as_nobody(work, groups, fault))
-
-
-def _started_as_nobody(
-    work: Callable[[], object], groups: Sequence[int] = (), fault: Optional[tuple[int, str]] = None
-) -> tuple[int, int]:
-    """The child of ``as_nobody``, started: its pid and the pipe it writes its exception to."""
-    reader, writer = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: ends here, whatever happens
-        status = 1
-        try:
-            os.close(reader)
-            os.setgroups(list(groups))
-            os.setgid(NOBODY)
-            os.setuid(NOBODY)
-            with faults.installed(f"fsop:any:{fault[0]}:{fault[1]}") if fault else contextlib.nullcontext():
-                work()
-            status = 0
-        except BaseException as error:
-            os.write(writer, "".join(traceback.format_exception_only(error)).strip().encode())
-        finally:
-            os._exit(status)
-    os.close(writer)
-    return pid, reader
-
-
-def _finished(pid: int, reader: int) -> tuple[int, str]:
-    with os.fdopen(reader, "rb") as stream:
-        message = stream.read().decode()
-    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), message
-
-
-def merged_by_nobody(out: str, generation: str, *flags: str, **options: Any) -> tuple[int, str]:
-    """The driver's merge (tests/faults/transaction.py) into ``out`` as uid 65534 (``as_nobody``)."""
-    return as_nobody(lambda: merge_as_driver(out, generation, *flags), **options)
-
-
-@pytest.fixture(scope="module")
-def shared_root() -> Iterator[str]:
-    """A folder every user may enter (pytest's is root's alone), where root makes folders uid 65534 merges into."""
-    if os.geteuid() != 0:
-        pytest.skip("acting as another user needs root here (a child that calls setuid(65534))")
-    root = tempfile.mkdtemp(prefix="mergekit-ram-users-")
-    try:
-        os.chmod(root, 0o755)
-        yield root
-    finally:
-        shutil.rmtree(root)
-
-
-@pytest.fixture(scope="module")
-def new_merge(shared_root: str) -> State:
-    """What the driver's new merge publishes into an empty folder (in this process)."""
-    out = os.path.join(shared_root, "new", "out")
-    assert drive(out, "new").returncode == 0
-    return snapshot(out)
-
-
-def _another_users_marker_is_replaced(shared_root: str, new_merge: State) -> None:
-    """Invariant 7 (issue 44, 3): root's merge killed while publishing leaves root's marker, which uid 65534 may
-    not hard-link (``fs.protected_hardlinks``): their merge into the folder (mode 0777) publishes its complete
-    result over it; root's private folder stays as it was."""
-    out = _marked(shared_root, "replaced", 0o777)
-    before = snapshot(out)
-    status, error = merged_by_nobody(out, "new")
-    assert status == 0, error
-    after = snapshot(out) or {}
-    assert published(after) == new_merge and MARKER_FILE not in after and LOCK_FILE not in after
-    private = [name for name in left_over(before) if name not in (MARKER_FILE, LOCK_FILE)]
-    assert private and {name: data for name, data in after.items() if name not in published(after)} == {
-        name: data for name, data in (before or {}).items() if name.split(os.sep)[0] in private
-    }
-
-
-def _a_failed_publish_over_another_users_marker_stays_marked(shared_root: str, new_merge: State) -> None:
-    """Invariant 7: the same, with the disk full right after uid 65534's marker replaced root's: the publish is
-    undone, and OUT holds what it held, marked (by their marker, of the same text: root's could not be kept)."""
-    counted, out = _marked(shared_root, "undone-count", 0o777), _marked(shared_root, "undone", 0o777)
-    with faults.counted() as made:
-        assert drive(counted, "new").returncode == 0  # root's: the same operations
-    before = snapshot(out)
-    status, error = merged_by_nobody(out, "new", fault=(_marker_moved_in(made) + 2, "ENOSPC"))
-    assert status == 1 and error.endswith("it holds what it held before"), error
-    assert unlocked(snapshot(out)) == unlocked(before) and os.stat(os.path.join(out, MARKER_FILE)).st_uid == NOBODY
-
-
-def _another_users_marker_in_a_sticky_folder_is_refused_first(shared_root: str, new_merge: State) -> None:
-    """Invariant 7 (issue 44, 3): in a sticky folder (mode 1777) uid 65534 may neither replace nor remove root's
-    marker: their merge is refused before it starts, in one line naming the marker and root, nothing changed.
-    Root's completed merge there is refused the same way; a folder of their own files is not."""
-    out = _marked(shared_root, "sticky", 0o1777)
-    before = snapshot(out)
-    status, error = merged_by_nobody(out, "new", "pause")  # its body would fail: nothing to run meanwhile
-    assert status == 1 and snapshot(out) == before
-    assert error == (
-        f"mergekit_ram.staging.OutputFolderError: {os.path.join(out, MARKER_FILE)} is root's (a merge of theirs was "
-        f"killed while publishing into it), and in {out}, shared with the sticky bit, only they or the folder's "
-        "owner may replace it, as this merge would: ask root to merge into it again or remove it, or choose "
-        "another output folder"
-    )
-    merged = os.path.join(shared_root, "sticky-merged", "out")
-    os.makedirs(merged, mode=0o755)
-    os.chmod(merged, 0o1777)
-    assert drive(merged, "old").returncode == 0
-    before = snapshot(merged)
-    status, error = merged_by_nobody(merged, "new", "pause")
-    assert status == 1 and snapshot(merged) == before
-    assert f"{os.path.join(merged, MANIFEST_FILE)} is root's, and in {merged}" in error
-    theirs = os.path.join(shared_root, "sticky-theirs", "out")
-    os.makedirs(theirs, mode=0o755)
-    os.chmod(theirs, 0o1777)
-    assert merged_by_nobody(theirs, "old") == (0, "") and merged_by_nobody(theirs, "new") == (0, "")
-
-
-def _hold(out: str, said: int, release: int) -> None:
-    """As a reader of OUT: an exclusive flock on OUT (all that locked it before) and on each file they can open,
-    then the lock file created or opened; each outcome written to ``said``; held until ``release`` closes."""
-    folder = os.open(out, os.O_RDONLY | os.O_DIRECTORY)
-    fcntl.flock(folder, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    for name in sorted(os.listdir(out)):
-        with contextlib.suppress(OSError):
-            fcntl.flock(os.open(os.path.join(out, name), os.O_RDONLY | os.O_NONBLOCK), fcntl.LOCK_EX | fcntl.LOCK_NB)
-            os.write(said, f"locked {name}\n".encode())
-    try:
-        os.open(os.path.join(out, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o666)
-    except OSError as error:
-        os.write(said, f"lock file: {errno.errorcode[error.errno]}\n".encode())
-    os.write(said, b"holding\n")
-    os.read(release, 1)
-
-
-@contextlib.contextmanager
-def _reader_holding(out: str) -> Iterator[list[str]]:
-    """uid 65534 holding their locks on OUT (``_hold``) until the block ends; what they said."""
-    said, release = os.pipe(), os.pipe()
-    holder = _started_as_nobody(lambda: (os.close(said[0]), os.close(release[1]), _hold(out, said[1], release[0])))
-    os.close(said[1])
-    os.close(release[0])
-    lines: list[str] = []
-    with os.fdopen(said[0], "r") as stream:
-        try:
-            while not lines or lines[-1] != "holding":
-                line = stream.readline()
-                assert line, f"the reader ended early: {_finished(*holder)}"
-                lines.append(line.strip())
-            yield lines
-        finally:
-            os.close(release[1])
-            if lines and lines[-1] == "holding":
-                assert _finished(*holder) == (0, "")
-
-
-def _a_reader_cannot_hold_the_lock(shared_root: str, new_merge: State) -> None:
-    """Invariant 5 (issue 44, 4): uid 65534, who may only read OUT (mode 0755), holds an exclusive flock on OUT and
-    on every file they can open, and can neither create nor open the lock file: root's merge publishes meanwhile,
-    and the lock file it holds lets only root open it."""
-    out = os.path.join(shared_root, "read-only", "out")
-    os.makedirs(out, mode=0o755)
-    os.chmod(os.path.dirname(out), 0o755)
-    with _reader_holding(out) as said:
-        assert said == ["lock file: EACCES", "holding"]
-        with output_transaction(out) as staged:
-            assert os.stat(os.path.join(out, LOCK_FILE)).st_mode & 0o777 == 0o600
-            write_merge(staged, "new", 2)
-    assert snapshot(out) == new_merge
-    with _reader_holding(out) as said:  # over the published merge: they lock every file they can read
-        assert "locked .mergekit-ram-manifest.json" in said and "lock file: EACCES" in said
-        with folder_writer(out):
-            pass
-        with output_transaction(out) as staged:
-            write_merge(staged, "new", 2)
-    assert snapshot(out) == new_merge
-
-
-def _the_lock_excludes_group_writers_only(shared_root: str, new_merge: State) -> None:
-    """Invariant 5: in a group-writable OUT (mode 0775, group 4242) the lock file gives the group read and write:
-    uid 65534 in that group is refused while root's merge runs and merges once it has ended; without the group
-    they cannot open it."""
-    group = 4242
-    out = os.path.join(shared_root, "group", "out")
-    os.makedirs(out)
-    os.chmod(os.path.dirname(out), 0o755)
-    os.chown(out, 0, group)
-    os.chmod(out, 0o775)
-    lock = os.path.join(out, LOCK_FILE)
-    with output_transaction(out) as staged:
-        status = os.stat(lock)
-        assert (status.st_mode & 0o777, status.st_gid) == (0o660, group)
-        busy = merged_by_nobody(out, "new", groups=[group])
-        assert busy == (1, f"mergekit_ram.staging.OutputBusyError: another merge is writing to {out}; wait for it "
-                        "to finish or choose another output folder")  # fmt: skip
-        opened = as_nobody(lambda: os.open(lock, os.O_RDWR))
-        assert opened[0] == 1 and opened[1].startswith("PermissionError"), opened
-        write_merge(staged, "old", 3)
-    assert merged_by_nobody(out, "new", groups=[group]) == (0, "")
-    assert snapshot(out) == new_merge
-
-
-def _a_lock_file_a_reader_could_open_is_replaced(shared_root: str, new_merge: State) -> None:
-    """Invariant 5: a lock file left when OUT was writable by all (mode 0666), OUT then made 0755: uid 65534 opens
-    and locks it, and root's merge replaces it rather than wait for them."""
-    out = os.path.join(shared_root, "narrowed", "out")
-    os.makedirs(out, mode=0o755)
-    os.chmod(os.path.dirname(out), 0o755)
-    os.close(os.open(os.path.join(out, LOCK_FILE), os.O_WRONLY | os.O_CREAT, 0o666))
-    os.chmod(os.path.join(out, LOCK_FILE), 0o666)
-    with _reader_holding(out) as said:
-        assert f"locked {LOCK_FILE}" in said
-        with output_transaction(out) as staged:
-            write_merge(staged, "new", 2)
-    assert snapshot(out) == new_merge
-
-
-OTHER_USERS = [
-    _another_users_marker_is_replaced,
-    _a_failed_publish_over_another_users_marker_stays_marked,
-    _another_users_marker_in_a_sticky_folder_is_refused_first,
-    _a_reader_cannot_hold_the_lock,
-    _the_lock_excludes_group_writers_only,
-    _a_lock_file_a_reader_could_open_is_replaced,
-]
-
-
-@pytest.mark.process
-@pytest.mark.parametrize("case", OTHER_USERS, ids=[case.__name__.strip("_") for case in OTHER_USERS])
-def test_another_user(case: Callable[[str, State], None], shared_root: str, new_merge: State) -> None:
-    """Invariants 5 and 7 with another user: uid 65534 in a child forked from this process (each case says what)."""
-    case(shared_root, new_merge)
-
-
 # Crafted states (invariant 3) ------------------------------------------------------------------------
 
 #: What a stranger may write where the transaction reads a name: paths out of the folder, relative,
@@ -1016,12 +771,6 @@ def _as(path: str, kind: str) -> Callable[[str, str], None]:
             os.unlink(target)  # the earlier merge's file of that name
         if kind == "link to a file outside":
             os.symlink(os.path.join(outside, "victim.txt"), target)
-        elif kind == "hard link to a file outside":
-            os.link(os.path.join(outside, "victim.txt"), target)
-        elif kind == "link to a folder outside":
-            os.symlink(os.path.join(outside, "victim-dir"), target)
-        elif kind == "fifo":
-            os.mkfifo(target)
         elif kind == "folder":
             os.makedirs(os.path.join(target, "inside"))
         elif kind == "oversized":
@@ -1048,19 +797,8 @@ def _crafted_states() -> dict[str, Callable[[str, str], None]]:
     }
     for label, data in malformed.items():
         states[f"manifest as {label}"] = _json_file(MANIFEST_FILE, data)
-    kinds = ["link to a file outside", "link to a folder outside", "fifo", "folder", "oversized", "not JSON"]
-    for path in [MANIFEST_FILE, "model.safetensors.index.json", MARKER_FILE, LOCK_FILE]:
-        for kind in kinds:
-            states[f"{path} as {kind}"] = _as(path, kind)
-    states[f"{LOCK_FILE} as hard link to a file outside"] = _as(LOCK_FILE, "hard link to a file outside")
-    private = [
-        ".mergekit-ram-partial",
-        PRIVATE_PREFIX + "0123456789abcdef",
-        os.path.join(".mergekit-ram-partial", "out"),
-    ]
-    for path in private:
-        for kind in ["link to a file outside", "link to a folder outside", "fifo"]:
-            states[f"{path} as {kind}"] = _as(path, kind)
+    for kind in ["link to a file outside", "folder", "oversized", "not JSON"]:
+        states[f"{MANIFEST_FILE} as {kind}"] = _as(MANIFEST_FILE, kind)
     return states
 
 
@@ -1091,8 +829,6 @@ def _crafted(scenario: Scenario, label: str, flags: tuple[str, ...]) -> None:
         completed = drive(out, "new", *flags)
     assert snapshot(outside) == before, (label, flags)
     assert os.path.islink(os.path.join(out, "link-out-dir")), label  # a link to a folder is never removed
-    if label.startswith(LOCK_FILE):  # anything but an empty file of its own is refused, never opened or removed
-        assert completed.returncode == 1 and f"{os.path.join(out, LOCK_FILE)} is " in completed.stderr, label
     if "fail" in flags:  # nothing acted on: the folder exactly as crafted
         assert snapshot(out) == crafted, label
     elif completed.returncode != 0:
@@ -1111,7 +847,7 @@ def _crafted(scenario: Scenario, label: str, flags: tuple[str, ...]) -> None:
 def test_crafted_states_never_reach_outside(remerge: Scenario, flags: tuple[str, ...]) -> None:
     """Invariants 1 and 3: whatever a stranger left under the plugin's names, nothing outside OUT changes;
     the merge completes or is refused in one line naming the plugin's name; a failing merge changes nothing."""
-    assert len(CRAFTED) == len(HOSTILE_NAMES) + len(HOSTILE_IDENTITIES) + 3 + 4 * 6 + 1 + 3 * 3
+    assert len(CRAFTED) == len(HOSTILE_NAMES) + len(HOSTILE_IDENTITIES) + 3 + 4
     for label in sorted(CRAFTED):
         _crafted(remerge, label, flags)
 

@@ -8,7 +8,9 @@
 - ``fsop:any``: the output transaction's N-th file-system operation (``os.open``, ``mkdir``, ``replace``,
   ``rename``, ``link``, ``unlink``, ``rmdir``, ``fsync`` called from ``mergekit_ram/staging.py``, directly or
   through ``mergekit_ram/files.py``); ACTION runs after it (``OSError`` instead of it). ``counted``
-  lists them (each its call and first argument), in this process;
+  lists them, each as its call and first argument (``rename MERGE_INCOMPLETE``), in this process;
+- ``fsop:OPERATION``: the N-th of the transaction's operations named so (``fsop:rename config.json:2``: the
+  second rename of config.json), so that a test's place does not move with the operations before it;
 - ``kernel:prepass`` / ``kernel:merge``: the RAM kernel counting (``count_overlaps``, the pre-pass)
   or merging (``merge_tensors``) a tensor;
 - ``import:MODULE``: the module MODULE starting to import (a Ctrl-C during mergekit's imports);
@@ -47,7 +49,9 @@ def _install(where, what, target, action, thread=None):
     """The fault; returns the function that puts back what it replaced. ``thread``: only its ``fsop`` count."""
     seen = [0]
 
-    def hit(_operation=None):
+    def hit(operation=None):
+        if operation is not None and what != "any" and operation != what:
+            return False
         seen[0] += 1
         return seen[0] == target
 
