@@ -342,21 +342,30 @@ def check(
     Checks: the merge finished; the weights load with safetensors and hold no NaN or Inf (every
     tensor is read); config.json and a tokenizer are there; the card has a licence, base_model,
     base_model_relation: merge and the merge tag; the card, mergekit_config.yml and
-    ram_statistics.json describe one merge and name no local folder; no statistics warnings; and
-    notes for what `hf upload` would upload that is not part of the model. Exit status: 0 ready,
-    1 problems, 2 usage.
+    ram_statistics.json name no local folder; no statistics warnings; and a note for what
+    `hf upload` would upload that is not part of the model. Exit status: 0 ready, 1 problems,
+    2 usage.
 
     With --hub-id (or --hub-id-file) and --set-license, OUT is made ready first, in one step:
-    the merge's local models named by their Hub ids in all three files, base_model and
-    base_model_relation: merge in the card, the licence; under the merge's own lock, and only
-    once nothing is missing (each local model needs its id). Running it again changes nothing.
+    the merge's local models named by their Hub ids in all three files (the recipe rewritten
+    without its comments, the card written again by mergekit's card writer), base_model and
+    base_model_relation: merge in the card, the licence; the three files replaced at once under
+    the merge's own lock, and only once nothing is missing (each local model needs its id; a
+    card edited since the merge is refused). Running it again changes nothing.
     """
+    from mergekit_ram.errors import MergeInterrupted
     from mergekit_ram.hub_ids import prepare_for_hub
     from mergekit_ram.interrupts import Quiet
     from mergekit_ram.sharing import check_folder
 
     pairs = [*hub_ids, *hub_id_file]
-    changed = prepare_for_hub(out_dir, pairs, license_id) if pairs or license_id is not None else []
+    try:
+        changed = prepare_for_hub(out_dir, pairs, license_id) if pairs or license_id is not None else []
+    except KeyboardInterrupt:
+        raise MergeInterrupted(
+            f"Interrupted: {out_dir} holds its card, recipe and statistics as they were or all three rewritten, "
+            "never a mix; run the step again to finish it"
+        ) from None
     state = f"{out_dir} holds the rewritten {', '.join(changed)}" if changed else f"{out_dir} was not changed"
     with Quiet(f"Interrupted: the check stopped; {state}"):  # it only reads from here on
         report = check_folder(out_dir, accept_warnings, changed)

@@ -1,16 +1,14 @@
-"""What a finished RAM merge tells its user, from its statistics: the card's section and metadata, the terminal
-summary; and the card as the Hub reads it."""
+"""What a finished RAM merge tells its user, from its statistics: the card (mergekit's, through huggingface_hub's
+``ModelCard``, with the plugin's metadata and sections) and the terminal summary."""
 
 from __future__ import annotations
 
 import re
-from pathlib import Path
-from typing import Any, NamedTuple, Optional
+from typing import Any, Optional
 
 import click
-import yaml
+from huggingface_hub import ModelCard, ModelCardData
 
-import mergekit_ram.bounded_yaml as bounded_yaml
 from mergekit_ram.stats.data import RamStatistics
 from mergekit_ram.stats.render import card_markdown, model_table
 from mergekit_ram.stats.schema import STATISTICS_FILE
@@ -18,29 +16,20 @@ from mergekit_ram.stats.schema import STATISTICS_FILE
 CARD_TAG = "mergekit-ram"  # the Hub tag of every model merged with mergekit-ram's methods
 #: mergekit's "### Models Merged" heading, its intro line, then the bullets.
 MODEL_LIST = re.compile(r"(^### Models Merged\n\n[^\n]*\n)((?:\* [^\n]*\n)+)", re.MULTILINE)
-#: A card's front matter where the Hub finds it (``huggingface_hub.repocard.REGEX_YAML_BLOCK``): at the top,
-#: between lines of ``---``, with any line ends.
-FRONT_MATTER = re.compile(r"^(\s*---(?:\r\n|\r|\n))([\S\s]*?)((?:\r\n|\r|\n)---[ \t]*(\r\n|\n|$))")
 
 
-def append_card_section(out_path: str, statistics: RamStatistics) -> None:
-    """Make mergekit's card reproducible and tag it, then add how to reproduce the merge and its statistics."""
-    card = Path(out_path, "README.md")
-    if card.exists():
-        text = with_card_metadata(with_sorted_model_list(card.read_text(encoding="utf-8")), CARD_TAG)
-        card.write_text(text + "\n" + card_markdown(statistics), encoding="utf-8")
+def merged_card(generated: str, statistics: Optional[RamStatistics]) -> ModelCard:
+    """mergekit's card (``generated``) as a RAM merge publishes it: ``merge_metadata`` tagged, the model list
+    sorted, then how to reproduce the merge and its statistics; without ``statistics`` only sorted."""
+    card = ModelCard(generated)
+    card.data = ModelCardData(**merge_metadata(card.data.to_dict(), CARD_TAG if statistics is not None else None))
+    card.text = with_sorted_model_list(card.text) + ("\n" + card_markdown(statistics) if statistics else "")
+    return card
 
 
 def with_sorted_model_list(card: str) -> str:
     """mergekit's "Models Merged" bullets sorted: it lists them from a set, in an order that changes with the seed."""
     return MODEL_LIST.sub(lambda found: found[1] + "".join(sorted(found[2].splitlines(True))), card, count=1)
-
-
-def with_card_metadata(card: str, tag: str) -> str:
-    """``merge_metadata`` written into the card's front matter, where it has one and it changes."""
-    parsed = read_card(card)
-    updated = merge_metadata(parsed.metadata, tag) if parsed.metadata is not None else None
-    return card if updated == parsed.metadata else parsed._replace(metadata=updated).text()
 
 
 def merge_metadata(metadata: dict[str, Any], tag: Optional[str] = None) -> dict[str, Any]:
@@ -58,33 +47,6 @@ def merge_metadata(metadata: dict[str, Any], tag: Optional[str] = None) -> dict[
 def listed(value: Any) -> list[Any]:
     """A front matter value as the list it stands for (``tags: merge`` is one tag, no value none)."""
     return value if isinstance(value, list) else [] if value is None else [value]
-
-
-class Card(NamedTuple):
-    """A model card: its front matter (None: it has none), the text after it, and the front matter's line ends."""
-
-    metadata: Optional[dict[str, Any]]
-    body: str
-    line_break: str = "\n"
-
-    def text(self) -> str:
-        """The card again, its front matter as mergekit dumps one (text that looks like a date quoted)."""
-        if self.metadata is None:
-            return self.body
-        end = self.line_break
-        return f"---{end}{yaml.dump(self.metadata, Dumper=yaml.SafeDumper, line_break=end)}---{end}{self.body}"
-
-
-def read_card(card: str, what: str = "README.md's front matter") -> Card:
-    """The front matter where the Hub finds one, read as a stranger's YAML: ``UnreadableYaml`` where it is not a
-    mapping (empty is an empty one, as on the Hub)."""
-    found = FRONT_MATTER.search(card)
-    if found is None:
-        return Card(None, card)
-    metadata = bounded_yaml.load_one(found[2], what)
-    if not isinstance(metadata, (dict, type(None))):
-        raise bounded_yaml.UnreadableYaml(f"{what} is not a YAML mapping of keys to values")
-    return Card(metadata or {}, card[found.end() :], found[1][len(found[1].rstrip("\r\n")) :])
 
 
 def report_summary(out_path: str, statistics: RamStatistics) -> None:

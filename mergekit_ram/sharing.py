@@ -1,12 +1,13 @@
 """``mergekit-ram check OUT``: what stops a merged model folder from being shared on the Hub, every problem in
-one run, one line each with its fix; notes do not stop sharing. The folder is a stranger's: read through ``files``
-(never through a link, bounded) and ``bounded_yaml``, its naming files through ``hub_ids``.
+one run, one line each with its fix; notes do not stop sharing. The naming files are read as mergekit and
+huggingface_hub read them, through ``hub_ids`` (``ModelCard``, ``yaml.safe_load``, the statistics' models).
 """
 
 from __future__ import annotations
 
 import contextlib
 import glob
+import json
 import os
 import re
 import shlex
@@ -14,16 +15,16 @@ import stat
 from typing import Any, NamedTuple, Optional, Union
 
 import yaml
+from huggingface_hub import ModelCard
 from safetensors import safe_open
 
-import mergekit_ram.bounded_yaml as bounded_yaml
 import mergekit_ram.hub_ids as hub
 from mergekit_ram.errors import MergedFolderError, one_line
 from mergekit_ram.files import UnreadableFile, open_regular
-from mergekit_ram.published import Card, listed
+from mergekit_ram.published import listed
 from mergekit_ram.staging import MANIFEST_FILE, MARKER_FILE, PRIVATE_PREFIX
-from mergekit_ram.stats.render import card_markdown, terminal_text
-from mergekit_ram.stats.schema import statistics_from_dict
+from mergekit_ram.stats.render import terminal_text
+from mergekit_ram.stats.schema import StatisticsFile, read_statistics
 
 CARD, RECIPE, STATISTICS, INDEX = *hub.NAMING_FILES, "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")  # what transformers loads, with its config
@@ -46,9 +47,8 @@ MODEL_PATTERN = re.compile(
     r"[^/]+\.safetensors|pytorch_model(-\d+-of-\d+)?\.bin|(configuration|modeling|tokenization)_\w+\.py|[^/]+\.tiktoken"
 )
 NOT_UPLOADED = frozenset({".git", ".cache"})  # what ``hf upload`` leaves out by itself (huggingface_hub's)
+NAMING_CHECKS = ("card", "recipe", "statistics")  # the check that reports each naming file
 LISTED, SHOWN = 20, 120  # entries named one by one at most; characters of a front matter value quoted at most
-ANOTHER_MERGE = "the card is another merge's; merge again (a merge writes the card, recipe and statistics together)"
-_SETTINGS_LINE = re.compile(r"^Merged with `([^`]*)` \((.*)\); counts from ", re.MULTILINE)
 
 
 class Finding(NamedTuple):
@@ -85,8 +85,8 @@ class Report(NamedTuple):
 def read_file(folder: int, name: str, check: str) -> Union[str, Finding, None]:
     """``hub_ids.read_text`` (None: absent), or the finding that the file cannot be read."""
     try:
-        return hub.read_text(folder, name)
-    except hub.UNREADABLE as error:
+        return hub.read_text(name, folder)
+    except (OSError, ValueError) as error:
         return Finding(check, f"{name} cannot be read ({hub.reason(error)}): replace it with the merge's own")
 
 
@@ -100,27 +100,41 @@ def check_folder(out: str, accept_warnings: bool = False, changed: Optional[list
         names = set(os.listdir(folder))
         found = incomplete(names) + weights(folder, names, out) + config(folder) + tokenizer(folder)
         found += uploaded(folder, names)
-        read = [
-            read_file(folder, name, check) for name, check in zip(hub.NAMING_FILES, ("card", "recipe", "statistics"))
-        ]
+        read = {name: read_file(folder, name, check) for name, check in zip(hub.NAMING_FILES, NAMING_CHECKS)}
     finally:
         os.close(folder)
-    card, recipe, statistics = texts = [text if isinstance(text, str) else None for text in read]
-    files = hub.parse(dict(zip(hub.NAMING_FILES, texts)))
-    local = [path for path in hub.all_paths(hub.folder_paths(files)) if hub.is_local(path)]
-    found += [problem for problem in read if isinstance(problem, Finding)]
-    if CARD in files.errors:
-        unreadable = files.errors[CARD]
-        found.append(
-            Finding("card", f"{unreadable}: write it as plain YAML without aliases, as mergekit does, or merge again")
-        )
-    if RECIPE in files.errors:
-        found.append(Finding("recipe", f"{files.errors[RECIPE]}: merge again (mergekit writes the recipe it ran)"))
-    if not isinstance(read[2], Finding):
-        found += statistics_findings(statistics, files.statistics, accept_warnings)
-    if not isinstance(read[0], Finding) and CARD not in files.errors:
-        found += card_findings(card, files.card, files.statistics, local)
-    return Report(out, found + consistency(recipe, files) + local_paths(files, local), list(changed or []))
+    found += [text for text in read.values() if isinstance(text, Finding)]
+    texts = {name: text if isinstance(text, str) else None for name, text in read.items()}
+    card, recipe, statistics = None, None, None
+    with _reported(found, "card", "write it as plain YAML, as mergekit does, or merge again"):
+        card = hub.read_card(texts[CARD])
+    with _reported(found, "recipe", "merge again (mergekit writes the recipe it ran)"):
+        recipe = hub.read_recipe(texts[RECIPE])
+    with _reported(found, "statistics", "merge again"):
+        statistics = read_statistics(text) if (text := texts[STATISTICS]) is not None else None
+    naming = hub.Naming(texts, card, recipe, statistics)
+    local = naming.local_paths()
+    if not isinstance(read[STATISTICS], Finding):
+        found += statistics_findings(texts[STATISTICS], statistics, accept_warnings)
+    if not any(finding.check == "card" for finding in found) and not isinstance(read[CARD], Finding):
+        found += card_findings(texts[CARD], card, statistics, local)
+    return Report(out, found + local_paths(naming, local), list(changed or []))
+
+
+@contextlib.contextmanager
+def _reported(found: list[Finding], check: str, fix: str) -> Any:
+    """A naming file that does not parse, as the one finding of its check."""
+    try:
+        yield
+    except ValueError as error:  # the readers' one-line errors, and the parameter table's
+        found.append(Finding(check, f"{one_line(error)}: {fix}"))
+
+
+def _json(text: Optional[str]) -> Any:
+    """The JSON, None where it is not."""
+    with contextlib.suppress(ValueError, RecursionError):
+        return json.loads(text or "")
+    return None
 
 
 def incomplete(names: set[str]) -> list[Finding]:
@@ -147,7 +161,7 @@ def weights(folder: int, names: set[str], out: str) -> list[Finding]:
     if not files:
         return [Finding("weights", "no weights (*.safetensors): merge again with mergekit-yaml")]
     index = read_file(folder, INDEX, "weights") if INDEX in names else '{"weight_map": {}}'
-    data = hub.strict_json(index) if not isinstance(index, Finding) else None  # JSON as strangers write it
+    data = _json(index) if not isinstance(index, Finding) else None  # JSON as strangers write it
     shards = data.get("weight_map") if isinstance(data, dict) else None
     if isinstance(shards, dict) and all(isinstance(shard, str) for shard in shards.values()):
         missing = sorted(set(shards.values()) - names)  # the folder's own entries: plain names
@@ -214,24 +228,28 @@ def tokenizer(folder: int) -> list[Finding]:
 
 
 def uploaded(folder: int, names: set[str]) -> list[Finding]:
-    """Entries ``hf upload`` would upload that are not part of the model (notes: the user decides), each with the
-    ``--exclude`` pattern that leaves it out (a ``*`` there also matches across folders); ``LISTED`` at most."""
+    """One note naming the entries ``hf upload`` would upload that are not part of the model (the user decides),
+    with the ``--exclude`` patterns that leave them out (a ``*`` there also matches across folders)."""
     extra = names - MODEL_FILES - NOT_UPLOADED - {MARKER_FILE} - set(_private(names))  # a killed merge's: problems
-    stray = sorted(name for name in extra if not MODEL_PATTERN.fullmatch(name) and name != MANIFEST_FILE)
-    shown = stray if len(stray) <= LISTED else stray[: LISTED - 1]
-    notes = [
-        f"{MANIFEST_FILE} is mergekit-ram's record of the files its merge wrote here (keep it for the next merge), "
-        f"not part of the model: leave it out, hf upload ... --exclude '{PRIVATE_PREFIX}*'"
-    ] * (MANIFEST_FILE in extra)
-    for name in shown:
-        pattern = shlex.quote(glob.escape(name) + ("/" if _is_folder(folder, name) else ""))
-        notes.append(
-            f"{name} is not part of the model, and hf upload would upload it: move it out of the folder, or leave it "
-            f"out, hf upload ... --exclude {pattern}"
-        )
-    if len(shown) < len(stray):
-        notes.append(f"{len(stray) - len(shown)} more entries are not part of the model: move them out of the folder")
-    return [Finding("upload", note, note=True) for note in notes]
+    stray = sorted(name for name in extra if not MODEL_PATTERN.fullmatch(name))
+    if not stray:
+        return []
+    shown = [name + "/" * _is_folder(folder, name) for name in stray[:LISTED]]
+    patterns = [f"'{PRIVATE_PREFIX}*'" if name == MANIFEST_FILE else shlex.quote(glob.escape(name)) for name in shown]
+    named = [
+        f"{name} (mergekit-ram's record of the files its merge wrote here: keep it for the next merge)"
+        if name == MANIFEST_FILE
+        else name
+        for name in shown
+    ]
+    more = f" and {len(stray) - LISTED} more" if len(stray) > LISTED else ""
+    one = len(stray) == 1
+    message = (
+        f"hf upload would upload {', '.join(named)}{more}, which {'is' if one else 'are'} not part of the model: "
+        f"leave {'it' if one else 'them'} out, hf upload ... {' '.join(f'--exclude {p}' for p in patterns)}"
+        + (", or move the rest out of the folder" if more else "")
+    )
+    return [Finding("upload", message, note=True)]
 
 
 def _is_folder(folder: int, name: str) -> bool:
@@ -241,15 +259,13 @@ def _is_folder(folder: int, name: str) -> bool:
     return False
 
 
-def statistics_findings(text: Optional[str], data: Any, accept_warnings: bool) -> list[Finding]:
-    """``data``: the file's object where its reader takes it."""
+def statistics_findings(text: Optional[str], statistics: Optional[StatisticsFile], accept: bool) -> list[Finding]:
+    """The statistics' warnings (a file that does not read is reported by ``check_folder``)."""
     if text is None:
         return [Finding("statistics", "no ram_statistics.json: not a merge with mergekit-ram's methods", note=True)]
-    warnings = data.get("warnings", []) if isinstance(data, dict) else None
-    if not isinstance(warnings, list) or not all(isinstance(warning, str) for warning in warnings):
-        return [Finding("statistics", "ram_statistics.json is not the statistics file a merge writes: merge again")]
-    hint = "" if accept_warnings else " (--accept-warnings once it is understood)"
-    return [Finding("statistics", f"statistics warning: {w}{hint}", note=accept_warnings) for w in warnings]
+    hint = "" if accept else " (--accept-warnings once it is understood)"
+    warnings = statistics.warnings if statistics is not None else []
+    return [Finding("statistics", f"statistics warning: {w}{hint}", note=accept) for w in warnings]
 
 
 def shown(value: Any) -> str:
@@ -260,15 +276,17 @@ def shown(value: Any) -> str:
     return "a value that is not YAML"
 
 
-def card_findings(text: Optional[str], card: Optional[Card], statistics: Any, local: list[str]) -> list[Finding]:
-    """The card's front matter as the Hub reads it: a licence, ``base_model`` and ``base_model_relation: merge``,
-    the merge tag; every one checked, whatever the others found."""
+def card_findings(
+    text: Optional[str], card: Optional[ModelCard], statistics: Optional[StatisticsFile], local: list[str]
+) -> list[Finding]:
+    """The card's front matter as the Hub reads it (``ModelCard``): a licence, ``base_model`` and
+    ``base_model_relation: merge``, the merge tag; every one checked, whatever the others found."""
     if text is None:
         return [Finding("card", "no README.md model card: merge with mergekit-yaml (without --no-write-model-card)")]
-    if card is None or card.metadata is None:
+    if card is None:
         missing = "README.md has no YAML front matter (between --- lines at its top): merge again with mergekit-yaml"
         return [Finding("card", missing)]
-    get, found = card.metadata.get, []
+    get, found = card.data.get, []
     base_model, relation, tags = get("base_model"), get("base_model_relation"), get("tags")
     if not get("license"):
         message = (
@@ -305,95 +323,25 @@ def card_findings(text: Optional[str], card: Optional[Card], statistics: Any, lo
             "mergekit-ram adds mergekit-ram)"
         )
         found.append(Finding("tags", message))
-    missing_section = statistics is not None and "## RAM statistics" not in card.body
+    missing_section = statistics is not None and "## RAM statistics" not in card.text
     return found + [Finding("card", "README.md has no RAM statistics section", note=True)] * missing_section
 
 
-def consistency(recipe: Optional[str], files: hub.Parsed) -> list[Finding]:
-    """Whether the card, the recipe and the statistics describe one merge: a write into the folder while a merge
-    published (an earlier ``--set-license``) could leave another merge's card beside the new recipe and statistics."""
-    found, card, statistics = [], files.card, files.statistics
-    block = hub.RECIPE_BLOCK.search(card.body) if card is not None else None
-    if block is not None and recipe is not None and block[1].strip() != recipe.strip():
-        found.append(f"{CARD} quotes another recipe than {RECIPE}: {ANOTHER_MERGE}")
-    if card is not None and statistics is not None and "## RAM statistics" in card.body:
-        found += section_differences(card.body, statistics_from_dict(statistics))
-    recipe_paths = set(files.recipe or [])
-    if files.recipe is not None and statistics is not None:
-        counted = [name for name in hub.statistics_models(statistics) if set(hub.reference_paths(name)) - recipe_paths]
-        if counted:
-            found.append(f"{STATISTICS} counts models {RECIPE} does not merge ({', '.join(counted)}): merge again")
-        if (method := _recipe_method(recipe)) is not None and method != statistics.get("method"):
-            found.append(f"{STATISTICS} is of a {statistics.get('method')} merge, {RECIPE} of {method}: merge again")
-    if files.recipe is not None and card is not None and card.metadata is not None:
-        models = [name for name in listed(card.metadata.get("base_model")) if isinstance(name, str)]
-        for name in [name for name in models if name not in recipe_paths and not hub.is_local(name)]:
-            found.append(f"the card's base_model lists {name}, which {RECIPE} does not merge: {ANOTHER_MERGE}")
-        if (hub_models := sorted(p for p in recipe_paths if not hub.is_local(p) and p not in models)) and models:
-            found.append(
-                f"the card's base_model does not list {', '.join(hub_models)}, which {RECIPE} merges: add "
-                f"{'it' if len(hub_models) == 1 else 'them'} (mergekit lists every Hub model of its recipe)"
-            )
-    return [Finding("consistency", message) for message in found]
-
-
-def section_differences(body: str, statistics: Any) -> list[str]:
-    """The card's RAM statistics (settings line, table) against those the statistics file makes."""
-    expected, found = card_markdown(statistics), []
-    settings, wanted = _SETTINGS_LINE.search(body), _SETTINGS_LINE.search(expected)
-    if wanted is not None and (settings is None or settings.groups() != wanted.groups()):
-        described = f"a {settings[1]} merge with {settings[2]}" if settings is not None else "no settings"
-        found.append(
-            f"{CARD}'s RAM statistics describe {described}, {STATISTICS} a {wanted[1]} merge with {wanted[2]}: "
-            + ANOTHER_MERGE
-        )
-    table, expected_table = _statistics_table(body), _statistics_table(expected)
-    models, expected_models = [row[0] for row in table], [row[0] for row in expected_table]
-    if models != expected_models:
-        found.append(
-            f"{CARD}'s RAM statistics list {', '.join(models) or 'no models'}, {STATISTICS} "
-            f"{', '.join(expected_models)}: {ANOTHER_MERGE}"
-        )
-    elif table != expected_table:
-        differing = ", ".join(row[0] for row, other in zip(table, expected_table) if row != other)
-        found.append(f"{CARD}'s RAM statistics give other figures than {STATISTICS} for {differing}: " + ANOTHER_MERGE)
-    return found
-
-
-def _statistics_table(text: str) -> list[list[str]]:
-    """The rows (cells) of the first table after the RAM statistics heading, header and rule left out."""
-    rows = []
-    for line in text[text.find("## RAM statistics") :].splitlines():
-        if line.startswith("|"):
-            rows.append([cell.strip().replace("\\|", "|") for cell in re.split(r"(?<!\\)\|", line)[1:-1]])
-        elif rows:
-            break
-    return rows[2:]
-
-
-def _recipe_method(text: Optional[str]) -> Optional[str]:
-    """The merge method of a one-document recipe."""
-    with contextlib.suppress(bounded_yaml.UnreadableYaml):
-        recipe = bounded_yaml.load_one(text or "", RECIPE)
-        method = recipe.get("merge_method") if isinstance(recipe, dict) else None
-        return method if isinstance(method, str) else None
-    return None
-
-
-def local_paths(files: hub.Parsed, local: list[str]) -> list[Finding]:
+def local_paths(files: hub.Naming, local: list[str]) -> list[Finding]:
     """The naming files that name local folders (readers of the card cannot find those models), with the step
     that names them by their Hub ids."""
-    card, warnings = files.card, (files.statistics or {}).get("warnings") or []
+    card, statistics = files.card, files.statistics
     named = {
-        CARD: listed((card.metadata or {}).get("base_model")) + hub.mentions(card.body, local) if card else [],
-        RECIPE: files.recipe or [],
-        STATISTICS: [path for name in hub.statistics_models(files.statistics) for path in hub.reference_paths(name)]
-        + hub.mentions(" ".join(w for w in warnings if isinstance(w, str)), local),
+        CARD: listed(card.data.get("base_model")) + hub.recipe_paths(files.recipe) if card else [],  # mergekit's
+        RECIPE: hub.recipe_paths(files.recipe),
+        STATISTICS: [path for row in statistics.models for path in hub.reference_paths(row.model)]
+        if statistics
+        else [],
     }
     naming = [name for name in hub.NAMING_FILES if any(path in local for path in named[name])]
-    paths = sorted({path for name in naming for path in named[name] if path in local})
     if not naming:
         return []
+    paths = sorted({path for name in naming for path in named[name] if path in local})
     named_by = naming[0] + " names" if len(naming) == 1 else f"{', '.join(naming[:-1])} and {naming[-1]} name"
     return [
         Finding(

@@ -25,13 +25,13 @@ import mergekit_ram.hub_ids  # noqa: F401  (imported before a test drops its pri
 import mergekit_ram.sharing  # noqa: F401
 from mergekit_ram.cli import main
 from mergekit_ram.staging import output_transaction
-from tests.conftest import Merged, ModelSet, merge_in_process
+from tests.conftest import Merged, ModelSet
 
 MANIFEST_NOTE = (
-    "note: .mergekit-ram-manifest.json is mergekit-ram's record of the files its merge wrote here (keep it for the "
-    "next merge), not part of the model: leave it out, hf upload ... --exclude '.mergekit-ram-*'"
+    "note: hf upload would upload .mergekit-ram-manifest.json (mergekit-ram's record of the files its merge wrote "
+    "here: keep it for the next merge), which is not part of the model: leave it out, hf upload ... --exclude "
+    "'.mergekit-ram-*'"
 )
-ANOTHER_MERGE = "the card is another merge's; merge again (a merge writes the card, recipe and statistics together)"
 
 
 def hub_fix(path: str) -> str:
@@ -103,10 +103,10 @@ def clean(bf16_models: ModelSet, ram_plus_merge: Merged, tmp_path_factory: pytes
         0,
         [MANIFEST_NOTE, "ready to upload"],
     )
-    renamed = recipe
-    for path in sorted([bf16_models.base, *bf16_models.agents], key=len, reverse=True):
-        renamed = renamed.replace(path, f"org/{os.path.basename(path)}")
-    assert (folder / "mergekit_config.yml").read_text(encoding="utf-8") == renamed
+    renamed = yaml.safe_load(recipe)
+    renamed["base_model"] = "org/base"
+    renamed["models"] = [{**entry, "model": f"org/{os.path.basename(entry['model'])}"} for entry in renamed["models"]]
+    assert yaml.safe_load((folder / "mergekit_config.yml").read_text(encoding="utf-8")) == renamed
     card = (folder / "README.md").read_text(encoding="utf-8")
     metadata = yaml.safe_load(card[4 : card.index("\n---\n", 4)])
     ids = ["org/base", "org/coding-agent", "org/memory-agent", "org/tool-agent"]
@@ -117,7 +117,6 @@ def clean(bf16_models: ModelSet, ram_plus_merge: Merged, tmp_path_factory: pytes
         "license": "apache-2.0",
         "tags": ["mergekit", "merge", "mergekit-ram"],
     }
-    assert f"When this model was merged, {', '.join(ids)} were local folders" in card
     return folder
 
 
@@ -155,22 +154,6 @@ def _recipe_and_its_quote(old: str, new: str) -> Callable[[Path], None]:
             text = (folder / name).read_text(encoding="utf-8")
             assert old in text
             (folder / name).write_text(text.replace(old, new), encoding="utf-8")
-
-    return edit
-
-
-def _alias_bomb(levels: int, width: int) -> str:
-    """A front matter whose base_model is ``width ** levels`` values through aliases."""
-    lines = ["a0: &a0 [org/base]"]
-    for level in range(1, levels + 1):
-        lines.append(f"a{level}: &a{level} [{', '.join([f'*a{level - 1}'] * width)}]")
-    return "\n".join(lines) + f"\nbase_model: *a{levels}\n"
-
-
-def _front_matter_text(extra: str) -> Callable[[Path], None]:
-    def edit(folder: Path) -> None:
-        card = (folder / "README.md").read_text(encoding="utf-8")
-        (folder / "README.md").write_text("---\n" + extra + card[4:], encoding="utf-8")
 
     return edit
 
@@ -267,15 +250,6 @@ CASES: dict[str, tuple[Callable[[Path], None], str]] = {
         lambda f: edit_card(f, lambda m: m["base_model"].append("/data/models/agent")),
         f"README.md names local folders (/data/models/agent): {hub_fix('/data/models/agent')}",
     ),
-    "a base_model the recipe does not merge": (
-        lambda f: edit_card(f, lambda m: m["base_model"].append("org/other")),
-        f"the card's base_model lists org/other, which mergekit_config.yml does not merge: {ANOTHER_MERGE}",
-    ),
-    "a Hub model of the recipe not in base_model": (
-        lambda f: edit_card(f, lambda m: m["base_model"].remove("org/tool-agent")),
-        "the card's base_model does not list org/tool-agent, which mergekit_config.yml merges: add it (mergekit "
-        "lists every Hub model of its recipe)",
-    ),
     "a statistics warning": (
         _statistics(lambda data: data.update(warnings=["every model changed at least 90% of its parameters"])),
         "statistics warning: every model changed at least 90% of its parameters (--accept-warnings once it is "
@@ -283,34 +257,27 @@ CASES: dict[str, tuple[Callable[[Path], None], str]] = {
     ),
     "statistics that are not JSON": (
         lambda f: (f / "ram_statistics.json").write_text('{"schema": 2,', encoding="utf-8"),
-        "ram_statistics.json is not the statistics file a merge writes: merge again",
+        "ram_statistics.json is not the statistics file a merge writes (the file: Invalid JSON: EOF while parsing a "
+        "value at line 1 column 13): merge again",
     ),
     "statistics whose models are a number": (  # issue 44, 5: a 58-line TypeError traceback on 5e7c16d
         _statistics(lambda data: data.update(models=1)),
-        "ram_statistics.json is not the statistics file a merge writes: merge again",
+        "ram_statistics.json is not the statistics file a merge writes (models: Input should be a valid array): merge "
+        "again",
     ),
     "statistics with a warning that is not text": (
         _statistics(lambda data: data.update(warnings=[None])),
-        "ram_statistics.json is not the statistics file a merge writes: merge again",
-    ),
-    "statistics through a link": (
-        lambda f: _link(f, "ram_statistics.json"),
-        "ram_statistics.json cannot be read (it is a symbolic link): replace it with the merge's own",
-    ),
-    "a front matter alias bomb": (  # issue 44, 5: 67 s, 1.8 GB and a MemoryError on 5e7c16d
-        _front_matter_text(_alias_bomb(9, 10).replace("base_model:", "bomb:")),
-        "README.md's front matter expands to more than 100,000 values through its aliases (*name) near line 6: "
-        "write it as plain YAML without aliases, as mergekit does, or merge again",
+        "ram_statistics.json is not the statistics file a merge writes (warnings.0: Input should be a valid string): "
+        "merge again",
     ),
     "a front matter that is not a mapping": (
         lambda f: (f / "README.md").write_text("---\n- a\n- b\n---\n# A model\n", encoding="utf-8"),
-        "README.md's front matter is not a YAML mapping of keys to values: write it as plain YAML without aliases, "
-        "as mergekit does, or merge again",
+        "README.md's front matter cannot be read (repo card metadata block should be a dict): write it as plain "
+        "YAML, as mergekit does, or merge again",
     ),
     "a recipe that is not YAML": (
         _recipe_and_its_quote("merge_method: ram_plus", "merge_method: [ram_plus"),
-        "mergekit_config.yml is not valid YAML (expected ',' or ']', but got ':' at line 2, column 11): "
-        "merge again (mergekit writes the recipe it ran)",
+        "mergekit_config.yml is not a recipe mergekit reads (while parsing a flow sequence...",
     ),
 }
 
@@ -331,43 +298,6 @@ def test_each_problem_alone_is_one_line(clean: Path, tmp_path, case: str) -> Non
     else:
         assert problem == f"problem: {expected}"
     assert "None" not in "\n".join(lines)
-
-
-def test_strangers_dates_are_text(clean: Path, tmp_path) -> None:
-    """Issue 44, 5: a front matter date 2024-13-01 and a recipe date 2024-02-30 were ``ValueError`` tracebacks."""
-    folder = tmp_path / "out"
-    shutil.copytree(clean, folder)
-    _front_matter_text("date: 2024-13-01\n")(folder)
-    _recipe_and_its_quote("merge_method: ram_plus\n", "merge_method: ram_plus\ndate: 2024-02-30\n")(folder)
-    assert check(folder) == (0, [MANIFEST_NOTE, "ready to upload"])
-    assert check(folder, "--set-license", "mit") == (0, [MANIFEST_NOTE, "ready to upload"])
-    assert (folder / "README.md").read_text(encoding="utf-8").startswith("---\nbase_model:")
-    assert "date: '2024-13-01'\n" in (folder / "README.md").read_text(encoding="utf-8")  # text, as read
-
-
-def test_an_alias_bomb_in_base_model_is_refused_at_once(clean: Path, tmp_path) -> None:
-    """The issue's case: a front matter of 566 characters whose base_model is 10**9 values (nine levels of ten
-    aliases); reported by ``check`` and refused by ``--set-license`` at once, nothing written."""
-    folder = tmp_path / "out"
-    shutil.copytree(clean, folder)
-    card = (folder / "README.md").read_text(encoding="utf-8")
-    bomb = _alias_bomb(9, 10)
-    assert len(bomb) < 600
-    (folder / "README.md").write_text("---\n" + bomb + "---\n" + card.split("\n---\n", 1)[1], encoding="utf-8")
-    started = time.perf_counter()
-    message = "README.md's front matter expands to more than 100,000 values through its aliases (*name) near line 6"
-    status, lines = check(folder)
-    assert (status, [line for line in lines if line.startswith("problem")]) == (
-        1,
-        [f"problem: {message}: write it as plain YAML without aliases, as mergekit does, or merge again"],
-    )
-    before = snapshot(folder)
-    assert (
-        refused(folder, "--set-license", "mit")
-        == f"Error: cannot change {folder}: {message}; fix it by hand or merge again"
-    )
-    assert snapshot(folder) == before
-    assert time.perf_counter() - started < 10
 
 
 def test_a_crlf_card_has_front_matter(clean: Path, tmp_path) -> None:
@@ -450,8 +380,8 @@ def test_json_report_and_accepted_warnings(clean: Path, tmp_path) -> None:
 
 
 def test_what_would_be_uploaded_and_is_not_the_model(clean: Path, tmp_path) -> None:
-    """Issue 44, 8: ``hf upload`` leaves out only .git and .cache/huggingface; the manifest, a killed run's
-    private folder and stray files are named, each with the pattern that leaves it out."""
+    """Issue 44, 8: ``hf upload`` leaves out only .git and .cache/huggingface; the manifest and stray files are named
+    in one note, with the patterns that leave them out; a killed run's private folder is a problem."""
     folder = tmp_path / "out"
     shutil.copytree(clean, folder)
     (folder / "notes.txt").write_text("mine\n", encoding="utf-8")
@@ -460,16 +390,13 @@ def test_what_would_be_uploaded_and_is_not_the_model(clean: Path, tmp_path) -> N
     for name in ("generation_config.json", "chat_template.jinja", "model-00001-of-00002.safetensors.bak"):
         (folder / name).write_text("{}", encoding="utf-8")
     (folder / ".mergekit-ram-0123456789abcdef").mkdir()
-    status, lines = check(folder)
-    stray = "is not part of the model, and hf upload would upload it: move it out of the folder, or leave it out, hf "
-    assert (status, lines) == (
+    assert check(folder) == (
         1,
         [
-            MANIFEST_NOTE,
-            f"note: eval [v1] {stray}upload ... --exclude 'eval [[]v1]/'",
-            f"note: model-00001-of-00002.safetensors.bak {stray}upload ... --exclude "
-            "model-00001-of-00002.safetensors.bak",
-            f"note: notes.txt {stray}upload ... --exclude notes.txt",
+            "note: hf upload would upload .mergekit-ram-manifest.json (mergekit-ram's record of the files its merge "
+            "wrote here: keep it for the next merge), eval [v1]/, model-00001-of-00002.safetensors.bak, notes.txt, "
+            "which are not part of the model: leave them out, hf upload ... --exclude '.mergekit-ram-*' --exclude "
+            "'eval [[]v1]/' --exclude model-00001-of-00002.safetensors.bak --exclude notes.txt",
             "problem: .mergekit-ram-0123456789abcdef is present: a merge is writing into this folder, or one was "
             "killed; wait for it to finish, or check that hidden folder and remove it",
             "1 problem(s): do not upload yet",
@@ -477,40 +404,20 @@ def test_what_would_be_uploaded_and_is_not_the_model(clean: Path, tmp_path) -> N
     )
 
 
-def test_many_stray_entries_are_one_note_past_twenty(clean: Path, tmp_path) -> None:
+def test_many_stray_entries_are_one_note(clean: Path, tmp_path) -> None:
     folder = tmp_path / "out"
     shutil.copytree(clean, folder)
     for index in range(25):
         (folder / f"stray-{index:02}.txt").write_text("x", encoding="utf-8")
     status, lines = check(folder)
-    assert status == 0 and len(lines) == 1 + 19 + 1 + 1
-    assert lines[19] == (
-        "note: stray-18.txt is not part of the model, and hf upload would upload it: move it out of the folder, or "
-        "leave it out, hf upload ... --exclude stray-18.txt"
+    assert status == 0 and len(lines) == 2
+    assert lines[0].startswith("note: hf upload would upload .mergekit-ram-manifest.json (")
+    assert lines[0].endswith(
+        "stray-18.txt and 6 more, which are not part of the model: leave them out, hf upload ... --exclude "
+        "'.mergekit-ram-*' --exclude stray-00.txt "
+        + " ".join(f"--exclude stray-{index:02}.txt" for index in range(1, 19))
+        + ", or move the rest out of the folder"
     )
-    assert lines[20] == "note: 6 more entries are not part of the model: move them out of the folder"
-
-
-def test_a_card_of_another_merge_is_named(ram_plus_merge: Merged, bf16_models: ModelSet, tmp_path) -> None:
-    """Issue 44, 1: ``--set-license`` racing a merge put the earlier merge's card back over the new one: the
-    folder held merge B's recipe and statistics with merge A's card, and ``check`` did not notice."""
-    folder = tmp_path / "out"
-    shutil.copytree(ram_plus_merge.out, folder)
-    card_a = (folder / "README.md").read_bytes()
-    recipe_b = bf16_models.recipe("ram_plus", parameters={"r": 0.2})
-    recipe_b["models"] = recipe_b["models"][:2]
-    merge_in_process(recipe_b, str(folder))
-    (folder / "README.md").write_bytes(card_a)
-    coding, tool, memory = bf16_models.agents
-    report = json.loads(run("check", str(folder), "--json").stdout)
-    assert [p["message"] for p in report["problems"] if p["check"] == "consistency"] == [
-        f"README.md quotes another recipe than mergekit_config.yml: {ANOTHER_MERGE}",
-        "README.md's RAM statistics describe a ram_plus merge with `epsilon` = 1e-05, `r` = 0.1, `alpha` = 2.0, "
-        "`rule` = clip, ram_statistics.json a ram_plus merge with `epsilon` = 1e-05, `r` = 0.2, `alpha` = 2.0, "
-        f"`rule` = clip: {ANOTHER_MERGE}",
-        f"README.md's RAM statistics list {coding}, {tool}, {memory}, ram_statistics.json {coding}, {tool}: "
-        + ANOTHER_MERGE,
-    ]
 
 
 class _Abandoned(Exception):
@@ -533,7 +440,7 @@ def test_writes_wait_for_no_merge(clean: Path, bf16_models: ModelSet, tmp_path) 
     folder = tmp_path / "out"
     shutil.copytree(clean, folder)
     edit_card(folder, lambda m: m.pop("license"))
-    for options in (["--set-license", "mit"], hub_id_options(bf16_models)):
+    for options in (["--set-license", "mit"], [*hub_id_options(bf16_models), "--set-license", "mit"]):
         before = snapshot(folder)
         with merge_running(folder):
             assert refused(folder, *options) == (
@@ -606,8 +513,9 @@ def test_usage_errors_exit_with_status_2(clean: Path, tmp_path) -> None:
         ),
         (
             [str(clean), "--hub-id", "./models/base=org/my model"],
-            "Invalid value for '--hub-id': './models/base=org/my model': 'org/my model' is not a Hub model id "
-            "(org/name: letters, digits, '_', '.', '-')",
+            "Invalid value for '--hub-id': './models/base=org/my model': 'org/my model' is not a Hub model id (Repo "
+            "id must use alphanumeric chars, '-', '_' or '.'. The name cannot start or end with '-' or '.' and the "
+            "maximum length is 96: 'org/my model'.)",
         ),
         (
             [str(clean), "--hub-id", "./models/base=org/base@"],

@@ -22,7 +22,7 @@ from mergekit.options import MergeOptions
 from mergekit.scripts import merge_raw_pytorch, multimerge, run_yaml
 from safetensors.torch import load_file, save_file
 
-from mergekit_ram import checks, cli, errors
+from mergekit_ram import checks, cli, errors, staging
 from mergekit_ram.errors import RecipeError
 from mergekit_ram.probe import probe_config, select_stages
 from tests.conftest import ModelSet, command_refusal, mergekit_alone, run_script, write_recipe
@@ -109,9 +109,11 @@ def test_every_error_a_user_can_meet_is_a_ram_error() -> None:
 
     classes = {cls.__name__: cls for cls in (InputError, ParameterError, MergekitMovedError, OutputBusyError)}
     classes["OutputFolderError"] = OutputFolderError
-    from mergekit_ram.bounded_yaml import UnreadableYaml
+    from mergekit_ram.hub_ids import UnreadableNamingFile
+    from mergekit_ram.stats.schema import UnreadableStatistics
 
-    classes["UnreadableYaml"] = classes["bounded_yaml.UnreadableYaml"] = UnreadableYaml
+    classes |= {"UnreadableNamingFile": UnreadableNamingFile, "UnreadableStatistics": UnreadableStatistics}
+    classes["MergeInterrupted"] = errors.MergeInterrupted
     classes |= {name: getattr(errors, name) for name in dir(errors) if name.endswith("Error")}
     # ``raise make_error(...)``: functions that build an error; their return annotation must be a RamError
     factories = {
@@ -119,6 +121,7 @@ def test_every_error_a_user_can_meet_is_a_ram_error() -> None:
         "overflow_error": methods.overflow_error,
         "shape_error": checks.shape_error,
         "_moved": internals._moved,
+        "_left_over_error": staging._left_over_error,
     }
     for name, factory in factories.items():
         classes[name] = typing.get_type_hints(factory, localns=vars(errors))["return"]  # internals: TYPE_CHECKING

@@ -22,7 +22,7 @@ from mergekit_ram.errors import InputError
 from mergekit_ram.integration.recipes import read_stages
 from mergekit_ram.integration.registration import BUILTIN_RAM_VARIABLE, ours, register_methods
 from mergekit_ram.parameters import METHOD_NAMES, RecipeError
-from mergekit_ram.published import with_card_metadata, with_sorted_model_list
+from mergekit_ram.published import merge_metadata, merged_card
 from tests import reference
 from tests.conftest import (
     BUILTIN_RAM_BF16_WRONG_ELEMENTS,
@@ -368,14 +368,12 @@ def test_the_card_says_how_to_reproduce_a_ram_merge(upstream_ram_merge: Merged) 
     assert card.index("## Reproducing this merge") < card.index("## RAM statistics")
 
 
-def test_card_tag_is_added_once_and_only_to_front_matter() -> None:
-    card = "---\nbase_model: []\nlibrary_name: transformers\ntags:\n- mergekit\n- merge\n---\n# out\n\ntext\n"
-    tagged = with_card_metadata(card, "mergekit-ram")
-    assert tagged == card.replace("- merge\n", "- merge\n- mergekit-ram\n")
-    assert with_card_metadata(tagged, "mergekit-ram") == tagged
-    assert with_card_metadata("# no front matter\n", "mergekit-ram") == "# no front matter\n"
-    untagged = "---\nlibrary_name: x\n---\nbody\n"
-    assert with_card_metadata(untagged, "t") == "---\nlibrary_name: x\ntags:\n- t\n---\nbody\n"
+def test_card_tag_is_added_once() -> None:
+    metadata = {"base_model": [], "library_name": "transformers", "tags": ["mergekit", "merge"]}
+    tagged = merge_metadata(metadata, "mergekit-ram")
+    assert tagged == {**metadata, "tags": ["mergekit", "merge", "mergekit-ram"]}
+    assert merge_metadata(tagged, "mergekit-ram") == tagged
+    assert merge_metadata({"library_name": "x"}, "t") == {"library_name": "x", "tags": ["t"]}
 
 
 def test_card_lists_models_in_one_order_and_says_it_is_a_merge() -> None:
@@ -387,9 +385,9 @@ def test_card_lists_models_in_one_order_and_says_it_is_a_merge() -> None:
         "* [org/tool](https://huggingface.co/org/tool)\n* /local/b\n* [org/code](https://huggingface.co/org/code)\n"
         "\n### Configuration\n\n* not a model\n* a\n"
     )
-    assert with_card_metadata(with_sorted_model_list(card), "mergekit-ram") == (
-        "---\nbase_model:\n- org/base\n- org/code\n- org/tool\nbase_model_relation: merge\nlibrary_name: transformers\n"
-        "tags:\n- mergekit\n- mergekit-ram\n---\n# out\n\n### Models Merged\n\nThe following models were included in "
+    assert str(merged_card(card, None)) == (
+        "---\nbase_model:\n- org/base\n- org/code\n- org/tool\nlibrary_name: transformers\ntags:\n- mergekit\n"
+        "base_model_relation: merge\n---\n# out\n\n### Models Merged\n\nThe following models were included in "
         "the merge:\n* /local/b\n* [org/code](https://huggingface.co/org/code)\n* [org/tool](https://huggingface.co/org/tool)\n"
         "\n### Configuration\n\n* not a model\n* a\n"
     )

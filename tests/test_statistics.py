@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import logging
 import math
 import os
 import shutil
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,7 +26,14 @@ from mergekit_ram.probe import probe_config, select_stages
 from mergekit_ram.rescaling import Rescaling
 from mergekit_ram.stats.arithmetic import build_statistics, by_module, model_lambda, module_of
 from mergekit_ram.stats.data import TensorCounts
-from mergekit_ram.stats.schema import SCHEMA_VERSION, statistics_from_dict, statistics_to_dict, statistics_to_json
+from mergekit_ram.stats.schema import (
+    SCHEMA_VERSION,
+    UnreadableStatistics,
+    read_statistics,
+    statistics_from_dict,
+    statistics_to_dict,
+    statistics_to_json,
+)
 from mergekit_ram.synthetic import build_agents, independent_overlap, tiny_config
 from tests import reference
 from tests.conftest import Merged, ModelSet, load_statistics, load_weights, merge_in_process, run_script, write_recipe
@@ -350,12 +359,42 @@ def test_the_json_schema_round_trips() -> None:
     probe = statistics_to_dict(statistics, with_modules=True)["by_module"]
     assert [row["local_rho"] for row in probe["mlp"]] == [5.0, "inf"]
 
-    with pytest.raises(ValueError, match=r"ram_statistics.json has schema 3; this mergekit-ram reads schema 2"):
+    with pytest.raises(ValueError, match=r"\(schema: schema 3; this mergekit-ram reads schema 2 "):
         statistics_from_dict({**data, "schema": 3})
     hand_edited = copy.deepcopy(data)
     hand_edited["models"][1]["rho"] = "Infinity"
-    with pytest.raises(ValueError, match="a rho is 'Infinity'; expected a number or 'inf'"):
+    with pytest.raises(ValueError, match=r"\(models.1.rho.float: Input should be a finite number\)"):
         statistics_from_dict(hand_edited)
+
+
+def test_the_file_keeps_its_bytes() -> None:
+    """The golden file holds the bytes the writer before the pydantic models wrote (8842a28) for these statistics:
+    a pinned rho, an infinite one, a LoRA reference with a revision, modules, a warning."""
+    counts = [
+        ("model.layers.0.mlp.up_proj.weight", 100, ((2, 10), (0, 10)), "mlp"),
+        ("model.layers.0.self_attn.q_proj.weight", 50, ((3, 5), (0, 5)), "attention"),
+    ]
+    models = ("/m/a", "/m/b+/m/lora@v1")
+    tensors = [TensorCounts(name, numel, 1e-5, models, rows, module) for name, numel, rows, module in counts]
+    statistics = build_statistics(
+        "ram_plus", tensors, rescaling=Rescaling(0.1, 2.0, "soft"), pins={"/m/a": ("rho", 2.5)}
+    )
+    versions = {"mergekit-ram": "0.1.0", "mergekit": "0.1.5", "torch": "2.6.0"}
+    statistics = dataclasses.replace(statistics, versions=versions, warnings=("/m/a: a warning",))
+    golden = (Path(__file__).parent / "golden" / "ram_statistics.json").read_text(encoding="utf-8")
+    assert statistics_to_json(statistics) == golden
+    assert statistics_from_dict(json.loads(golden)) == statistics
+
+
+def test_a_strangers_number_is_one_line() -> None:
+    """Attack group 6: a rho of 1e999 (JSON's way to overflow a float) is refused in one line naming it."""
+    text = (Path(__file__).parent / "golden" / "ram_statistics.json").read_text(encoding="utf-8")
+    with pytest.raises(UnreadableStatistics) as error:
+        read_statistics(text.replace('"rho": 2.5', '"rho": 1e999'))
+    assert str(error.value) == (
+        "ram_statistics.json is not the statistics file a merge writes (models.0.rho.float: Input should be a finite "
+        "number)"
+    )
 
 
 @pytest.mark.parametrize(

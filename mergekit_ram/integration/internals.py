@@ -90,6 +90,8 @@ INTERNALS = (
         + ("transformers_cache", "trust_remote_code", "write_model_card"),
     ),
     Internal("mergekit.scripts.multimerge", "patched_config"),
+    # The card run_merge writes, made again for the --hub-id step (card).
+    Internal("mergekit.card", "generate_card", ("config", "config_yaml", "name")),
 )
 _ENTRIES = {(entry.module, entry.name): entry for entry in INTERNALS}
 #: The names of the public method API (``mergekit.merge_methods``) the boundary imports: all there, or the plugin

@@ -27,7 +27,7 @@ from mergekit_ram.files import write_atomically
 from mergekit_ram.integration.merge import Plan, check_setting, executor, plan_merge, prepare
 from mergekit_ram.integration.recipes import check_config, check_method_name, recipe_nodes
 from mergekit_ram.integration.registration import bound, ours
-from mergekit_ram.published import append_card_section, report_summary
+from mergekit_ram.published import merged_card, report_summary
 from mergekit_ram.stats.data import RamStatistics
 from mergekit_ram.stats.schema import STATISTICS_FILE, statistics_to_json
 
@@ -189,10 +189,12 @@ def _reported(transaction: Transaction) -> Iterator[None]:
 
 
 def finish(staged: str, statistics: RamStatistics, card: bool) -> RamStatistics:
-    """The merge's statistics, written beside the weights (and into the card) in the staging folder."""
+    """The merge's statistics, written beside the weights, and mergekit's card as the merge publishes it
+    (``merged_card``: the ``--hub-id`` step makes it again), in the staging folder."""
     write_atomically(os.path.join(staged, STATISTICS_FILE), statistics_to_json(statistics))
-    if card:
-        append_card_section(staged, statistics)
+    readme = Path(staged, "README.md")
+    if card and readme.exists():
+        readme.write_text(str(merged_card(readme.read_text(encoding="utf-8"), statistics)), encoding="utf-8")
     return statistics
 
 
