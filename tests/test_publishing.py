@@ -111,8 +111,9 @@ def test_local_agents_to_the_hub_and_back(tmp_path: Path, monkeypatch: pytest.Mo
     assert "/api/models/your-name/" in str(rerun.exception) and "/tree/main" in str(rerun.exception)
     assert not os.path.exists("rerun")
 
-    # Each id a folder here (what `hf download ID --local-dir ID` leaves; here a link into the cache): the merge
-    # runs offline, but mergekit's card writer asks the Hub whether such an id is a Hub model.
+    # Each id a folder here (what `hf download ID --local-dir ID` leaves; here a link into the cache): mergekit's
+    # card writer would ask the Hub whether such an id is a Hub model once the merge is done, so the merge is
+    # refused before it starts, with the spelling that names the folder.
     elsewhere = tmp_path / "elsewhere"
     for hub_id, snapshot in snapshots.items():
         (elsewhere / hub_id).parent.mkdir(parents=True, exist_ok=True)
@@ -120,8 +121,11 @@ def test_local_agents_to_the_hub_and_back(tmp_path: Path, monkeypatch: pytest.Mo
     monkeypatch.chdir(elsewhere)
     recipe_path, rerun_path = str(tmp_path / "merged/mergekit_config.yml"), tmp_path / "rerun"
     card_writer = invoke(mergekit_yaml, recipe_path, str(rerun_path))
-    assert isinstance(card_writer.exception, huggingface_hub.errors.OfflineModeIsEnabled)
-    assert "/api/models/your-name/" in str(card_writer.exception) and not rerun_path.exists()
+    assert card_writer.exit_code == 1 and not rerun_path.exists()
+    assert card_writer.stderr.strip() == (
+        "Error: model path your-name/agents-base is a local folder written like a Hub id (org/name), which "
+        "mergekit's model card would look up on the Hub once the merge is done: write it ./your-name/agents-base"
+    )
     rerun = invoke(mergekit_yaml, recipe_path, str(rerun_path), "--no-write-model-card")
     assert rerun.exit_code == 0, rerun.output
     assert (rerun_path / "model.safetensors").read_bytes() == first["model.safetensors"]
