@@ -1,15 +1,14 @@
 """A cache of pre-pass counts, so a sweep over r, alpha or the rule reads the models once (docs/method.md,
-"The cache": what the key covers, whose folders are trusted). It only helps: any problem is one warning."""
+"The cache": what the key covers). It lives in the user's cache folder, made with mode 0700 (a cache shared between
+users is out of the threat model, docs/reliability.md). It only helps: any problem is one warning."""
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import json
 import logging
 import os
-import stat
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping, Optional, Sequence
 
@@ -26,45 +25,31 @@ LOG = logging.getLogger(__name__)
 
 MODE_VARIABLE = "MERGEKIT_RAM_CACHE"
 DIRECTORY_VARIABLE = "MERGEKIT_RAM_CACHE_DIR"
-SHARED_VARIABLE = "MERGEKIT_RAM_CACHE_SHARED"
 ENTRIES_DIR = "prepass"
-#: A folder of the cache's path: opened only to reach the next one (no read permission needed), never through a link.
-_FOLDER_FLAGS = getattr(os, "O_PATH", os.O_RDONLY) | os.O_DIRECTORY | os.O_NOFOLLOW
 _HEAD_BYTES, _SAMPLES, _SAMPLE_BYTES = 1 << 20, 16, 1 << 16
 #: Entries hold one item per planned merge task, null where the task has no counts.
 _FORMAT = "entries aligned with merge tasks, with a checksum (3)"
 _ADVICE = f"{MODE_VARIABLE}=off skips the cache"
-_SHARED_ADVICE = (
-    f"{SHARED_VARIABLE}=1 trusts a cache that others may write; {DIRECTORY_VARIABLE} may name a folder of your own"
-)
 
 
 @dataclass(frozen=True)
 class CacheSettings:
-    """``mode`` on, off or refresh; the folder; whether a folder other users may write is trusted (``shared``)."""
+    """``mode`` on, off or refresh; the folder."""
 
     mode: str
     directory: str
-    shared: bool = False
 
     @classmethod
     def from_environment(cls, environment: Mapping[str, str] = os.environ) -> CacheSettings:
         mode = environment.get(MODE_VARIABLE, "on").strip().lower()
         if mode not in ("on", "off", "refresh"):
             raise SettingError(f"{MODE_VARIABLE} must be on, off or refresh; got {mode!r}")
-        shared = environment.get(SHARED_VARIABLE, "0").strip() or "0"
-        if shared not in ("0", "1"):
-            raise SettingError(f"{SHARED_VARIABLE} must be 0 or 1; got {shared!r}")
         root = environment.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
         directory = environment.get(DIRECTORY_VARIABLE) or os.path.join(root, "mergekit-ram")
-        return cls(mode, directory, shared == "1")
+        return cls(mode, directory)
 
     def entry(self, key: str) -> str:
         return os.path.join(self.directory, ENTRIES_DIR, f"{key}.json")
-
-
-class UntrustedFolder(Exception):
-    """A folder of the cache's path a merge must not use (a link, or writable by others): (reason, advice)."""
 
 
 def fingerprint(path: str) -> str:
@@ -108,86 +93,28 @@ def checksum(tensors: Any) -> str:
 
 @contextlib.contextmanager
 def opened(settings: CacheSettings, planned: Sequence[PlannedTensor]) -> Iterator[Optional[CacheEntry]]:
-    """The merge's entry, its folder opened once and checked; None where the merge goes on without the cache."""
-    folder, path = -1, ""
+    """The merge's entry, its folder made (mode 0700) if missing; None where the merge goes on without the cache."""
+    entry = None
     if settings.mode != "off":
         path = settings.entry(cache_key(planned))
         try:
-            folder = _open_entries(settings)
-        except UntrustedFolder as untrusted:
-            LOG.warning(
-                "not using the pre-pass cache %s: %s; the merge goes on without it (%s)",
-                settings.directory,
-                *untrusted.args,
-            )
+            for folder in (settings.directory, os.path.dirname(path)):
+                os.makedirs(folder, mode=0o700, exist_ok=True)
+            entry = CacheEntry(settings.mode, path)
         except OSError as error:
             _not_written(path, error)
-    try:
-        yield CacheEntry(settings.mode, folder, path) if folder >= 0 else None
-    finally:
-        if folder >= 0:
-            os.close(folder)
+    yield entry
 
 
 def _not_written(path: str, error: OSError) -> None:
     LOG.warning("could not write the pre-pass cache entry %s (%s); the merge goes on (%s)", path, error, _ADVICE)
 
 
-def _open_entries(settings: CacheSettings) -> int:
-    """``<dir>/prepass``: each folder from / down opened in the one above (no link followed), made if missing,
-    checked."""
-    names = [name for name in os.path.realpath(settings.directory).split(os.sep) if name] + [ENTRIES_DIR]
-    folder = os.open(os.sep, _FOLDER_FLAGS)
-    path = os.sep
-    try:
-        _check(folder, path, settings)
-        for name in names:
-            path = os.path.join(path, name)
-            inner = _open_folder(folder, name, path)
-            os.close(folder)
-            folder = inner
-            _check(folder, path, settings)
-    except BaseException:
-        os.close(folder)
-        raise
-    return folder
-
-
-def _open_folder(parent: int, name: str, path: str) -> int:
-    """The folder ``name`` in ``parent``, made if missing; a link or anything else in its place is refused."""
-    try:
-        return os.open(name, _FOLDER_FLAGS, dir_fd=parent)
-    except FileNotFoundError:
-        with contextlib.suppress(FileExistsError):  # made meanwhile: opened and checked below
-            os.mkdir(name, 0o700, dir_fd=parent)
-        return os.open(name, _FOLDER_FLAGS, dir_fd=parent)
-    except OSError as error:
-        if error.errno in (errno.ENOTDIR, errno.ELOOP) and stat.S_ISLNK(
-            os.stat(name, dir_fd=parent, follow_symlinks=False).st_mode
-        ):
-            raise UntrustedFolder(f"{path} is a symbolic link, which the cache never follows", _ADVICE) from None
-        raise
-
-
-def _check(folder: int, path: str, settings: CacheSettings) -> None:
-    """Refuse a folder that a user other than this one (or root) may change, unless the cache is shared."""
-    if settings.shared:
-        return
-    status = os.fstat(folder)
-    if status.st_uid not in (os.geteuid(), 0):
-        raise UntrustedFolder(f"{path} is owned by user {status.st_uid}, not by you or root", _SHARED_ADVICE)
-    if status.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not status.st_mode & stat.S_ISVTX:
-        mode = stat.S_IMODE(status.st_mode)
-        raise UntrustedFolder(f"{path} can be written by users other than its owner (mode {mode:o})", _SHARED_ADVICE)
-
-
 @dataclass(frozen=True)
 class CacheEntry:
-    """One merge's entry, read and written relative to its checked ``folder``, never through a link; ``path`` for
-    messages."""
+    """One merge's entry file."""
 
     mode: str
-    folder: int
     path: str
 
     def load(self, planned: Sequence[PlannedTensor], headers: HeaderCache) -> Optional[list[Optional[TensorCounts]]]:
@@ -195,7 +122,7 @@ class CacheEntry:
         if self.mode != "on":
             return None
         try:
-            data = read_json(os.path.basename(self.path), dir_fd=self.folder, follow_symlinks=False)
+            data = read_json(self.path)
         except FileNotFoundError:
             return None
         except (OSError, UnreadableFile) as error:
@@ -214,7 +141,7 @@ class CacheEntry:
         tensors = [None if c is None else counts_to_dict(c) for c in counts]
         text = json.dumps({"tensors": tensors, "sha256": checksum(tensors)})
         try:
-            write_atomically(os.path.basename(self.path), text, dir_fd=self.folder)
+            write_atomically(self.path, text)
         except OSError as error:
             return _not_written(self.path, error)
         LOG.info("ram_plus pre-pass: counts cached in %s", self.path)

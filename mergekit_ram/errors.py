@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import errno
 import logging
-import os
-import re
 from typing import IO, Any, Optional
 
 import click
@@ -91,17 +89,14 @@ RESOURCE_FAILURES = {
 
 
 def resource_message(error: BaseException, doing: str) -> Optional[str]:
-    """The resource that ran out while ``doing`` and its fix, when the chain's first error is such an ``OSError``,
-    a ``MemoryError``, or quotes the system's text for one."""
+    """The resource that ran out while ``doing`` and its fix, when the chain's first error is such an ``OSError``
+    (its path named) or a ``MemoryError``."""
     root = _root(error)
-    code: Optional[int]
     if isinstance(root, OSError) and root.errno in RESOURCE_FAILURES:
         code, detail = root.errno, " -> ".join(str(name) for name in (root.filename, root.filename2) if name)
     elif isinstance(root, MemoryError):
         code, detail = errno.ENOMEM, ""
     else:
-        code, detail = _quoted_failure(str(root))
-    if code is None:
         return None
     what, fix = RESOURCE_FAILURES[code]
     where = f" ({detail})" if detail else ""
@@ -115,15 +110,6 @@ def _root(error: BaseException) -> BaseException:
         seen.add(id(earlier))
         error = earlier
     return error
-
-
-def _quoted_failure(message: str) -> tuple[Optional[int], str]:
-    """(errno, the message before the system's text) for a quoted resource failure, else (None, "")."""
-    for code in sorted(RESOURCE_FAILURES, key=lambda code: -len(os.strerror(code))):  # ENFILE's text holds EMFILE's
-        found = re.search(re.escape(os.strerror(code)), message, re.IGNORECASE)
-        if found:
-            return code, _joined(re.sub(r"\[Errno \d+\]", "", message[: found.start()]).rstrip(" :(-"))
-    return None, ""
 
 
 def reported(error: BaseException, doing: str) -> Optional[RamError]:

@@ -1,5 +1,7 @@
-"""Files of a stranger's folder: a name read from one must be ``plain_name``; a file is opened without blocking
-(a FIFO does not hang the merge), must be regular, and is read up to a limit (memory). Standard library only.
+"""Files a merge reads: a name read from a manifest or an index must be ``plain_name`` (it never leaves its folder);
+an input's file must be regular (a FIFO in a model's folder is bad input, refused without waiting); JSON is read
+with one size cap. Hostile content in the user's own folders is out of the threat model (docs/reliability.md).
+Standard library only.
 """
 
 from __future__ import annotations

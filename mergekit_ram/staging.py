@@ -38,7 +38,7 @@ import os
 import re
 import secrets
 import stat
-from typing import Any, Collection, Iterator, Optional
+from typing import Any, Collection, Iterator, NoReturn, Optional
 
 from mergekit_ram._version import __version__
 from mergekit_ram.errors import RamError
@@ -153,7 +153,7 @@ def folder_writer(out_path: str) -> Iterator[int]:
         except OSError as error:
             raise OutputFolderError(f"cannot change {out_path} ({_reason(error)})") from None
         if left := _left_over(out):
-            raise _left_over_error(out_path, left)
+            _refuse_left_over(out_path, left)
         yield out
     finally:
         if lock >= 0:
@@ -202,7 +202,7 @@ class _Folder:
                         "choose another output folder"
                     )
             if (left := _left_over(self.out)) and self.writer:
-                raise _left_over_error(self.path, left)
+                _refuse_left_over(self.path, left)
             if left:
                 LOG.warning(
                     "%s holds %s, left by a mergekit-ram merge that did not finish (killed, or its clean-up failed): "
@@ -401,16 +401,16 @@ def _release_lock(out: int, lock: int, out_path: str) -> None:
         os.close(lock)
 
 
-def _left_over_error(out_path: str, left: list[str]) -> OutputFolderError:
+def _refuse_left_over(out_path: str, left: list[str]) -> NoReturn:
     """The refusal of a write outside a merge (which holds the lock: no merge runs) over what a killed one left;
     its advice clears it: merging again removes the marker, the user a private folder."""
     if MARKER_FILE in left:
-        return OutputFolderError(
+        raise OutputFolderError(
             f"{out_path} is marked {MARKER_FILE}: a merge into it was killed while publishing; merge into it again "
             "before changing its files"
         )
     paths = ", ".join(os.path.join(out_path, name) for name in left)
-    return OutputFolderError(
+    raise OutputFolderError(
         f"{out_path} holds {paths}, left by a merge that was killed (the files it wrote or moved aside): remove "
         f"{'them' if len(left) > 1 else 'it'} once you have what you need, then run this again"
     )

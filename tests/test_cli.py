@@ -55,7 +55,6 @@ INTERNAL_RAISES = {
     "integration/methods.py: mergekit's own check of in-memory groups",
     "UnreadableFile": "files.py: caught by its callers, which name the file (checks.py in an InputError, cache.py "
     "in a warning)",
-    "UntrustedFolder": "cache.py: caught by cache.opened, which warns once and merges without the cache",
 }
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import errno
 import os
-import re
 import resource
 import subprocess
 from dataclasses import dataclass
@@ -16,7 +15,6 @@ import pytest
 
 from mergekit_ram.errors import RESOURCE_FAILURES, resource_message
 from tests.conftest import ModelSet, run_process, script, write_recipe
-from tests.test_cli import one_line_error
 
 USER_FILES = {"notes.txt": b"the user's own file\n"}
 
@@ -57,33 +55,24 @@ def assert_as_it_was(out: str) -> None:
 
 
 @pytest.mark.process
-def test_a_limit_run_into_is_one_line_and_leaves_the_folder_as_it_was(bf16_models: ModelSet, tmp_path) -> None:
-    """Too many open files: mergekit's own failure (safetensors cannot open a model), not the clean-up's that
-    followed it. ``ulimit -f`` below the weights' size (about 39 KB): mergekit's write fails with EFBIG, as a full
-    disk gives ENOSPC. Each in one line naming it; the folder holds the user's file alone."""
-    # the search starts just below where mergekit gets as far as merging here (9; 6 to 8 stop earlier, each
-    # with its own one line): each limit tried is an interpreter's start
+def test_a_limit_run_into_leaves_the_folder_as_it_was(bf16_models: ModelSet, tmp_path) -> None:
+    """Too many open files: safetensors cannot open a model. ``ulimit -f`` below the weights' size (about 39 KB):
+    mergekit's write fails with EFBIG, as a full disk gives ENOSPC. The library's own error ends the run, naming
+    the system's text (its exception is no OSError, so nothing guesses its errno from its text); the folder holds
+    the user's file alone."""
+    # the search starts just below where mergekit gets as far as merging here (9; 6 to 8 stop earlier)
     run = limited_run(bf16_models, str(tmp_path / "nofile"), resource.RLIMIT_NOFILE, range(8, 24))
-    message = one_line_error(run.completed)
-    assert re.fullmatch(
-        r"too many open files \(errno EMFILE\) while merging "
-        r"\(unable to open file <\S+\.safetensors> in read-only mode\): raise the limit \(ulimit -n\)",
-        message,
-    ), message
+    assert run.completed.returncode == 1 and os.strerror(errno.EMFILE) in run.completed.stderr.strip().splitlines()[-1]
     assert_as_it_was(run.out)
     run = limited_run(bf16_models, str(tmp_path / "fsize"), resource.RLIMIT_FSIZE, range(20_000, 20_001))
-    message = one_line_error(run.completed)
-    assert message == (
-        "file too large (errno EFBIG) while merging (Error while serializing: I/O error): raise the file size limit "
-        "(ulimit -f), or write smaller shards (--out-shard-size)"
-    )
+    assert run.completed.returncode == 1 and os.strerror(errno.EFBIG) in run.completed.stderr.strip().splitlines()[-1]
     assert_as_it_was(run.out)
 
 
 @pytest.mark.parametrize("code", sorted(RESOURCE_FAILURES), ids=lambda code: errno.errorcode[code])
-def test_every_resource_failure_is_told_from_its_errno_or_its_text(code: int) -> None:
-    """As an OSError (the file named), in another exception's text (safetensors', torch's), and at the root of a
-    chain whose clean-up failed alike; a chain whose first error is another keeps its traceback (None)."""
+def test_every_resource_failure_is_told_from_its_errno(code: int) -> None:
+    """As an OSError (the file named), and at the root of a chain whose clean-up failed alike; a chain whose first
+    error is another, or another exception quoting the system's text, keeps its traceback (None): no guessing."""
     what, fix = RESOURCE_FAILURES[code]
     name = errno.errorcode[code]
     failure = OSError(code, os.strerror(code), "/models/a/model.safetensors")
@@ -92,17 +81,14 @@ def test_every_resource_failure_is_told_from_its_errno_or_its_text(code: int) ->
         == f"{what} (errno {name}) while merging (/models/a/model.safetensors): {fix}"
     )
     quoted = RuntimeError(f"Error while serializing: I/O error: {os.strerror(code)} (os error {code})")
-    assert (
-        resource_message(quoted, "probing")
-        == f"{what} (errno {name}) while probing (Error while serializing: I/O error): {fix}"
-    )
+    assert resource_message(quoted, "probing") is None
     try:
         try:
-            raise quoted
-        except RuntimeError:
+            raise failure
+        except OSError:
             raise OSError(errno.EMFILE, os.strerror(errno.EMFILE)) from None  # the clean-up failing after it
     except OSError as cleanup:
-        assert resource_message(cleanup, "merging") == resource_message(quoted, "merging")
+        assert resource_message(cleanup, "merging") == resource_message(failure, "merging")
     try:
         try:
             raise KeyError("model.norm.weight")
