@@ -355,12 +355,13 @@ def check(
     """
     from mergekit_ram.errors import MergeInterrupted
     from mergekit_ram.hub_ids import prepare_for_hub
+    from mergekit_ram.integration.card import mergekit_card
     from mergekit_ram.interrupts import Quiet
     from mergekit_ram.sharing import check_folder
 
     pairs = [*hub_ids, *hub_id_file]
     try:
-        changed = prepare_for_hub(out_dir, pairs, license_id) if pairs or license_id is not None else []
+        changed = prepare_for_hub(out_dir, pairs, license_id, mergekit_card) if pairs or license_id is not None else []
     except KeyboardInterrupt:
         raise MergeInterrupted(
             f"Interrupted: {out_dir} holds its card, recipe and statistics as they were or all three rewritten, "

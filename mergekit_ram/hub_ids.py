@@ -10,23 +10,25 @@ from __future__ import annotations
 import os
 import re
 from collections import Counter
-from typing import Any, Iterator, NamedTuple, Optional
+from typing import Any, Callable, Iterator, NamedTuple, Optional
 
 import yaml
 from huggingface_hub import ModelCard, ModelCardData
 from huggingface_hub.repocard import REGEX_YAML_BLOCK
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
-from mergekit_ram import staging
 from mergekit_ram.errors import MergedFolderError, RamError, one_line
-from mergekit_ram.integration.card import mergekit_card
 from mergekit_ram.published import listed, merged_card, with_sorted_model_list
+from mergekit_ram.staging import folder_writer, replace_files
 from mergekit_ram.stats.schema import STATISTICS_FILE, StatisticsFile, read_statistics
 
 CARD, RECIPE = "README.md", "mergekit_config.yml"
 NAMING_FILES = (CARD, RECIPE, STATISTICS_FILE)  # the files that name the merged models, in report order
 MAX_BYTES = 16 << 20  # the most read of each naming file or id file: a card, recipe or statistics is far smaller
 #: Recipe keys, at any depth, whose text is a model reference (``path@revision+lora@revision``), or one path.
+#: mergekit's card for a recipe's text and the folder's name (``integration.card.mergekit_card``, given by the CLI:
+#: the boundary is reached from the top only).
+CardWriter = Callable[[str, str], str]
 REFERENCE_KEYS, PATH_KEYS = (
     frozenset({"model", "base_model", "tokenizer_source", "source"}),
     frozenset({"lora", "path"}),
@@ -275,29 +277,31 @@ def renames_for(files: Naming, hub_ids: dict[str, tuple[str, str]], out: str) ->
     return renames
 
 
-def merge_card(recipe: str, title: str, statistics: Optional[StatisticsFile]) -> ModelCard:
+def merge_card(write: CardWriter, recipe: str, title: str, statistics: Optional[StatisticsFile]) -> ModelCard:
     """The card a merge writes for the recipe text ``recipe`` and its statistics (``seam.finish``'s way)."""
-    return merged_card(mergekit_card(recipe, title), statistics.statistics() if statistics else None)
+    return merged_card(write(recipe, title), statistics.statistics() if statistics else None)
 
 
-def renamed_card(files: Naming, new_recipe: str, statistics: Optional[StatisticsFile], out: str) -> ModelCard:
+def renamed_card(
+    write: CardWriter, files: Naming, new_recipe: str, statistics: Optional[StatisticsFile], out: str
+) -> ModelCard:
     """The card made again for the renamed recipe and statistics, its other metadata kept; refused where its text
     is not what the merge wrote (edited by hand since: renaming would lose the edit)."""
     card, recipe = files.card, files.texts[RECIPE]
     assert card is not None and recipe is not None
     title = card.text.partition("\n")[0].removeprefix("# ") if card.text.startswith("# ") else os.path.basename(out)
-    if merge_card(recipe, title, files.statistics).text != with_sorted_model_list(card.text):
+    if merge_card(write, recipe, title, files.statistics).text != with_sorted_model_list(card.text):
         raise MergedFolderError(
             f"{CARD}'s text is not what the merge wrote (edited since, or by another version): merge again to have it "
             "written for the Hub ids, or name them in it by hand; nothing was changed"
         )
-    new = merge_card(new_recipe, title, statistics)
+    new = merge_card(write, new_recipe, title, statistics)
     new.data = ModelCardData(**{**card.data.to_dict(), **new.data.to_dict()})
     return new
 
 
 def prepared_texts(
-    files: Naming, out: str, hub_ids: dict[str, tuple[str, str]], license_id: Optional[str]
+    files: Naming, out: str, hub_ids: dict[str, tuple[str, str]], license_id: Optional[str], write: CardWriter
 ) -> dict[str, str]:
     """The naming files that the Hub ids and the licence change, as they make them."""
     texts, card = files.texts, files.card
@@ -313,7 +317,7 @@ def prepared_texts(
         statistics = renamed_statistics(statistics, renames)
         new[STATISTICS_FILE] = statistics.to_json()
     if renames and card is not None and (recipe_text := new[RECIPE]) is not None:
-        card = renamed_card(files, recipe_text, statistics, out)
+        card = renamed_card(write, files, recipe_text, statistics, out)
     if license_id is not None and texts[CARD] is None:
         raise MergedFolderError(
             f"cannot set the licence of {out}: there is no {CARD} (merge with mergekit-yaml, which writes the card)"
@@ -326,19 +330,19 @@ def prepared_texts(
     return {name: text for name, text in new.items() if text is not None and text != texts[name]}
 
 
-def prepare_for_hub(out: str, pairs: list[tuple[str, str]], license_id: Optional[str]) -> list[str]:
+def prepare_for_hub(out: str, pairs: list[tuple[str, str]], license_id: Optional[str], write: CardWriter) -> list[str]:
     """The Hub ids and the licence written, all three files at once (``staging.replace_files``, under the merge's
     lock); the files changed. Everything is checked before anything is written."""
     hub_ids: dict[str, tuple[str, str]] = {}
     for local, hub_id in pairs:
         if (given := hub_ids.setdefault(resolved(local), (local, hub_id))[1]) != hub_id:
             raise MergedFolderError(f"{local} is given two Hub ids, {given} and {hub_id}: give it one")
-    with staging.folder_writer(out):  # read under the merge's lock; replace_files refuses if they change after
+    with folder_writer(out):  # read under the merge's lock; replace_files refuses if they change after
         try:
             files = parse(read_naming_files(out))
         except (OSError, ValueError) as error:
             raise MergedFolderError(f"cannot change {out}: {reason(error)}; fix it by hand or merge again") from None
-    new = prepared_texts(files, out, hub_ids, license_id)
+    new = prepared_texts(files, out, hub_ids, license_id, write)
     if new:
-        staging.replace_files(out, new, expected=files.texts)
+        replace_files(out, new, expected=files.texts)
     return [name for name in (STATISTICS_FILE, RECIPE, CARD) if name in new]

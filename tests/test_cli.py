@@ -22,7 +22,7 @@ from mergekit.options import MergeOptions
 from mergekit.scripts import merge_raw_pytorch, multimerge, run_yaml
 from safetensors.torch import load_file, save_file
 
-from mergekit_ram import checks, cli, errors, staging
+from mergekit_ram import checks, cli, errors
 from mergekit_ram.errors import RecipeError
 from mergekit_ram.probe import probe_config, select_stages
 from tests.conftest import ModelSet, command_refusal, mergekit_alone, run_script, write_recipe
@@ -121,7 +121,6 @@ def test_every_error_a_user_can_meet_is_a_ram_error() -> None:
         "overflow_error": methods.overflow_error,
         "shape_error": checks.shape_error,
         "_moved": internals._moved,
-        "_left_over_error": staging._left_over_error,
     }
     for name, factory in factories.items():
         classes[name] = typing.get_type_hints(factory, localns=vars(errors))["return"]  # internals: TYPE_CHECKING

@@ -381,14 +381,14 @@ def test_the_file_keeps_its_bytes() -> None:
     )
     versions = {"mergekit-ram": "0.1.0", "mergekit": "0.1.5", "torch": "2.6.0"}
     statistics = dataclasses.replace(statistics, versions=versions, warnings=("/m/a: a warning",))
-    golden = (Path(__file__).parent / "golden" / "ram_statistics.json").read_text(encoding="utf-8")
+    golden = (Path(__file__).parent / "ram_statistics.golden").read_text(encoding="utf-8")
     assert statistics_to_json(statistics) == golden
     assert statistics_from_dict(json.loads(golden)) == statistics
 
 
 def test_a_strangers_number_is_one_line() -> None:
     """Attack group 6: a rho of 1e999 (JSON's way to overflow a float) is refused in one line naming it."""
-    text = (Path(__file__).parent / "golden" / "ram_statistics.json").read_text(encoding="utf-8")
+    text = (Path(__file__).parent / "ram_statistics.golden").read_text(encoding="utf-8")
     with pytest.raises(UnreadableStatistics) as error:
         read_statistics(text.replace('"rho": 2.5', '"rho": 1e999'))
     assert str(error.value) == (
