@@ -147,7 +147,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--candidates", action="store_true", help="other ways of threading the chunk loop too")
     parser.add_argument("--load", type=int, default=0, help="then again with this many busy background processes")
     parser.add_argument("--no-scratch", action="store_true", help="skip the scratch column")
-    parser.add_argument("--only", help="comma-separated beginnings of the calls to run (default all)")
+    parser.add_argument("--only", help="'|'-separated beginnings of the calls to run (default all)")
     args = parser.parse_args(argv)
     numel = parse_size(args.numel)
     base, finetunes = kernel_inputs(numel, args.n)
@@ -162,7 +162,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         against = {label: label.rsplit(" (", 1)[0] + " (new)" for label in candidates(base, finetunes)}
         measured |= {label: (function, against[label]) for label, function in candidates(base, finetunes).items()}
     if args.only:
-        kept = tuple(prefix.strip() for prefix in args.only.split(","))
+        kept = tuple(prefix.strip() for prefix in args.only.split("|"))
         measured = {label: call for label, call in measured.items() if label.startswith(kept)}
     for load in sorted({0, args.load}):
         with background_load(load):
