@@ -85,22 +85,13 @@ class OutputFolderError(RamError, RuntimeError):
 @contextlib.contextmanager
 def output_transaction(out_path: str) -> Iterator[str]:
     """Yield the folder mergekit writes into; publish it into ``out_path`` once the body returns (invariant 6)."""
-    with HeldSignals() as signals:
-        folder = _Folder(out_path)
-        try:
-            with signals.held():
-                folder.begin()
-            yield folder.staged_path()
-            folder.record()  # reads every weight: a signal meanwhile leaves OUT as it was
-            with signals.held():
-                folder.publish()
-            folder.report()
-        except BaseException:
-            signals.unwinding = True
-            raise
-        finally:
-            with signals.held():
-                folder.end()
+    folder = _Folder(out_path)
+    with _held(folder) as signals:
+        yield folder.staged_path()
+        folder.record()  # reads every weight: a signal meanwhile leaves OUT as it was
+        with signals.held():
+            folder.publish()
+        folder.report()
 
 
 def replace_files(out_path: str, texts: dict[str, str], expected: Optional[dict[str, Optional[str]]] = None) -> None:
@@ -108,27 +99,34 @@ def replace_files(out_path: str, texts: dict[str, str], expected: Optional[dict[
     as ``folder_writer`` refuses), written into a private folder, then moved in with the ending signals held, under
     the marker, undone on an error. The manifest stays as it is. Ctrl-C unwinds as ``KeyboardInterrupt``.
     ``expected``: the texts (None: absent) the files had when read; if one changed meanwhile, nothing is written."""
+    folder = _Folder(out_path, writer=True)
+    with _held(folder) as signals:
+        for name, text in (expected or {}).items():
+            if _bytes_of(name, folder.out) != (None if text is None else text.encode("utf-8")):
+                raise OutputFolderError(
+                    f"{os.path.join(out_path, name)} changed while this ran (another merge or check): nothing "
+                    "was written; run it again"
+                )
+        try:
+            for name, text in texts.items():
+                write_new(os.path.join(_STAGED, folder.name, name), text, dir_fd=folder.private)
+        except OSError as error:
+            raise OutputFolderError(
+                f"could not write into {out_path} ({_reason(error)}); it holds what it held before"
+            ) from None
+        folder.names = sorted(texts)
+        with signals.held():
+            folder.publish()
+
+
+@contextlib.contextmanager
+def _held(folder: _Folder) -> Iterator[HeldSignals]:
+    """One run's hold on OUT: begun and ended with the ending signals held; the first signal between unwinds it."""
     with HeldSignals() as signals:
-        folder = _Folder(out_path, writer=True)
         try:
             with signals.held():
                 folder.begin()
-            for name, text in (expected or {}).items():
-                if _bytes_of(name, folder.out) != (None if text is None else text.encode("utf-8")):
-                    raise OutputFolderError(
-                        f"{os.path.join(out_path, name)} changed while this ran (another merge or check): nothing "
-                        "was written; run it again"
-                    )
-            try:
-                for name, text in texts.items():
-                    write_new(os.path.join(_STAGED, folder.name, name), text, dir_fd=folder.private)
-            except OSError as error:
-                raise OutputFolderError(
-                    f"could not write into {out_path} ({_reason(error)}); it holds what it held before"
-                ) from None
-            folder.names = sorted(texts)
-            with signals.held():
-                folder.publish()
+            yield signals
         except BaseException:
             signals.unwinding = True
             raise
