@@ -71,9 +71,7 @@ def check_card_paths(config: Any) -> None:
     """A local folder written like a Hub id (``models/base``, ``base``): mergekit's card writer asks the Hub whether
     it is one (``mergekit.card.is_hf``: no ``/`` or ``~`` first, at most one ``/``), after the whole merge; offline
     that is a traceback, online a stranger's repository. ``./models/base`` is local to it, as to the merge."""
-    for _, node in sorted(recipe_nodes(config), key=lambda found: found[0] != "base_model"):  # the base first
-        if not {"model", "lora"} <= set(type(node).model_fields):
-            continue
+    for _, node in sorted(model_references(config), key=lambda found: found[0] != "base_model"):  # the base first
         for path in (node.model.path, *([node.lora.path] if node.lora is not None else [])):
             if path[:1] in "/~" or path.count("/") > 1 or not os.path.exists(path):
                 continue
@@ -178,6 +176,13 @@ def model_lists(config: Any) -> Iterator[tuple[str, list[ModelIdentity]]]:
         for field in ("models", "sources"):
             if field in type(node).model_fields and getattr(node, field):
                 yield _joined(where, field), [model_identity(entry.model) for entry in getattr(node, field)]
+
+
+def model_references(config: Any) -> Iterator[tuple[str, Any]]:
+    """Each model reference of a recipe (``ModelReference``: a model, its LoRA) with where it is."""
+    for where, node in recipe_nodes(config):
+        if {"model", "lora"} <= set(type(node).model_fields):
+            yield where, node
 
 
 def recipe_nodes(node: Any, where: str = "") -> Iterator[tuple[str, Any]]:

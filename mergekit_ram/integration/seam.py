@@ -25,7 +25,7 @@ from mergekit_ram.checks import HeaderCache
 from mergekit_ram.errors import InputError, MergeInterrupted, MergekitMovedError, reported
 from mergekit_ram.files import write_atomically
 from mergekit_ram.integration.merge import Plan, check_setting, executor, plan_merge, prepare
-from mergekit_ram.integration.recipes import check_config, check_method_name, recipe_nodes
+from mergekit_ram.integration.recipes import check_config, check_method_name, model_references
 from mergekit_ram.integration.registration import bound, ours
 from mergekit_ram.published import merged_card, report_summary
 from mergekit_ram.stats.data import RamStatistics
@@ -200,9 +200,7 @@ def finish(staged: str, statistics: RamStatistics, card: bool) -> RamStatistics:
 
 def _model_folders(merge_config: Any, options: Any) -> Iterator[InputFolder]:
     """Each model reference's folders and ``--lora-merge-cache``."""
-    for _, reference in recipe_nodes(merge_config):
-        if not {"model", "lora"} <= set(type(reference).model_fields):
-            continue
+    for _, reference in model_references(merge_config):
         for path in (reference.model, reference.lora):
             if path is not None:
                 yield InputFolder(str(reference), _local_folder(path.path, options))
